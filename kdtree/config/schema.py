@@ -1,0 +1,199 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+A YAML file in conf/<group>/ extends the schema of its group, so a wrong type or an unknown key fails at
+compose time. Cross-field rules live in kdtree/config/validate.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class RopeScaling:
+    type: str = "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass
+class DrafterConfig:
+    num_hidden_layers: int = 1
+    num_attention_heads: int = 1
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    intermediate_size: int = 64
+    block_size: int = 8
+    target_layer_ids: List[int] = field(default_factory=list)
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+
+@dataclass
+class ModelConfig:
+    """K2 (DeepseekV3) architecture; field names are HF config.json's."""
+    name: str = MISSING
+    path: str = ""
+    tokenizer: str = "byte"
+    seed: int = 0
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    moe_intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    n_routed_experts: int = MISSING
+    num_experts_per_tok: int = MISSING
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    q_lora_rank: int = MISSING
+    kv_lora_rank: int = MISSING
+    qk_nope_head_dim: int = MISSING
+    qk_rope_head_dim: int = MISSING
+    v_head_dim: int = MISSING
+    max_position_embeddings: int = MISSING
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int = MISSING
+    eos_token_id: int = MISSING
+    mask_token_id: int = MISSING
+    pad_token_id: int = MISSING
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+
+
+@dataclass
+class QuantConfig:
+    method: str = "fp32"  # fp32 | int4_w4a16
+    group_size: int = 32
+    symmetric: bool = True
+    num_bits: int = 4
+    targets: List[str] = field(default_factory=lambda: ["Linear"])
+    ignore: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TPConfig:
+    size: int = 1
+    dist_backend: str = "auto"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+
+
+@dataclass
+class BackendConfig:
+    name: str = "numpy"  # numpy | cpu | cuda
+    library: str = ""
+    device: str = "cpu"
+
+
+@dataclass
+class TreeConfig:
+    kind: str = "ddtree"  # ar | chain | ddtree
+    width: int = 4
+    depth: int = 7
+    budget: int = 32
+
+
+@dataclass
+class HostConfig:
+    name: str = "local"
+    kind: str = "local"  # local | ssh
+    address: str = ""
+    user: str = ""
+    port: int = 22
+    key_file: str = ""
+    known_hosts: str = ""
+    workdir: str = ""
+    python: str = ""
+    supervisor: str = "nohup"  # nohup | systemd
+    connect_timeout_s: float = 10.0
+    command_timeout_s: float = 60.0
+
+
+@dataclass
+class LoadConfig:
+    strategy: str = "eager"  # eager | mmap
+    threads: int = 4
+    throttle_mb_s: float = 0.0  # 0 = no throttle; for tests and demos of slow disks
+    progress: bool = True
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 30001
+    api_key: str = ""
+    model_name: str = ""  # empty = model.name
+    detach: bool = False
+    max_queue: int = 256
+
+
+@dataclass
+class HealthConfig:
+    url: str = ""  # empty = the engine of this run
+    interval_s: float = 1.0
+    stall_window_s: float = 30.0
+    deadline_s: float = 600.0
+    probe_timeout_s: float = 5.0
+    unit: str = ""  # systemd unit for journalctl log silence
+    log: str = ""  # engine log file for log silence
+    pid: int = 0
+
+
+@dataclass
+class GenerateConfig:
+    seed: int = 0
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = MISSING
+    quant: QuantConfig = MISSING
+    tp: TPConfig = MISSING
+    backend: BackendConfig = MISSING
+    tree: TreeConfig = MISSING
+    host: HostConfig = MISSING
+    pipeline: str = "serve"  # pipelines/NAME.yaml, or a path to a pipeline YAML
+    prompt: str = "2+2="
+    max_new_tokens: int = 16
+    cache_dir: str = ""  # empty = $KDTREE_CACHE or ~/.cache/kdtree
+    load: LoadConfig = field(default_factory=LoadConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    extra: Optional[Any] = None
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "quant": QuantConfig,
+    "tp": TPConfig,
+    "backend": BackendConfig,
+    "tree": TreeConfig,
+    "host": HostConfig,
+}
+
+
+def register() -> None:
+    """Register the root schema and one base schema per group (YAML files extend `base_<group>`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="root_schema", node=RootConfig)
+    for group, node in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=node)
