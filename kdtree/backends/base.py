@@ -1,0 +1,49 @@
+"""The Ops interface: every op the K2 target needs, as one backend implements it.
+
+Signatures and numerics are those of docs/engine-contracts.md ("Ops"). The numpy reference
+(kdtree/backends/numpy_ops.py) is the ground truth; native backends are checked against it.
+Every op is batch-invariant: a row's result never depends on how many other rows are in the call.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+
+class Ops(ABC):
+    """One backend's implementation of the model ops (float32 in, float32 out)."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
+        """x f32[T, in], w f32[out, in] ndarray or a quantized weight with .matvec -> f32[T, out]."""
+
+    @abstractmethod
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """x f32[T, D], w f32[D] -> x / sqrt(mean(x^2) + eps) * w, f32[T, D]."""
+
+    @abstractmethod
+    def mla_attention(self, q: np.ndarray, kv: np.ndarray, n_prefix: int, visibility: Optional[np.ndarray],
+                      scale: float, kv_lora: int) -> np.ndarray:
+        """Absorbed MLA over a latent cache.
+
+        q f32[T, H, L+R] (absorbed nope part + roped rope part), kv f32[S, L+R] with S == n_prefix + T
+        (rows [0, n_prefix) the cache, [n_prefix, S) the block). Key n_prefix+k is visible to query t iff
+        bit (k % 64) of visibility[t, k // 64] is set; None = causal. Cache rows are visible to every query.
+        Returns o_lat f32[T, H, L] = softmax(scale * q·kv) @ kv[:, :L].
+        """
+
+    @abstractmethod
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gate, up f32[T, I] -> silu(gate) * up, f32[T, I]."""
+
+    def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int) -> Any:
+        """logp f32[depth, width], ids i32[depth, width] -> Tree (kdtree/decode/tree.py)."""
+        raise NotImplementedError(f"backend {self.name} has no tree_build")
+
+    def tree_accept(self, parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> Tuple[np.ndarray, int]:
+        """parents i32[N], tokens i32[N], target_argmax i32[N+1] -> (path i32[k], bonus)."""
+        raise NotImplementedError(f"backend {self.name} has no tree_accept")

@@ -1,0 +1,246 @@
+"""The K2 target (DeepSeek-V3 architecture) over an Ops backend: MLA in absorbed form, sigmoid MoE, YaRN.
+
+embed -> layers (h = x + attn(norm(x)); out = h + mlp(norm(h)); dense MLP before first_k_dense_replace,
+MoE after) -> model.norm -> lm_head. Attention runs over a latent cache of kv_lora + rope floats per token
+per layer (`LatentCache`), so a verify block (tree or chain) and an AR step share the same cache rows.
+Every per-row computation is the same whatever the number of rows, so a tree node whose ancestors equal
+the AR context gets bit-identical logits (see docs/engine-contracts.md, "Batch invariance").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from kdtree.backends.base import Ops
+from kdtree.checkpoint.names import is_moe_layer
+from kdtree.errors import CheckpointError, ConfigError
+from kdtree.model.rope import RotaryTable, apply_rope, softmax_scale
+
+
+class LatentCache:
+    """Per layer f32[max_len, kv_lora + rope] rows [c, k_pe]; rows [0, length) are the committed context."""
+
+    def __init__(self, n_layers: int, max_len: int, width: int):
+        self.kv: List[np.ndarray] = [np.zeros((max_len, width), np.float32) for _ in range(n_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def truncate(self, n: int) -> None:
+        """Drop rows [n, length) (a rejected verify block)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate({n}) outside [0, {self.length}]")
+        self.length = n
+
+    def keep(self, start: int, rows: Iterable[int]) -> None:
+        """Keep block rows `rows` (absolute, ascending, >= start) moved contiguously to start..; drop the rest."""
+        rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
+        if rows.size and (rows[0] < start or rows[-1] >= self.length or np.any(np.diff(rows) <= 0)):
+            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within [{start}, {self.length})")
+        n = rows.size
+        for kv in self.kv:
+            kv[start:start + n] = kv[rows]  # fancy indexing copies first, so overlapping moves are safe
+        self.length = start + n
+
+
+class _Attn:
+    """One layer's MLA weights, with kv_b_proj split per head once (W_uk, W_uv) for the absorbed form."""
+
+    def __init__(self, w: Callable[[str], Any], p: str, cfg):
+        nope, rope, v, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_a = w(f"{p}.q_a_proj.weight")
+        self.q_a_norm = w(f"{p}.q_a_layernorm.weight")
+        self.q_b = w(f"{p}.q_b_proj.weight")
+        self.kv_a = w(f"{p}.kv_a_proj_with_mqa.weight")
+        self.kv_a_norm = w(f"{p}.kv_a_layernorm.weight")
+        self.o = w(f"{p}.o_proj.weight")
+        self.heads = self.q_b.shape[0] // (nope + rope)  # local heads (tensor parallel shards split heads)
+        kv_b = _dense(w(f"{p}.kv_b_proj.weight"), f"{p}.kv_b_proj.weight").reshape(self.heads, nope + v, L)
+        self.w_uk = np.ascontiguousarray(kv_b[:, :nope, :])   # [H, nope, L]
+        self.w_uv = np.ascontiguousarray(kv_b[:, nope:, :])   # [H, v, L]
+
+
+class _Mlp:
+    """gate/up/down of a dense MLP, a routed expert or the shared expert."""
+
+    def __init__(self, w: Callable[[str], Any], p: str):
+        self.gate = w(f"{p}.gate_proj.weight")
+        self.up = w(f"{p}.up_proj.weight")
+        self.down = w(f"{p}.down_proj.weight")
+
+
+class _Moe:
+    def __init__(self, w: Callable[[str], Any], p: str, cfg):
+        self.gate = _dense(w(f"{p}.gate.weight"), f"{p}.gate.weight").astype(np.float32)   # [E, D]
+        self.bias = np.asarray(w(f"{p}.gate.e_score_correction_bias"), np.float32)          # [E]
+        self.experts = [_Mlp(w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
+        self.shared = _Mlp(w, f"{p}.shared_experts") if cfg.n_shared_experts else None
+
+
+def _dense(w: Any, name: str) -> np.ndarray:
+    if isinstance(w, np.ndarray):
+        return w
+    if hasattr(w, "dequantize"):
+        return np.asarray(w.dequantize(), np.float32)
+    raise CheckpointError(f"{name}: expected a float32 array, got {type(w).__name__}; "
+                          f"keep this module unquantized (add it to quant.ignore)")
+
+
+def route(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Sigmoid noaux_tc routing of one token.
+
+    scores f32[E] (sigmoid of the gate logits), bias f32[E] -> (experts i64[k] in descending choice
+    order, weights f32[k]). Selection uses scores + bias (group-limited when n_group > 1; ties -> lower
+    index); the weights are the unbiased scores of the selected experts, normalised, times
+    routed_scaling_factor.
+    """
+    choice = scores + bias                                               # [E]
+    k = cfg.num_experts_per_tok
+    if cfg.n_group > 1:
+        groups = choice.reshape(cfg.n_group, -1)                         # [G, E/G]
+        group_scores = -np.sort(-groups, axis=1, kind="stable")[:, :2].sum(axis=1)
+        top_groups = np.argsort(-group_scores, kind="stable")[:cfg.topk_group]
+        group_mask = np.zeros(cfg.n_group, bool)
+        group_mask[top_groups] = True
+        choice = np.where(np.repeat(group_mask, groups.shape[1]), choice, np.float32(0.0))  # as HF: masked -> 0.0
+    experts = np.argsort(-choice, kind="stable")[:k]
+    weights = scores[experts]
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum() + np.float32(1e-20))
+    weights = (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
+    return experts, weights
+
+
+class K2Model:
+    """K2 target. weights: tensor name -> f32 ndarray or a quantized weight (Int4Weight) for Linear weights."""
+
+    def __init__(self, cfg, weights: Mapping[str, Any], ops: Ops,
+                 all_reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None):
+        self.cfg, self.ops = cfg, ops
+        self.all_reduce = all_reduce  # tensor parallel: sum of the row-parallel partial outputs (None = tp 1)
+
+        def w(name: str) -> Any:
+            if name not in weights:
+                raise CheckpointError(f"tensor {name} is missing from the weights of model={cfg.name}; "
+                                      f"regenerate or re-download the checkpoint")
+            return weights[name]
+
+        self.eps = float(cfg.rms_norm_eps)
+        self.kv_lora, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.nope = cfg.qk_nope_head_dim
+        self.embed_tokens = np.asarray(w("model.embed_tokens.weight"), np.float32)      # [V, D]
+        self.norm_w = w("model.norm.weight")
+        if "lm_head.weight" in weights or not cfg.tie_word_embeddings:
+            self.lm_head_w = w("lm_head.weight")
+        else:
+            self.lm_head_w = self.embed_tokens
+        self.layers: List[Dict[str, Any]] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            moe = is_moe_layer(cfg, i)
+            self.layers.append({
+                "in_norm": w(f"{p}.input_layernorm.weight"),
+                "post_norm": w(f"{p}.post_attention_layernorm.weight"),
+                "attn": _Attn(w, f"{p}.self_attn", cfg),
+                "moe": _Moe(w, f"{p}.mlp", cfg) if moe else None,
+                "mlp": None if moe else _Mlp(w, f"{p}.mlp"),
+            })
+        self.rotary = RotaryTable(cfg)
+        self.scale = softmax_scale(cfg)
+
+    # -- pieces shared with the DFlash drafter ------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """tokens i32[T] -> f32[T, D]."""
+        return self.embed_tokens[np.asarray(tokens, np.int64)]
+
+    def final_norm(self, h: np.ndarray) -> np.ndarray:
+        return self.ops.rms_norm(h, self.norm_w, self.eps)
+
+    def lm_head(self, h: np.ndarray) -> np.ndarray:
+        """h f32[T, D] (already normed) -> logits f32[T, V]."""
+        return self.ops.linear(h, self.lm_head_w)
+
+    def logits(self, h: np.ndarray) -> np.ndarray:
+        """Residual stream f32[T, D] -> logits f32[T, V] (final norm, then lm_head)."""
+        return self.lm_head(self.final_norm(h))
+
+    def new_cache(self, max_len: int) -> LatentCache:
+        if max_len > self.cfg.max_position_embeddings:
+            raise ConfigError(f"context of {max_len} tokens exceeds max_position_embeddings="
+                              f"{self.cfg.max_position_embeddings} of model={self.cfg.name}; "
+                              f"shorten the prompt or lower max_new_tokens")
+        return LatentCache(self.cfg.num_hidden_layers, max_len, self.kv_lora + self.rope_dim)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: LatentCache,
+                visibility: Optional[np.ndarray] = None, hidden_layers: Iterable[int] = ()
+                ) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
+        """Run T tokens after the cache's rows; append their latent rows to the cache.
+
+        tokens i32[T], positions i32[T], visibility u64[T, ceil(T/64)] over the block (None = causal).
+        Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
+        """
+        tokens = np.asarray(tokens, np.int64)
+        positions = np.asarray(positions, np.int64)
+        T = tokens.shape[0]
+        if positions.shape != (T,):
+            raise ValueError(f"positions shape {positions.shape} != tokens shape ({T},)")
+        if cache.length + T > cache.max_len:
+            raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
+                              f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
+        if visibility is not None and np.shape(visibility) != (T, (T + 63) // 64):
+            raise ValueError(f"visibility shape {np.shape(visibility)} != ({T}, {(T + 63) // 64})")
+        want = set(hidden_layers)
+        cos, sin = self.rotary.cos_sin(positions)                           # [T, R/2]
+        n_prefix = cache.length
+        h = self.embed(tokens)                                              # [T, D]
+        hiddens: Dict[int, np.ndarray] = {}
+        for i, layer in enumerate(self.layers):
+            x = self.ops.rms_norm(h, layer["in_norm"], self.eps)
+            h = h + self._attention(layer["attn"], x, cos, sin, cache.kv[i], n_prefix, visibility)
+            x = self.ops.rms_norm(h, layer["post_norm"], self.eps)
+            m = self._moe(layer["moe"], x) if layer["moe"] is not None else self._mlp(layer["mlp"], x)
+            h = h + (self.all_reduce(m) if self.all_reduce else m)
+            if i in want:
+                hiddens[i] = h.copy()
+        cache.length = n_prefix + T
+        return self.logits(h), hiddens
+
+    def _attention(self, a: _Attn, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
+                   n_prefix: int, visibility: Optional[np.ndarray]) -> np.ndarray:
+        ops, L, nope, T = self.ops, self.kv_lora, self.nope, x.shape[0]
+        q = ops.linear(ops.rms_norm(ops.linear(x, a.q_a), a.q_a_norm, self.eps), a.q_b)
+        q = q.reshape(T, a.heads, nope + self.rope_dim)                     # q: [T, H, nope+R]
+        kv_a = ops.linear(x, a.kv_a)                                        # kv_a: [T, L+R]
+        kv[n_prefix:n_prefix + T, :L] = ops.rms_norm(kv_a[:, :L], a.kv_a_norm, self.eps)
+        kv[n_prefix:n_prefix + T, L:] = apply_rope(kv_a[:, L:], cos, sin)   # k_pe shared by all heads
+        q_full = np.empty((T, a.heads, L + self.rope_dim), np.float32)      # q_full: [T, H, L+R]
+        q_full[:, :, L:] = apply_rope(q[:, :, nope:], cos, sin)
+        for t in range(T):
+            q_full[t, :, :L] = np.matmul(q[t, :, None, :nope], a.w_uk)[:, 0]    # W_uk[h]^T q_nope[h]: [H, L]
+        o_lat = ops.mla_attention(q_full, kv[:n_prefix + T], n_prefix, visibility, self.scale, L)  # [T, H, L]
+        o = np.empty((T, a.heads * a.w_uv.shape[1]), np.float32)
+        for t in range(T):
+            o[t] = np.matmul(a.w_uv, o_lat[t, :, :, None]).reshape(-1)      # W_uv[h] o_lat[h]: [H*v]
+        out = ops.linear(o, a.o)                                            # [T, D]
+        return self.all_reduce(out) if self.all_reduce else out
+
+    def _mlp(self, m: _Mlp, x: np.ndarray) -> np.ndarray:
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, m.gate), ops.linear(x, m.up)), m.down)
+
+    def _moe(self, moe: _Moe, x: np.ndarray) -> np.ndarray:
+        out = np.empty(x.shape, np.float32)
+        one = np.float32(1.0)
+        for t in range(x.shape[0]):
+            xt = x[t:t + 1]                                                 # [1, D]
+            logits = self.ops.linear(xt, moe.gate)[0]                       # [E]
+            scores = one / (one + np.exp(-logits))
+            experts, weights = route(self.cfg, scores, moe.bias)
+            acc = np.zeros(x.shape[1], np.float32)
+            for e, wk in zip(experts, weights):                             # descending choice order
+                acc = acc + wk * self._mlp(moe.experts[e], xt)[0]
+            if moe.shared is not None:
+                acc = acc + self._mlp(moe.shared, xt)[0]
+            out[t] = acc
+        return out
