@@ -1,0 +1,193 @@
+"""DFlash block drafter: predicts the next B-1 tokens after the bonus token in one forward.
+
+Layout (names in kdtree/checkpoint/names.drafter_tensor_shapes): context features
+`hidden_norm(fc(concat(target hiddens of target_layer_ids)))` for every committed position; the block is
+the target's embedding of [bonus, MASK x (B-1)]; each layer is a pre-norm Qwen3-style GQA attention
+(q/k RMSNorm per head, rotate_half RoPE at absolute positions) whose queries are the block rows and whose
+keys/values are context + block, NON-causal, then a SwiGLU MLP. Final norm and the TARGET's lm_head give
+logits for block rows 1..B-1. The drafter never touches correctness (the target verifies every token);
+it only decides how many tokens a round commits.
+
+Per generation the state lives in a `DrafterCache` (roped k and v of the context per layer, appended
+as tokens commit), so a round costs one block forward plus the new context rows, not the whole context.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping, Sequence
+
+import numpy as np
+
+from kdtree.checkpoint.names import drafter_tensor_shapes
+from kdtree.errors import CheckpointError, ConfigError
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float):
+    """Standard (rotate_half) RoPE tables: positions i[T] -> cos, sin f32[T, head_dim]."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))   # [hd/2]
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]                 # [T, hd/2]
+    ang = np.concatenate([ang, ang], axis=-1)                                            # [T, hd]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x f32[T, H, hd] rotated by rotate_half: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class DrafterCache:
+    """Roped keys and values of the drafter's context, per layer: k, v f32[max_len, Hkv, hd]."""
+
+    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int):
+        self.k = [np.zeros((max_len, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self.v = [np.zeros((max_len, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, int(n))
+
+
+class DFlashDrafter:
+    """DFlash drafter over a target's embeddings and lm_head.
+
+    drafter = DFlashDrafter(cfg, weights, ops, embed, lm_head)
+    cache = drafter.new_cache(max_len)
+    drafter.extend(cache, hiddens)          # hiddens {layer_id: f32[T, D]} of the next T committed tokens
+    logits = drafter.draft(cache, bonus)    # f32[B-1, V]: predictions of the B-1 tokens after `bonus`
+    """
+
+    def __init__(self, cfg, weights: Mapping[str, Any], ops, embed: np.ndarray, lm_head: Any):
+        self.cfg = cfg
+        d = cfg.drafter
+        self.ops = ops
+        self.block_size = int(d.block_size)
+        self.target_layer_ids = [int(i) for i in d.target_layer_ids]
+        self.num_layers = int(d.num_hidden_layers)
+        self.hq, self.hkv, self.hd = int(d.num_attention_heads), int(d.num_key_value_heads), int(d.head_dim)
+        self.eps = float(d.rms_norm_eps)
+        self.theta = float(d.rope_theta)
+        self.mask_token_id = int(cfg.mask_token_id)
+        if self.block_size < 2:
+            raise ConfigError(f"model.drafter.block_size={self.block_size} (model={cfg.name}) leaves no token to draft; use >= 2")
+        if self.hq % self.hkv:
+            raise ConfigError(f"model.drafter.num_key_value_heads={self.hkv} does not divide "
+                              f"num_attention_heads={self.hq} (model={cfg.name}); pick a divisor")
+        if not self.target_layer_ids:
+            raise ConfigError(f"model.drafter.target_layer_ids is empty (model={cfg.name}); list target layers, e.g. [1, 3]")
+        for i in self.target_layer_ids:
+            if not 0 <= i < int(cfg.num_hidden_layers):
+                raise ConfigError(f"model.drafter.target_layer_ids has {i}, outside 0..{int(cfg.num_hidden_layers) - 1} "
+                                  f"(model={cfg.name}); use target layer indices")
+        check_drafter_weights(cfg, weights, source="drafter weights")
+        self.w = dict(weights)
+        self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
+        self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
+
+    # ---- construction -------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, cfg, ops, embed: np.ndarray, lm_head: Any) -> "DFlashDrafter":
+        """Load `path` = a drafter dir (its *.safetensors files) or one .safetensors file."""
+        from safetensors.numpy import load_file
+
+        p = Path(path)
+        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+        if not files or not all(f.is_file() for f in files):
+            raise CheckpointError(f"drafter checkpoint {p} has no .safetensors file; "
+                                  f"write <checkpoint>/drafter/model.safetensors")
+        weights: Dict[str, np.ndarray] = {}
+        for f in files:
+            for name, t in load_file(str(f)).items():
+                weights[name] = np.ascontiguousarray(t, dtype=np.float32)
+        check_drafter_weights(cfg, weights, source=str(p))
+        return cls(cfg, weights, ops, embed, lm_head)
+
+    @classmethod
+    def from_target(cls, model, weights: Mapping[str, Any]) -> "DFlashDrafter":
+        """Drafter sharing `model`'s (a K2Model) embeddings, lm_head and ops."""
+        return cls(model.cfg, weights, model.ops, model.weights["model.embed_tokens.weight"],
+                   model.weights["lm_head.weight"])
+
+    def new_cache(self, max_len: int) -> DrafterCache:
+        return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def _kv(self, i: int, x: np.ndarray, positions: np.ndarray):
+        """x f32[T, D] -> roped k, v f32[T, Hkv, hd] of layer i."""
+        a = f"layers.{i}.self_attn"
+        T = x.shape[0]
+        k = self.ops.linear(x, self.w[f"{a}.k_proj.weight"]).reshape(T, self.hkv, self.hd)
+        v = self.ops.linear(x, self.w[f"{a}.v_proj.weight"]).reshape(T, self.hkv, self.hd)
+        k = self.ops.rms_norm(k.reshape(T * self.hkv, self.hd), self.w[f"{a}.k_norm.weight"], self.eps)
+        cos, sin = rope_cos_sin(positions, self.hd, self.theta)
+        k = apply_rope_half(k.reshape(T, self.hkv, self.hd), cos, sin)
+        return k.astype(np.float32), v.astype(np.float32)
+
+    def extend(self, cache: DrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
+        """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
+        feats = np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids], axis=-1)
+        T = feats.shape[0]
+        if T == 0:
+            return
+        n = cache.length
+        if n + T > cache.max_len:
+            raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
+                              f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
+        ctx = self.ops.rms_norm(self.ops.linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
+        pos = np.arange(n, n + T)
+        for i in range(self.num_layers):
+            k, v = self._kv(i, ctx, pos)
+            cache.k[i][n:n + T] = k
+            cache.v[i][n:n + T] = v
+        cache.length = n + T
+
+    def draft(self, cache: DrafterCache, bonus: int) -> np.ndarray:
+        """One block forward after the cached context -> logits f32[B-1, V] of the tokens after `bonus`."""
+        B, n = self.block_size, cache.length
+        ids = np.full(B, self.mask_token_id, np.int64)
+        ids[0] = int(bonus)
+        x = np.asarray(self.embed[ids], np.float32)                         # [B, D]
+        pos = np.arange(n, n + B)
+        cos, sin = rope_cos_sin(pos, self.hd, self.theta)
+        group = self.hq // self.hkv
+        scale = self.hd ** -0.5
+        for i in range(self.num_layers):
+            p, a = f"layers.{i}", f"layers.{i}.self_attn"
+            h = self.ops.rms_norm(x, self.w[f"{p}.input_layernorm.weight"], self.eps)
+            q = self.ops.linear(h, self.w[f"{a}.q_proj.weight"])            # [B, Hq*hd]
+            q = self.ops.rms_norm(q.reshape(B * self.hq, self.hd), self.w[f"{a}.q_norm.weight"], self.eps)
+            q = apply_rope_half(q.reshape(B, self.hq, self.hd), cos, sin)   # [B, Hq, hd]
+            kb, vb = self._kv(i, h, pos)                                    # [B, Hkv, hd]
+            k = np.concatenate([cache.k[i][:n], kb], axis=0)                # [n+B, Hkv, hd]
+            v = np.concatenate([cache.v[i][:n], vb], axis=0)
+            k = np.repeat(k, group, axis=1)                                 # [n+B, Hq, hd] (q head j -> kv head j // group)
+            v = np.repeat(v, group, axis=1)
+            s = np.einsum("thd,shd->hts", q, k) * scale                     # [Hq, B, n+B], non-causal
+            s = s - s.max(axis=-1, keepdims=True)
+            pr = np.exp(s)
+            pr /= pr.sum(axis=-1, keepdims=True)
+            o = np.einsum("hts,shd->thd", pr, v).reshape(B, self.hq * self.hd).astype(np.float32)
+            x = x + self.ops.linear(o, self.w[f"{a}.o_proj.weight"])
+            h = self.ops.rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
+            g = self.ops.linear(h, self.w[f"{p}.mlp.gate_proj.weight"])
+            u = self.ops.linear(h, self.w[f"{p}.mlp.up_proj.weight"])
+            x = x + self.ops.linear(self.ops.silu_mul(g, u), self.w[f"{p}.mlp.down_proj.weight"])
+        h = self.ops.rms_norm(x[1:], self.w["norm.weight"], self.eps)       # [B-1, D]
+        return self.ops.linear(h, self.lm_head)                             # [B-1, V]
+
+
+def check_drafter_weights(cfg, weights: Mapping[str, Any], source: str) -> None:
+    """Every tensor of names.drafter_tensor_shapes present with its shape, else one-line CheckpointError."""
+    for name, shape in drafter_tensor_shapes(cfg).items():
+        if name not in weights:
+            raise CheckpointError(f"{source} lacks tensor {name} (expected shape {list(shape)} for model={cfg.name}); "
+                                  f"re-export the DFlash drafter with its names")
+        got = tuple(getattr(weights[name], "shape", ()))
+        if got != tuple(shape):
+            raise CheckpointError(f"{source} tensor {name} has shape {list(got)}, expected {list(shape)} "
+                                  f"for model={cfg.name}; use the drafter trained for this target")
+
+
+__all__: Sequence[str] = ("DFlashDrafter", "DrafterCache", "check_drafter_weights", "rope_cos_sin", "apply_rope_half")
