@@ -1,0 +1,163 @@
+"""Cross-field checks of a composed config, run before any work.
+
+Each failure is one ConfigError line naming the key, the value and what would be valid, e.g.
+`tp=8 does not divide num_attention_heads=4 (model=tiny); use tp=1, 2 or 4`.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterable, List, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from kdtree.errors import ConfigError
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+PIPELINES_DIR = REPO_DIR / "pipelines"
+# Stages that need the model's weights (and so a checkpoint and a working backend).
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+TREE_KINDS = ("ar", "chain", "ddtree")
+BACKENDS = ("numpy", "cpu", "cuda")
+QUANT_METHODS = ("fp32", "int4_w4a16")
+
+
+def check_group_overrides(argv: Sequence[str], conf_dir: Path, groups: Iterable[str]) -> None:
+    """`model=nope` -> one line listing the valid choices, before Hydra prints its multi-line error."""
+    groups = set(groups)
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key not in groups:
+            continue
+        choices = sorted(p.stem for p in (conf_dir / key).glob("*.yaml"))
+        for choice in value.split(","):  # multirun lists: tree=ar,ddtree
+            if choice and choice not in choices:
+                raise ConfigError(f"{key}={choice} is not a known {key} config; valid: {', '.join(choices)}"
+                                  f" (files in {conf_dir / key})")
+
+
+def pipeline_path(name: str) -> Path:
+    """`pipeline=NAME` -> pipelines/NAME.yaml; a path to a user's YAML works too."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or "/" in name:
+        return p
+    return PIPELINES_DIR / f"{name}.yaml"
+
+
+def pipeline_stage_names(name: str) -> List[str]:
+    path = pipeline_path(name)
+    if not path.is_file():
+        known = sorted(p.stem for p in PIPELINES_DIR.glob("*.yaml"))
+        raise ConfigError(f"pipeline={name}: no such pipeline ({path}); known: {', '.join(known)}")
+    spec = yaml.safe_load(path.read_text()) or {}
+    return [str(s.get("stage")) for s in spec.get("stages", []) if isinstance(s, dict)]
+
+
+def _divisors_of_all(n_max: int, values: Sequence[int]) -> List[int]:
+    return [t for t in range(1, n_max + 1) if all(v % t == 0 for v in values)]
+
+
+def validate_tp(cfg: DictConfig) -> None:
+    m, tp, q = cfg.model, int(cfg.tp.size), cfg.quant
+    if tp < 1:
+        raise ConfigError(f"tp.size={tp} must be >= 1; use tp=1, 2, 4 or 8")
+    dims = {"num_attention_heads": m.num_attention_heads, "moe_intermediate_size": m.moe_intermediate_size,
+            "intermediate_size": m.intermediate_size}
+    for key, value in dims.items():
+        if value % tp:
+            ok = _divisors_of_all(16, list(dims.values()))
+            raise ConfigError(f"tp={tp} does not divide {key}={value} (model={m.name}); "
+                              f"use tp={', '.join(map(str, ok))}")
+    if q.method == "int4_w4a16":
+        # row-parallel down_proj of the routed experts is split on its input dim: each rank needs whole groups
+        per_rank = m.moe_intermediate_size // tp
+        if per_rank % q.group_size:
+            raise ConfigError(f"tp={tp} splits moe_intermediate_size={m.moe_intermediate_size} into {per_rank} per rank, "
+                              f"not a multiple of quant.group_size={q.group_size}; use a smaller tp or group_size")
+
+
+def validate_tree(cfg: DictConfig) -> None:
+    t, block = cfg.tree, int(cfg.model.drafter.block_size)
+    if t.kind not in TREE_KINDS:
+        raise ConfigError(f"tree.kind={t.kind} is unknown; use one of {', '.join(TREE_KINDS)}")
+    if t.kind == "ar":
+        return
+    if not 1 <= t.depth <= block - 1:
+        raise ConfigError(f"tree.depth={t.depth} is out of range for tree={t.kind}; use 1..{block - 1} "
+                          f"(model.drafter.block_size={block} minus 1)")
+    if t.width < 1:
+        raise ConfigError(f"tree.width={t.width} must be >= 1 (top-k tokens per depth)")
+    if t.budget < 1:
+        raise ConfigError(f"tree.budget={t.budget} must be >= 1 (nodes per verify); use tree=ar for no drafting")
+    if t.kind == "chain" and t.width != 1:
+        raise ConfigError(f"tree.width={t.width} with tree=chain; a chain has width 1 (use tree=ddtree for wider trees)")
+
+
+def cuda_device_problem() -> str:
+    """'' when a CUDA device is usable, else the reason (never raises)."""
+    try:
+        from kdtree.backends.native import cuda_device_count  # the native library's own answer
+        answer = cuda_device_count()  # int, or (count, reason)
+        n, reason = answer if isinstance(answer, tuple) else (answer, "")
+        return "" if n > 0 else (reason or "no CUDA device")
+    except ImportError:
+        pass
+    except Exception as e:  # a broken library is a reason, not a crash
+        return f"{type(e).__name__}: {e}"
+    if shutil.which("nvidia-smi") is None:
+        return "no CUDA device (nvidia-smi not found)"
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    return "" if r.returncode == 0 and "GPU" in r.stdout else "no CUDA device (nvidia-smi lists none)"
+
+
+def validate_backend(cfg: DictConfig) -> None:
+    b = cfg.backend
+    if b.name == "cuda":
+        problem = cuda_device_problem()
+        if problem:
+            raise ConfigError(f"backend=cuda needs a CUDA device: {problem}; use backend=cpu or backend=numpy here")
+
+
+def validate_checkpoint_path(cfg: DictConfig) -> None:
+    m = cfg.model
+    if OmegaConf.is_missing(m, "path"):
+        raise ConfigError(f"model.path is required for model={m.name}; set model.path=/path/to/checkpoint "
+                          f"(a directory with config.json and model.safetensors.index.json)")
+    if not m.path:
+        if m.name != "tiny":
+            raise ConfigError(f"model.path is empty for model={m.name}; only model=tiny has an embedded checkpoint")
+        return
+    p = Path(m.path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"model.path={m.path} does not exist; point it at a checkpoint directory "
+                          f"(config.json + model.safetensors.index.json) or leave it empty for the embedded tiny model")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model.path={m.path} has no config.json; it must be a HF checkpoint directory")
+
+
+def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
+    """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
+    if cfg.quant.method not in QUANT_METHODS:
+        raise ConfigError(f"quant.method={cfg.quant.method} is unknown; use quant=fp32 or quant=int4_w4a16")
+    if cfg.quant.group_size <= 0 or cfg.quant.group_size % 8:
+        raise ConfigError(f"quant.group_size={cfg.quant.group_size} must be a positive multiple of 8 (32 for K2)")
+    if cfg.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens} must be >= 1")
+    if cfg.host.kind not in ("local", "ssh"):
+        raise ConfigError(f"host.kind={cfg.host.kind} is unknown; use local or ssh")
+    if cfg.host.supervisor not in ("nohup", "systemd"):
+        raise ConfigError(f"host.supervisor={cfg.host.supervisor} is unknown; use nohup or systemd")
+    if cfg.backend.name not in BACKENDS:
+        raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
+    validate_tp(cfg)
+    validate_tree(cfg)
+    if stages is None:
+        stages = pipeline_stage_names(cfg.pipeline)
+    if MODEL_STAGES.intersection(stages):
+        validate_backend(cfg)
+        validate_checkpoint_path(cfg)

@@ -1,0 +1,70 @@
+"""kdtree's entry point: compose the config (Hydra) -> validate it -> run the pipeline.
+
+    python -m kdtree.run                                        # default pipeline (serve) on the embedded tiny model
+    python -m kdtree.run pipeline=generate prompt='2+2=' max_new_tokens=16
+    python -m kdtree.run --cfg job model=k26 tp=8 backend=cuda  # show the composed config
+    python -m kdtree.run -m pipeline=bench tree.width=1,2,4     # sweep (Hydra multirun)
+
+Data flow in three hops: conf/ + kdtree/config (what to run) -> kdtree/pipeline (in which order, where)
+-> kdtree/stages/<name>.py (the work).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from kdtree.config.schema import GROUPS, register
+from kdtree.config.validate import check_group_overrides, validate
+from kdtree.errors import KdtreeError
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    print(f"kdtree: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        validate(cfg)
+        from kdtree.pipeline.runner import run_pipeline
+
+        code = run_pipeline(cfg, run_dir)
+    except KdtreeError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    if code:
+        sys.exit(code)
+
+
+def quote_numeric_choices(argv):
+    """`tp=8` -> `tp='8'`: Hydra parses 8 as an int, but config group choices must be strings."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") in GROUPS and value and all(v.isdigit() for v in value.split(",")):
+            value = ",".join(f"'{v}'" for v in value.split(","))
+        out.append(f"{key}{sep}{value}" if sep else arg)
+    return out
+
+
+def main() -> None:
+    register()
+    try:
+        check_group_overrides(sys.argv[1:], CONF_DIR, GROUPS)
+    except KdtreeError as e:
+        _fail(str(e))
+    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    _main()
+
+
+if __name__ == "__main__":
+    main()
