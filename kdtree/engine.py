@@ -1,0 +1,101 @@
+"""The engine: one loaded target (+ drafter) + tokenizer + decoder, assembled from the composed config.
+
+    engine = Engine.from_config(cfg, status=status_file)   # resolve/generate the checkpoint, load, build
+    result = engine.generate(engine.tokenizer.encode("2+2="), max_new_tokens=16)
+    text = engine.tokenizer.decode(result.tokens)
+
+Stages (load, generate, warmup, serve, bench) share one Engine through ctx.state["model_engine"].
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from kdtree.decode.result import GenerationResult
+from kdtree.errors import ConfigError
+
+
+def cache_dir(cfg) -> Path:
+    """Where generated checkpoints and cold-start history live: cache_dir, $KDTREE_CACHE or ~/.cache/kdtree."""
+    d = cfg.get("cache_dir", "") or os.environ.get("KDTREE_CACHE", "") or "~/.cache/kdtree"
+    return Path(d).expanduser()
+
+
+def resolve_checkpoint(cfg) -> Path:
+    """model.path, or the embedded tiny checkpoint (generated deterministically on first use)."""
+    if cfg.model.path:
+        return Path(cfg.model.path).expanduser()
+    if cfg.model.name != "tiny":
+        raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/checkpoint")
+    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+
+    return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
+
+
+@dataclass
+class LoadReport:
+    checkpoint: str
+    bytes_read: int
+    seconds: float
+    mb_s: float
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, cfg, tokenizer, model, drafter, checkpoint: Path, load_report: LoadReport):
+        self.cfg, self.tokenizer, self.model, self.drafter = cfg, tokenizer, model, drafter
+        self.checkpoint, self.load_report = checkpoint, load_report
+        self.eos_id = int(cfg.model.eos_token_id)
+        self.max_context = int(cfg.model.max_position_embeddings)
+        self.model_name = cfg.serve.get("model_name", "") or cfg.model.name
+
+    @classmethod
+    def from_config(cls, cfg, status: Any = None,
+                    progress: Optional[Callable[[int, int, int, int], None]] = None) -> "Engine":
+        from kdtree.backends import get_ops
+        from kdtree.checkpoint.loader import load_checkpoint, load_drafter
+        from kdtree.model.drafter import DFlashDrafter
+        from kdtree.model.k2 import K2Model
+        from kdtree.tokenizer import load_tokenizer
+
+        t0 = time.perf_counter()
+        if status is not None:
+            status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
+        ckpt = resolve_checkpoint(cfg)
+        ops = get_ops(cfg.backend)
+        weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
+                                         threads=cfg.load.threads, strategy=cfg.load.strategy,
+                                         throttle_mb_s=cfg.load.throttle_mb_s)
+        model = K2Model(cfg.model, weights, ops)
+        drafter = None
+        if cfg.tree.kind != "ar":
+            dweights = load_drafter(ckpt, cfg.model)
+            drafter = DFlashDrafter.from_target(model, dweights)
+        tokenizer = load_tokenizer(cfg.model, ckpt)
+        seconds = time.perf_counter() - t0
+        report = LoadReport(str(ckpt), int(stats.bytes_read), seconds,
+                            stats.bytes_read / 1e6 / max(seconds, 1e-9))
+        return cls(cfg, tokenizer, model, drafter, ckpt, report)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                 stop_ids: Sequence[int] = ()) -> GenerationResult:
+        """Greedy generation with the configured tree (ar | chain | ddtree); output is identical for all."""
+        from kdtree.decode import generate
+
+        if not prompt_ids:
+            raise ConfigError("prompt is empty; give at least one token")
+        budget = int(self.cfg.tree.budget) + 1 if self.drafter is not None else 0
+        if len(prompt_ids) + max_new_tokens + budget > self.max_context:
+            raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                              f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
+        return generate(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens),
+                        eos_id=self.eos_id, stop_ids=tuple(stop_ids))
+
+    def complete(self, prompt: str, max_new_tokens: int) -> tuple:
+        """Text in, (text out, GenerationResult)."""
+        ids = self.tokenizer.encode(prompt)
+        result = self.generate(ids, max_new_tokens)
+        return self.tokenizer.decode(result.tokens), result

@@ -1,0 +1,42 @@
+"""load: read the checkpoint into the engine process, with progress (bytes, MB/s, shards, ETA)
+on the terminal and in the engine status from the first byte."""
+from __future__ import annotations
+
+import time
+
+from kdtree.engine import Engine
+
+SIDE = "host"
+PARAMS = {}
+
+
+def progress_sink(ctx):
+    """progress(bytes_done, bytes_total, shards_done, shards_total) -> status.json + a terminal line."""
+    reporter = None
+    if ctx.cfg.load.progress:
+        from kdtree.checkpoint.progress import ProgressReporter
+
+        reporter = ProgressReporter(label="load")
+    t0 = time.monotonic()
+
+    def progress(bytes_done: int, bytes_total: int, shards_done: int, shards_total: int) -> None:
+        elapsed = max(time.monotonic() - t0, 1e-6)
+        rate = bytes_done / elapsed                                   # bytes/s
+        eta = (bytes_total - bytes_done) / rate if rate > 0 else None
+        if ctx.status is not None:
+            ctx.status.update(phase="loading", bytes_done=bytes_done, bytes_total=bytes_total,
+                              shards_done=shards_done, shards_total=shards_total,
+                              rate_mb_s=round(rate / 1e6, 2), eta_s=None if eta is None else round(eta, 1))
+        if reporter is not None:
+            reporter(bytes_done, bytes_total, shards_done, shards_total)
+
+    return progress
+
+
+def run(ctx) -> dict:
+    engine = Engine.from_config(ctx.cfg, status=ctx.status, progress=progress_sink(ctx))
+    ctx.state["model_engine"] = engine
+    r = engine.load_report
+    ctx.emit("loaded", checkpoint=r.checkpoint, bytes=r.bytes_read, seconds=round(r.seconds, 3),
+             mb_s=round(r.mb_s, 1))
+    return {"checkpoint": r.checkpoint, "bytes": r.bytes_read, "seconds": r.seconds, "mb_s": r.mb_s}
