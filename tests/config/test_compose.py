@@ -1,0 +1,130 @@
+"""Config composition: every group combination composes against the typed schemas, and bad overrides
+fail before any work with one line naming the key and what is valid."""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from kdtree.config.schema import register
+from kdtree.config.validate import validate
+from kdtree.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
+register()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _choices(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("model,quant,tp,backend,tree", list(itertools.product(
+    _choices("model"), _choices("quant"), ["'1'", "'8'"], _choices("backend"), _choices("tree"))))
+def test_every_combination_composes(model, quant, tp, backend, tree):
+    cfg = _compose(f"model={model}", f"quant={quant}", f"tp={tp}", f"backend={backend}", f"tree={tree}")
+    assert cfg.model.name == model and cfg.quant.method == quant and cfg.backend.name == backend
+    assert cfg.tree.kind == tree and cfg.tp.size == int(tp.strip("'"))
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def test_k26_has_the_real_kimi_k26_dimensions():
+    m = _compose("model=k26").model
+    assert (m.hidden_size, m.num_hidden_layers, m.first_k_dense_replace) == (7168, 61, 1)
+    assert (m.n_routed_experts, m.num_experts_per_tok, m.n_shared_experts) == (384, 8, 1)
+    assert (m.moe_intermediate_size, m.intermediate_size, m.num_attention_heads) == (2048, 18432, 64)
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == \
+        (1536, 512, 128, 64, 128)
+    assert (m.vocab_size, m.rope_theta, m.routed_scaling_factor, m.rms_norm_eps) == (163840, 50000.0, 2.827, 1e-5)
+    assert (m.rope_scaling.factor, m.rope_scaling.original_max_position_embeddings,
+            m.rope_scaling.beta_fast, m.rope_scaling.beta_slow) == (64.0, 4096, 32.0, 1.0)
+    assert (m.scoring_func, m.topk_method) == ("sigmoid", "noaux_tc")
+    d = m.drafter
+    assert (d.num_hidden_layers, d.num_attention_heads, d.num_key_value_heads, d.head_dim, d.block_size) == \
+        (6, 64, 8, 128, 8)
+    assert list(d.target_layer_ids) == [1, 12, 24, 35, 47, 58]
+
+
+def test_tiny_is_the_same_architecture_scaled_down():
+    m = _compose().model
+    assert m.first_k_dense_replace >= 1 and m.num_hidden_layers - m.first_k_dense_replace >= 2
+    assert m.n_routed_experts > m.num_experts_per_tok > 1 and m.n_shared_experts == 1
+    assert m.vocab_size >= 259 and {m.bos_token_id, m.eos_token_id, m.mask_token_id} <= set(range(256, m.vocab_size))
+
+
+def test_unknown_key_and_wrong_type_fail_at_compose_time():
+    with pytest.raises(Exception, match="nope"):
+        _compose("model.nope=1")
+    with pytest.raises(Exception, match="tree.depth"):
+        _compose("tree.depth=abc")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["tp='8'", "model.num_attention_heads=12"], r"tp=8 does not divide num_attention_heads=12 \(model=tiny\); use tp=1, 2, 4"),
+    (["tree.depth=-1"], r"tree.depth=-1 is out of range for tree=ddtree; use 1..7"),
+    (["tree.depth=8"], r"tree.depth=8 is out of range"),
+    (["tree=chain", "tree.width=3"], r"chain has width 1"),
+    (["quant=int4_w4a16", "tp='8'", "quant.group_size=64"], r"not a multiple of quant.group_size=64"),
+    (["model.path=/does/not/exist"], r"model.path=/does/not/exist does not exist"),
+    (["model=k26"], r"model.path is empty for model=k26"),
+    (["backend=cuda"], r"backend=cuda needs a CUDA device"),
+])
+def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
+    cfg = _compose(*overrides)
+    if "backend=cuda" in overrides:
+        from kdtree.config.validate import cuda_device_problem
+        if not cuda_device_problem():
+            pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, stages=["load"])
+
+
+def test_plan_needs_neither_checkpoint_nor_gpu():
+    validate(_compose("model=k26", "tp='8'", "quant=int4_w4a16", "backend=cuda"), stages=["plan"])
+
+
+def _run(*args, tmp_path):
+    env = dict(os.environ, KDTREE_RUNS=str(tmp_path))
+    return subprocess.run([sys.executable, "-m", "kdtree.run", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=120)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["model=nope"], "model=nope is not a known model config; valid: k26, tiny"),
+    (["tp=3"], "tp=3 is not a known tp config; valid: 1, 2, 4, 8"),
+    (["pipeline=generate", "tree.depth=-1"], "tree.depth=-1 is out of range"),
+    (["pipeline=generate", "model.path=/nope/ckpt"], "model.path=/nope/ckpt does not exist"),
+])
+def test_bad_overrides_exit_nonzero_with_one_line(args, match, tmp_path):
+    r = _run(*args, tmp_path=tmp_path)
+    assert r.returncode != 0
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and match in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_backend_cuda_without_a_device_fails_in_one_line(tmp_path):
+    from kdtree.config.validate import cuda_device_problem
+    if not cuda_device_problem():
+        pytest.skip("this machine has a CUDA device")
+    r = _run("pipeline=generate", "backend=cuda", tmp_path=tmp_path)
+    assert r.returncode != 0 and "backend=cuda needs a CUDA device" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_cfg_job_prints_the_production_config(tmp_path):
+    r = _run("--cfg", "job", "model=k26", "tp=8", "backend=cuda", "quant=int4_w4a16", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cfg = OmegaConf.create(r.stdout)
+    assert cfg.model.hidden_size == 7168 and cfg.tp.size == 8 and cfg.quant.method == "int4_w4a16"
