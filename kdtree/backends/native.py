@@ -1,0 +1,384 @@
+"""The native kernel library (native/include/kdtree.h) through cffi, and `NativeOps` for backend=cpu|cuda.
+
+cffi ABI mode (`ffi.dlopen`), not API mode: the .so is built by `make native` (plain gcc/nvcc, no Python
+headers), so installing kdtree never needs a compiler and one wheel serves both libraries; the price is that
+the declarations below must match kdtree.h by hand, which `kd_version()` == ABI_VERSION guards at load.
+
+    lib = load_library("cpu")                  # NativeError if missing or mismatched
+    tree = lib.tree_build(logp, ids, budget)   # thin typed wrappers: check, call, raise NativeError
+    ops = NativeOps("cpu")                     # the Ops interface (kdtree/backends/base.py)
+
+CUDA: the C ops take device pointers and a cudaStream_t. `NativeOps("cuda")` takes numpy arrays, copies them
+to the device with the library's own kd_memcpy_* (weights once, cached by identity), runs the op on the default
+stream and copies the result back. Callers holding torch CUDA tensors call the C functions directly:
+`lib.c.kd_linear_f32(lib.ptr("float*", t.data_ptr()), ..., lib.stream(torch.cuda.current_stream().cuda_stream))`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from kdtree.backends.base import Ops
+from kdtree.errors import NativeError
+
+ABI_VERSION = 1
+BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
+
+_CDEF = """
+int kd_version(void);
+const char *kd_backend(void);
+const char *kd_last_error(void);
+int kd_device_count(void);
+int kd_malloc(void **ptr, size_t bytes);
+int kd_free(void *ptr);
+int kd_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
+int kd_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream);
+int kd_synchronize(void *stream);
+int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
+                  int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,
+                  int64_t *n_nodes);
+int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_nodes, const int32_t *target_argmax,
+                   int32_t *path, int64_t *path_len, int32_t *bonus);
+int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                  void *stream);
+int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
+                    int64_t n_in, int64_t n_out, int64_t group, void *stream);
+int kd_linear_w4a16_half(const void *x, int act_dtype, const int32_t *packed, const float *scales, float *out,
+                         int64_t T, int64_t n_in, int64_t n_out, int64_t group, void *stream);
+int kd_rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t D, float eps, void *stream);
+int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t I, void *stream);
+int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
+                     int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream);
+"""
+
+_ffi = None
+_LIBS: Dict[Tuple[str, str], "NativeLibrary"] = {}
+CUDA_REASON = ""  # why cuda_device_count() returned 0, "" otherwise
+
+
+def _get_ffi():
+    global _ffi
+    if _ffi is None:
+        import cffi
+        _ffi = cffi.FFI()
+        _ffi.cdef(_CDEF)
+    return _ffi
+
+
+def library_path(kind: str, path: str = "") -> Path:
+    return Path(path) if path else BUILD_DIR / f"libkdtree_{kind}.so"
+
+
+def load_library(kind: str = "cpu", path: str = "") -> "NativeLibrary":
+    """Open libkdtree_<kind>.so (cached per path); reads kd_version and kd_device_count at load."""
+    if kind not in ("cpu", "cuda"):
+        raise NativeError(f"native library kind={kind!r} is unknown; use kind='cpu' or 'cuda'")
+    p = library_path(kind, path)
+    key = (kind, str(p))
+    if key not in _LIBS:
+        if not p.exists():
+            raise NativeError(f"native library {p} not found; build it with `make native`"
+                              + (" (needs nvcc)" if kind == "cuda" else ""))
+        ffi = _get_ffi()
+        try:
+            c = ffi.dlopen(str(p))
+        except OSError as e:
+            raise NativeError(f"cannot load native library {p}: {e}; rebuild it with `make native`") from None
+        _LIBS[key] = NativeLibrary(kind, p, ffi, c)
+    return _LIBS[key]
+
+
+def cuda_device_count(path: str = "") -> int:
+    """Number of CUDA devices the CUDA library sees; 0 (reason in CUDA_REASON) when the library, the driver or
+    a device is missing. Never raises."""
+    global CUDA_REASON
+    try:
+        n = load_library("cuda", path).device_count
+    except Exception as e:  # noqa: BLE001 - by contract this never raises
+        CUDA_REASON = str(e)
+        return 0
+    CUDA_REASON = "" if n > 0 else load_library("cuda", path).device_reason
+    return n
+
+
+def _c_contig(a: np.ndarray, dtype, name: str, ndim: int) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise NativeError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise NativeError(f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if a.ndim != ndim:
+        raise NativeError(f"{name}: shape {a.shape} has {a.ndim} dims, expected {ndim}")
+    if not a.flags.c_contiguous:
+        raise NativeError(f"{name}: array with shape {a.shape} is not C-contiguous; pass np.ascontiguousarray(...)")
+    return a
+
+
+class NativeLibrary:
+    """One loaded libkdtree_*.so: version/backend/device count read at load, typed wrappers over host arrays."""
+
+    def __init__(self, kind: str, path: Path, ffi, c):
+        self.kind, self.path, self.ffi, self.c = kind, path, ffi, c
+        self.version = int(c.kd_version())
+        if self.version != ABI_VERSION:
+            raise NativeError(f"native library {path} has ABI version {self.version}, kdtree expects "
+                              f"{ABI_VERSION}; rebuild it with `make native`")
+        self.backend = ffi.string(c.kd_backend()).decode()
+        self.device_count = int(c.kd_device_count())
+        self.device_reason = self.last_error() if self.device_count == 0 else ""
+
+    # ---- plumbing ---------------------------------------------------------------------------------------
+    def last_error(self) -> str:
+        return self.ffi.string(self.c.kd_last_error()).decode(errors="replace")
+
+    def check(self, rc: int, op: str) -> None:
+        if rc != 0:
+            raise NativeError(f"{op} ({self.kind}): {self.last_error() or f'status {rc}'}")
+
+    def ptr(self, ctype: str, obj: Any):
+        """A typed pointer to a numpy array's data, an int address (device pointer, torch data_ptr()) or None."""
+        if obj is None:
+            return self.ffi.NULL
+        if isinstance(obj, np.ndarray):
+            return self.ffi.cast(ctype, obj.ctypes.data)
+        return self.ffi.cast(ctype, int(obj))
+
+    def stream(self, handle: Optional[int] = None):
+        return self.ffi.NULL if not handle else self.ffi.cast("void *", int(handle))
+
+    def require_device(self, op: str) -> None:
+        if self.kind == "cuda" and self.device_count == 0:
+            raise NativeError(f"{op}: no CUDA device ({self.device_reason or 'none visible'}); use backend=cpu")
+
+    # ---- tree ops (host arrays in both builds) -----------------------------------------------------------
+    def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
+        from kdtree.decode.tree import Tree
+        _c_contig(logp, np.float32, "tree_build logp", 2)
+        _c_contig(ids, np.int32, "tree_build ids", 2)
+        if logp.shape != ids.shape:
+            raise NativeError(f"tree_build: logp {logp.shape} and ids {ids.shape} differ; both are [depth, width]")
+        if budget < 0:
+            raise NativeError(f"tree_build: budget={budget} < 0")
+        depth, width = logp.shape
+        cap = _max_nodes(depth, width, budget)
+        tokens, parents, depths = (np.empty(cap, np.int32) for _ in range(3))
+        words = (cap + 1 + 63) // 64
+        vis = np.empty((cap + 1) * words, np.uint64)
+        n = self.ffi.new("int64_t *")
+        self.check(self.c.kd_tree_build(self.ptr("float *", logp), self.ptr("int32_t *", ids), depth, width, cap,
+                                        self.ptr("int32_t *", tokens), self.ptr("int32_t *", parents),
+                                        self.ptr("int32_t *", depths), cap, self.ptr("uint64_t *", vis), n),
+                   "tree_build")
+        k = int(n[0])
+        w = (k + 1 + 63) // 64
+        return Tree(tokens=tokens[:k].copy(), parents=parents[:k].copy(), depths=depths[:k].copy(),
+                    visibility=vis[:(k + 1) * w].reshape(k + 1, w).copy())
+
+    def tree_accept(self, parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> Tuple[np.ndarray, int]:
+        _c_contig(parents, np.int32, "tree_accept parents", 1)
+        _c_contig(tokens, np.int32, "tree_accept tokens", 1)
+        _c_contig(target_argmax, np.int32, "tree_accept target_argmax", 1)
+        n = parents.shape[0]
+        if tokens.shape[0] != n or target_argmax.shape[0] != n + 1:
+            raise NativeError(f"tree_accept: parents [{n}], tokens [{tokens.shape[0]}], target_argmax "
+                              f"[{target_argmax.shape[0]}]; expected [N], [N], [N+1]")
+        path = np.empty(max(n, 1), np.int32)
+        k, bonus = self.ffi.new("int64_t *"), self.ffi.new("int32_t *")
+        self.check(self.c.kd_tree_accept(self.ptr("int32_t *", parents), self.ptr("int32_t *", tokens), n,
+                                         self.ptr("int32_t *", target_argmax), self.ptr("int32_t *", path), k,
+                                         bonus), "tree_accept")
+        return path[:int(k[0])].copy(), int(bonus[0])
+
+    # ---- dense ops: host arrays (cpu build) -------------------------------------------------------------
+    def linear_f32(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        _c_contig(x, np.float32, "linear x", 2)
+        _c_contig(w, np.float32, "linear w", 2)
+        if x.shape[1] != w.shape[1]:
+            raise NativeError(f"linear: x {x.shape} and w {w.shape} disagree on in_features")
+        out = self._out(out, (x.shape[0], w.shape[0]), "linear out")
+        self._run("kd_linear_f32", (x, w, out), x.shape[0], x.shape[1], w.shape[0])
+        return out
+
+    def linear_w4a16(self, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, n_in: int, group: int,
+                     out: Optional[np.ndarray] = None) -> np.ndarray:
+        _c_contig(x, np.float32, "linear_w4a16 x", 2)
+        _c_contig(packed, np.int32, "linear_w4a16 packed", 2)
+        _c_contig(scales, np.float32, "linear_w4a16 scales", 2)
+        n_out = packed.shape[0]
+        if x.shape[1] != n_in or packed.shape[1] != (n_in + 7) // 8 or group <= 0 or \
+                scales.shape != (n_out, (n_in + group - 1) // group):
+            raise NativeError(f"linear_w4a16: x {x.shape}, packed {packed.shape}, scales {scales.shape} do not "
+                              f"match in={n_in}, group={group}")
+        out = self._out(out, (x.shape[0], n_out), "linear_w4a16 out")
+        self._run("kd_linear_w4a16", (x, packed, scales, out), x.shape[0], n_in, n_out, group)
+        return out
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float, out: Optional[np.ndarray] = None) -> np.ndarray:
+        _c_contig(x, np.float32, "rms_norm x", 2)
+        _c_contig(w, np.float32, "rms_norm w", 1)
+        if w.shape[0] != x.shape[1]:
+            raise NativeError(f"rms_norm: x {x.shape} and w {w.shape} disagree on D")
+        out = self._out(out, x.shape, "rms_norm out")
+        self._run("kd_rms_norm", (x, w, out), x.shape[0], x.shape[1], float(eps))
+        return out
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        _c_contig(gate, np.float32, "silu_mul gate", 2)
+        _c_contig(up, np.float32, "silu_mul up", 2)
+        if gate.shape != up.shape:
+            raise NativeError(f"silu_mul: gate {gate.shape} and up {up.shape} differ")
+        out = self._out(out, gate.shape, "silu_mul out")
+        self._run("kd_silu_mul", (gate, up, out), gate.shape[0], gate.shape[1])
+        return out
+
+    def mla_attention(self, q: np.ndarray, kv: np.ndarray, n_prefix: int, visibility: Optional[np.ndarray],
+                      scale: float, kv_lora: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+        _c_contig(q, np.float32, "mla_attention q", 3)
+        _c_contig(kv, np.float32, "mla_attention kv", 2)
+        T, H, E = q.shape
+        L = int(kv_lora)
+        if kv.shape != (n_prefix + T, E) or not 0 <= L <= E:
+            raise NativeError(f"mla_attention: q {q.shape}, kv {kv.shape}, n_prefix={n_prefix}, kv_lora={L}; "
+                              f"expected kv [n_prefix + T, L + R] with 0 <= L <= L + R")
+        if visibility is not None:
+            _c_contig(visibility, np.uint64, "mla_attention visibility", 2)
+            if visibility.shape != (T, (T + 63) // 64):
+                raise NativeError(f"mla_attention: visibility {visibility.shape}, expected ({T}, {(T + 63) // 64})")
+        out = self._out(out, (T, H, L), "mla_attention out")
+        self._run("kd_mla_attention", (q, kv, visibility, out), T, H, L, E - L, int(n_prefix), float(scale))
+        return out
+
+    _CTYPES = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int32_t *", np.dtype(np.uint64): "uint64_t *"}
+
+    def _out(self, out, shape, name):
+        if out is None:
+            return np.empty(shape, np.float32)
+        _c_contig(out, np.float32, name, len(shape))
+        if out.shape != tuple(shape):
+            raise NativeError(f"{name}: shape {out.shape}, expected {tuple(shape)}")
+        return out
+
+    def _run(self, fn: str, arrays, *sizes) -> None:
+        """Call a dense op on host arrays: directly on cpu, through device copies on cuda."""
+        if self.kind == "cpu":
+            ptrs = [self.ffi.NULL if a is None else self.ptr(self._CTYPES[a.dtype], a) for a in arrays]
+            self.check(getattr(self.c, fn)(*ptrs, *sizes, self.ffi.NULL), fn)
+            return
+        self.require_device(fn)
+        bufs = [None if a is None else self.device_array(a, upload=a is not arrays[-1]) for a in arrays]
+        ptrs = [self.ffi.NULL if b is None else self.ffi.cast(self._CTYPES[b.dtype], b.addr) for b in bufs]
+        self.check(getattr(self.c, fn)(*ptrs, *sizes, self.ffi.NULL), fn)
+        bufs[-1].download(arrays[-1])
+
+    # ---- device memory (cuda) ------------------------------------------------------------------------------
+    def device_array(self, a: np.ndarray, upload: bool = True) -> "DeviceArray":
+        return DeviceArray(self, a, upload)
+
+
+class DeviceArray:
+    """A device copy of a numpy array, freed with the object (kd_malloc / kd_free)."""
+
+    def __init__(self, lib: NativeLibrary, a: np.ndarray, upload: bool = True):
+        self.lib, self.shape, self.dtype, self.nbytes = lib, a.shape, a.dtype, a.nbytes
+        p = lib.ffi.new("void **")
+        lib.check(lib.c.kd_malloc(p, max(self.nbytes, 1)), "kd_malloc")
+        self.addr = int(lib.ffi.cast("uintptr_t", p[0]))
+        if upload and self.nbytes:
+            lib.check(lib.c.kd_memcpy_h2d(p[0], lib.ffi.cast("void *", a.ctypes.data), self.nbytes, lib.ffi.NULL),
+                      "kd_memcpy_h2d")
+
+    def download(self, out: np.ndarray) -> np.ndarray:
+        lib = self.lib
+        if self.nbytes:
+            lib.check(lib.c.kd_memcpy_d2h(lib.ffi.cast("void *", out.ctypes.data), lib.ffi.cast("void *", self.addr),
+                                          self.nbytes, lib.ffi.NULL), "kd_memcpy_d2h")
+        return out
+
+    def __del__(self):
+        if getattr(self, "addr", 0):
+            self.lib.c.kd_free(self.lib.ffi.cast("void *", self.addr))
+            self.addr = 0
+
+
+def _max_nodes(depth: int, width: int, budget: int) -> int:
+    """min(budget, number of nodes in the full width-ary tree of `depth` levels)."""
+    total, level = 0, 1
+    for _ in range(depth):
+        level *= width
+        total += level
+        if total >= budget:
+            return int(budget)
+    return int(min(budget, total))
+
+
+def _int4_parts(w: Any) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
+    """(packed i32[out, in/8], scale f32[out, in/group], in_features, group) of a quantized weight
+    (kdtree.quant.int4.Int4Weight: .packed, .scale, .shape, .group_size), else None."""
+    if isinstance(w, np.ndarray) or not hasattr(w, "packed"):
+        return None
+    packed = np.ascontiguousarray(w.packed, np.int32)
+    scale = np.ascontiguousarray(w.scale, np.float32)
+    return packed, scale, int(w.shape[1]), int(w.group_size)
+
+
+class NativeOps(Ops):
+    """The Ops interface on the native library: backend=cpu (host) or backend=cuda (device copies)."""
+
+    def __init__(self, kind: str = "cpu", path: str = ""):
+        self.lib = load_library(kind, path)
+        self.name = kind
+        self._int4_cache: Dict[int, Tuple[Any, Tuple]] = {}
+
+    def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
+        x = np.ascontiguousarray(x, np.float32)
+        if isinstance(w, np.ndarray):
+            return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
+        hit = self._int4_cache.get(id(w))
+        if hit is None or hit[0] is not w:  # keep w alive so its id is not reused while cached
+            parts = _int4_parts(w)
+            if parts is None:
+                raise NativeError(f"linear: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
+                                  f"Int4Weight")
+            hit = self._int4_cache[id(w)] = (w, parts)
+        packed, scale, n_in, group = hit[1]
+        return self.lib.linear_w4a16(x, packed, scale, n_in, group)
+
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        return self.lib.rms_norm(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32), eps)
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        return self.lib.silu_mul(np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32))
+
+    def mla_attention(self, q, kv, n_prefix, visibility, scale, kv_lora):
+        vis = None if visibility is None else np.ascontiguousarray(visibility, np.uint64)
+        return self.lib.mla_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(kv, np.float32),
+                                      int(n_prefix), vis, scale, kv_lora)
+
+    def tree_build(self, logp, ids, budget):
+        return self.lib.tree_build(np.ascontiguousarray(logp, np.float32), np.ascontiguousarray(ids, np.int32),
+                                   int(budget))
+
+    def tree_accept(self, parents, tokens, target_argmax):
+        return self.lib.tree_accept(np.ascontiguousarray(parents, np.int32), np.ascontiguousarray(tokens, np.int32),
+                                    np.ascontiguousarray(target_argmax, np.int32))
+
+
+def _factory(kind: str):
+    def make(backend_cfg: Any) -> Ops:
+        path = "" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "library", "") or "")
+        return NativeOps(kind, path)
+    return make
+
+
+def _register() -> None:
+    from kdtree.backends import register_backend
+    register_backend("cpu", _factory("cpu"))
+    register_backend("cuda", _factory("cuda"))
+
+
+_register()
+
+__all__ = ["ABI_VERSION", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count",
+           "library_path"]

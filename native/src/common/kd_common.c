@@ -1,0 +1,153 @@
+/* Host code shared by both builds: the thread-local error message and the tree ops (trees are tiny; the
+ * CUDA build runs them on the host as well, on host pointers). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kd_common.h"
+
+static _Thread_local char kd_err[512];
+
+int kd_fail(int status, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(kd_err, sizeof kd_err, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+void kd_clear_error(void) { kd_err[0] = 0; }
+
+const char *kd_last_error(void) { return kd_err; }
+
+int kd_version(void) { return KD_ABI_VERSION; }
+
+/* ---- tree build: binary heap ordered by (score desc, counter asc) ------------------------------------ */
+typedef struct {
+  double score;      /* path score: parent's score + (double)logp[depth-1][rank] */
+  double base;       /* the parent's path score (0 for depth 1), to score the next sibling */
+  int64_t counter;   /* push order: ties pop FIFO */
+  int32_t depth;     /* 1-based */
+  int32_t rank;      /* column in logp/ids */
+  int32_t parent;    /* output index of the parent node, -1 = root */
+} kd_heap_node;
+
+static int kd_heap_before(const kd_heap_node *a, const kd_heap_node *b) {
+  return a->score > b->score || (a->score == b->score && a->counter < b->counter);
+}
+
+static void kd_heap_push(kd_heap_node *h, int64_t *n, kd_heap_node v) {
+  int64_t i = (*n)++;
+  while (i > 0) {
+    int64_t p = (i - 1) / 2;
+    if (!kd_heap_before(&v, &h[p])) break;
+    h[i] = h[p];
+    i = p;
+  }
+  h[i] = v;
+}
+
+static kd_heap_node kd_heap_pop(kd_heap_node *h, int64_t *n) {
+  kd_heap_node top = h[0], last = h[--(*n)];
+  int64_t i = 0;
+  for (;;) {
+    int64_t c = 2 * i + 1;
+    if (c >= *n) break;
+    if (c + 1 < *n && kd_heap_before(&h[c + 1], &h[c])) c++;
+    if (!kd_heap_before(&h[c], &last)) break;
+    h[i] = h[c];
+    i = c;
+  }
+  if (*n > 0) h[i] = last;
+  return top;
+}
+
+int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
+                  int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,
+                  int64_t *n_nodes) {
+  kd_clear_error();
+  if (!n_nodes) return kd_fail(KD_EINVAL, "kd_tree_build: n_nodes is NULL");
+  *n_nodes = 0;
+  if (n_depth < 0 || width < 0 || budget < 0)
+    return kd_fail(KD_EINVAL, "kd_tree_build: negative size (depth=%lld width=%lld budget=%lld)",
+                   (long long)n_depth, (long long)width, (long long)budget);
+  if (budget > cap)
+    return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld exceeds the output capacity cap=%lld",
+                   (long long)budget, (long long)cap);
+  if (budget > INT32_MAX - 1) return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld too large", (long long)budget);
+  if (n_depth == 0 || width == 0 || budget == 0) {
+    if (visibility) visibility[0] = 1u;
+    return KD_OK;
+  }
+  if (!logp || !ids || !tokens || !parents || !depths)
+    return kd_fail(KD_EINVAL, "kd_tree_build: NULL input or output pointer");
+  /* every pop pushes at most 2 and removes 1: the heap never holds more than budget + 1 nodes */
+  kd_heap_node *heap = (kd_heap_node *)malloc(sizeof(kd_heap_node) * (size_t)(budget + 2));
+  double *score = (double *)malloc(sizeof(double) * (size_t)budget);
+  if (!heap || !score) {
+    free(heap);
+    free(score);
+    return kd_fail(KD_ENOMEM, "kd_tree_build: out of memory (budget=%lld)", (long long)budget);
+  }
+  int64_t hn = 0, counter = 0, n = 0;
+  kd_heap_node first = {(double)logp[0], 0.0, counter++, 1, 0, -1};
+  kd_heap_push(heap, &hn, first);
+  while (n < budget && hn > 0) {
+    kd_heap_node v = kd_heap_pop(heap, &hn);
+    int64_t i = n++;
+    tokens[i] = ids[(int64_t)(v.depth - 1) * width + v.rank];
+    parents[i] = v.parent;
+    depths[i] = v.depth;
+    score[i] = v.score;
+    if (v.rank + 1 < width) {
+      kd_heap_node s = {v.base + (double)logp[(int64_t)(v.depth - 1) * width + v.rank + 1], v.base, counter++,
+                        v.depth, v.rank + 1, v.parent};
+      kd_heap_push(heap, &hn, s);
+    }
+    if (v.depth < n_depth) {
+      kd_heap_node c = {v.score + (double)logp[(int64_t)v.depth * width], v.score, counter++, v.depth + 1, 0,
+                        (int32_t)i};
+      kd_heap_push(heap, &hn, c);
+    }
+  }
+  free(heap);
+  free(score);
+  *n_nodes = n;
+  if (visibility) {
+    int64_t words = (n + 1 + 63) / 64;
+    memset(visibility, 0, sizeof(uint64_t) * (size_t)((n + 1) * words));
+    visibility[0] = 1u;
+    for (int64_t i = 0; i < n; i++) {
+      uint64_t *row = visibility + (i + 1) * words;
+      const uint64_t *up = visibility + (int64_t)(parents[i] + 1) * words;  /* parents precede children */
+      for (int64_t w = 0; w < words; w++) row[w] = up[w];
+      row[(i + 1) >> 6] |= (uint64_t)1 << ((i + 1) & 63);
+    }
+  }
+  return KD_OK;
+}
+
+int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_nodes, const int32_t *target_argmax,
+                   int32_t *path, int64_t *path_len, int32_t *bonus) {
+  kd_clear_error();
+  if (!path_len || !bonus || !target_argmax || (n_nodes > 0 && (!parents || !tokens || !path)))
+    return kd_fail(KD_EINVAL, "kd_tree_accept: NULL pointer");
+  if (n_nodes < 0) return kd_fail(KD_EINVAL, "kd_tree_accept: n_nodes=%lld < 0", (long long)n_nodes);
+  int64_t cur = -1, k = 0;
+  for (;;) {
+    int32_t want = target_argmax[cur + 1];
+    int64_t next = -1;
+    for (int64_t i = cur + 1; i < n_nodes; i++) /* children come after their parent */
+      if (parents[i] == cur && tokens[i] == want) {
+        next = i;
+        break;
+      }
+    if (next < 0) break;
+    path[k++] = (int32_t)next;
+    cur = next;
+  }
+  *path_len = k;
+  *bonus = target_argmax[cur + 1];
+  return KD_OK;
+}

@@ -1,0 +1,52 @@
+/* Shared per-element math and helpers of both builds (libkdtree_cpu.so and libkdtree_cuda.so).
+ * KD_HD functions compile as host code in the C build and as __host__ __device__ in the CUDA build, so the
+ * CPU tests exercise the exact element formulas the GPU kernels use. Build with -ffp-contract=off (C) and
+ * --fmad=false (CUDA): a fused multiply-add would change a row's rounding depending on how it was compiled. */
+#ifndef KD_COMMON_H
+#define KD_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kdtree.h"
+
+#if defined(__CUDACC__)
+#define KD_HD __host__ __device__ __forceinline__
+#else
+#define KD_HD static inline
+#endif
+
+/* Fixed-order dot products: element k goes to lane k % KD_LANES (ascending k), lanes are combined by a fixed
+ * pairwise tree. The order depends only on the row length, never on T, alignment or the ISA. */
+#define KD_LANES 16
+
+KD_HD float kd_lanes_sum(float *acc) {
+  for (int w = KD_LANES / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; i++) acc[i] = acc[i] + acc[i + w];
+  return acc[0];
+}
+
+/* The signed int4 value of element j (0..7) of a packed word: nibble q+8 in bits 4j..4j+3 (logical shift). */
+KD_HD int kd_int4_at(uint32_t word, int j) { return (int)((word >> (4u * (unsigned)j)) & 15u) - 8; }
+
+/* Dequantized weight: one rounding, exactly numpy's q.astype(float32) * scale. */
+KD_HD float kd_int4_weight(uint32_t word, int j, float scale) { return (float)kd_int4_at(word, j) * scale; }
+
+KD_HD float kd_silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* Is block key k visible to the query whose packed row is `row`? */
+KD_HD int kd_visible(const uint64_t *row, int64_t k) { return (int)((row[k >> 6] >> (k & 63)) & 1u); }
+
+KD_HD float kd_rms_inv(float sum_sq, int64_t D, float eps) { return 1.0f / sqrtf(sum_sq / (float)D + eps); }
+
+/* ---- error reporting (host side) ---------------------------------------------------------------------- */
+#ifdef __cplusplus
+extern "C" {
+#endif
+int kd_fail(int status, const char *fmt, ...);  /* formats into the thread-local message, returns status */
+void kd_clear_error(void);
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KD_COMMON_H */
