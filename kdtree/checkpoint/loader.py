@@ -1,0 +1,480 @@
+"""Load a checkpoint's tensors into memory: validated against names.py, read with large parallel preads.
+
+    weights, stats = load_checkpoint(path, model_cfg, quant_cfg, threads=4)   # target
+    drafter, stats = load_drafter(path, model_cfg)                              # <path>/drafter
+
+Validation happens before any tensor byte is read: config.json vs the composed config, every tensor
+expected by names.py present with its shape and a dtype we can load, nothing unexpected, every shard
+header sane. Then the reads (strategy="eager"): every tensor gets its final numpy buffer (np.empty);
+the byte ranges of all tensors are sorted by file offset, merged where adjacent and cut into chunks of
+`chunk_mb` (32 MiB); `threads` threads each issue one `os.preadv` per chunk that scatters the bytes
+straight into the final buffers (bf16/fp16 land in a staging buffer and are widened to float32 by the
+thread that completes the tensor). strategy="mmap" maps the files instead: float32/int tensors become
+read-only views (pages are read when first touched), others are converted copies.
+
+`shard(name, shape) -> tuple of slices | None` selects part of a tensor (tensor parallelism): row
+slices are one contiguous byte range, column slices one pread per row; only those bytes are read.
+INT4 modules are offered to `shard` once, as `<module>.weight` with the logical [out, in] shape; the
+slice is mapped onto weight_packed (8 values per int32) and weight_scale (one per group).
+
+Rates are MB/s with MB = 10^6 bytes.
+"""
+from __future__ import annotations
+
+import mmap
+import math
+import os
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kdtree.checkpoint import names
+from kdtree.checkpoint.hf_config import check_drafter_config, check_target_config, plain
+from kdtree.checkpoint.index import CONFIG_FILE, INDEX_FILE, CheckpointIndex, open_checkpoint
+from kdtree.checkpoint.safetensors_io import FLOAT_DTYPES, TensorInfo, bf16_to_f32
+from kdtree.errors import CheckpointError
+
+ShardFn = Callable[[str, Tuple[int, ...]], Optional[Tuple[slice, ...]]]
+ProgressFn = Callable[[int, int, int, int], None]
+MB = 1e6
+DRAFTER_DIR = "drafter"
+_IOV_MAX = 512          # iovecs per preadv (Linux allows 1024)
+
+
+@dataclass
+class ShardStats:
+    file: str
+    bytes_read: int
+    seconds: float      # first read started -> last read finished, in this file
+    mb_s: float
+
+
+@dataclass
+class LoadStats:
+    bytes_read: int             # bytes actually read from the files (sliced reads count only their slices)
+    bytes_total: int            # tensor-data bytes of the whole checkpoint
+    seconds: float
+    mb_s: float
+    strategy: str
+    threads: int
+    tensors: int
+    shards: List[ShardStats] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- what the checkpoint must hold
+
+@dataclass
+class _Want:
+    disk: str                       # tensor name in the file
+    shape: Tuple[int, ...]
+    dtypes: Tuple[str, ...]
+    module: Optional[str] = None    # INT4 module this part belongs to
+    part: str = ""                  # "packed" | "scale" | "shape" for INT4 parts
+
+
+def _expected(idx: CheckpointIndex, cfg, quant_cfg, drafter: bool) -> List[_Want]:
+    shapes = names.drafter_tensor_shapes(cfg) if drafter else names.target_tensor_shapes(cfg)
+    linear = names.drafter_linear_shapes(cfg) if drafter else names.target_linear_shapes(cfg)
+    group = int(plain(quant_cfg)["group_size"]) if quant_cfg is not None else 32
+    out: List[_Want] = []
+    for name, shape in shapes.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module in linear and f"{module}.weight_packed" in idx.tensors:
+            o, i = linear[module]
+            out.append(_Want(f"{module}.weight_packed", (o, math.ceil(i / 8)), ("I32",), module, "packed"))
+            out.append(_Want(f"{module}.weight_scale", (o, math.ceil(i / group)), FLOAT_DTYPES, module, "scale"))
+            out.append(_Want(f"{module}.weight_shape", (2,), ("I32", "I64"), module, "shape"))
+        else:
+            out.append(_Want(name, tuple(shape), FLOAT_DTYPES))
+    return out
+
+
+def _validate(idx: CheckpointIndex, wants: List[_Want], label: str) -> None:
+    where = idx.path / INDEX_FILE if (idx.path / INDEX_FILE).exists() else idx.path
+    missing = [w for w in wants if w.disk not in idx.tensors]
+    if missing:
+        w = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: tensor '{w.disk}' {list(w.shape)} is missing{more}, expected by {label}; "
+                              f"use the model/quant config this checkpoint was made for, or regenerate it")
+    wanted = {w.disk for w in wants}
+    extra_layers = int(idx.config.get("num_nextn_predict_layers") or 0)
+    n_layers = idx.config.get("num_hidden_layers")
+
+    def tolerated(name: str) -> bool:  # MTP layers after the last decoder layer are not used
+        if not extra_layers or n_layers is None or not name.startswith("model.layers."):
+            return False
+        return int(name.split(".")[2]) >= int(n_layers)
+
+    unexpected = [t for t in idx.tensors.values() if t.name not in wanted and not tolerated(t.name)]
+    if unexpected:
+        t = unexpected[0]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"{t.path}: unexpected tensor '{t.name}'{more}, not part of {label}; use the "
+                              f"model config this checkpoint was made for, or regenerate it")
+    for w in wants:
+        t = idx.tensors[w.disk]
+        if t.shape != w.shape:
+            raise CheckpointError(f"{t.path}: tensor '{t.name}' has shape {list(t.shape)} but {label} expects "
+                                  f"{list(w.shape)}; use the model config this checkpoint was made for, "
+                                  f"or regenerate it")
+        if t.dtype not in w.dtypes:
+            raise CheckpointError(f"{t.path}: tensor '{t.name}' has dtype {t.dtype} but {label} expects "
+                                  f"{' or '.join(w.dtypes)}; re-export the checkpoint with a supported dtype")
+
+
+# ---------------------------------------------------------------- slices -> byte ranges
+
+def _norm_slices(name: str, shape: Tuple[int, ...], slices) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """User slices -> ((start, stop) per dim), or None for the whole tensor."""
+    if slices is None:
+        return None
+    slices = tuple(slices) + (slice(None),) * (len(shape) - len(slices))
+    if len(slices) != len(shape):
+        raise ValueError(f"shard() returned {len(slices)} slices for tensor '{name}' of shape {list(shape)}")
+    out = []
+    for s, n in zip(slices, shape):
+        start, stop, step = s.indices(n)
+        if step != 1 or stop < start:
+            raise ValueError(f"shard() returned {s} for tensor '{name}' {list(shape)}; only step-1 slices read")
+        out.append((start, stop))
+    return tuple(out)
+
+
+def _runs(info: TensorInfo, sl: Optional[Tuple[Tuple[int, int], ...]]) -> Tuple[Tuple[int, ...], List[int], int]:
+    """(output shape, absolute file offset of each contiguous run, bytes per run); runs fill the output in order."""
+    shape, item = info.shape, info.storage.itemsize
+    if sl is None or all(a == 0 and b == n for (a, b), n in zip(sl, shape)):
+        return shape, [info.start], info.nbytes
+    out_shape = tuple(b - a for a, b in sl)
+    if 0 in out_shape:
+        return out_shape, [], 0
+    strides = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]  # elements
+    last = max(i for i, ((a, b), n) in enumerate(zip(sl, shape)) if (a, b) != (0, n))
+    run = (sl[last][1] - sl[last][0]) * strides[last] * item
+    base = info.start + sl[last][0] * strides[last] * item
+    offsets = [base]
+    for i in range(last - 1, -1, -1):  # outer dims: every index in their slice, C order
+        idx = np.arange(sl[i][0], sl[i][1], dtype=np.int64) * strides[i] * item
+        offsets = (idx[:, None] + np.asarray(offsets, dtype=np.int64)[None, :]).reshape(-1).tolist()
+    return out_shape, offsets, run
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass
+class _Job:
+    want: _Want
+    info: TensorInfo
+    buf: np.ndarray                 # storage dtype, output shape; final array unless it needs widening
+    pieces: int = 0
+    result: Optional[np.ndarray] = None
+
+    def finish(self) -> None:
+        if self.info.dtype == "BF16":
+            self.result = bf16_to_f32(self.buf)
+        elif self.info.dtype == "F16":
+            self.result = self.buf.astype(np.float32)
+        else:
+            self.result = self.buf
+
+
+@dataclass
+class _Call:                        # one preadv: contiguous file bytes scattered into views
+    offset: int
+    views: List[memoryview]
+    jobs: List[int]
+
+
+@dataclass
+class _Unit:                        # one work item of a thread: calls into one file, ~chunk bytes
+    file: int
+    nbytes: int = 0
+    calls: List[_Call] = field(default_factory=list)
+
+
+class _Throttle:
+    """Caps the aggregate read rate: each chunk reserves a time slot of nbytes / rate."""
+
+    def __init__(self, mb_s: float):
+        self.rate = mb_s * MB
+        self.lock = threading.Lock()
+        self.next = time.monotonic()
+
+    def after_read(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.next = max(self.next, now - 0.05) + nbytes / self.rate  # small bursts only after idling
+            until = self.next
+        if until > now:
+            time.sleep(until - now)
+
+
+def _preadv_full(fd: int, views: List[memoryview], offset: int, path: Path, tensor: str) -> None:
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated shard, reading tensor '{tensor}' hit the end of the file at "
+                                  f"byte {offset}; re-download or regenerate this shard")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def _plan(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
+    """runs: (file, offset, nbytes, job) -> work units of at most `chunk` bytes, file-contiguous calls merged."""
+    views = {j: memoryview(job.buf.reshape(-1)).cast("B") for j, job in enumerate(jobs) if job.buf.nbytes}
+    pos: Dict[int, int] = {}
+    pieces = []
+    for f, off, n, j in runs:  # runs of one job come in output order: consecutive destination bytes
+        d = pos.get(j, 0)
+        for a in range(0, n, chunk):
+            b = min(n, a + chunk)
+            pieces.append((f, off + a, b - a, j, views[j][d + a: d + b]))
+            jobs[j].pieces += 1
+        pos[j] = d + n
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    units: List[_Unit] = []
+    for f, off, n, j, view in pieces:
+        u = units[-1] if units else None
+        if u is None or u.file != f or u.nbytes + n > chunk:
+            u = _Unit(f)
+            units.append(u)
+        c = u.calls[-1] if u.calls else None
+        if c is not None and c.offset + sum(len(v) for v in c.views) == off and len(c.views) < _IOV_MAX:
+            c.views.append(view)
+            c.jobs.append(j)
+        else:
+            u.calls.append(_Call(off, [view], [j]))
+        u.nbytes += n
+    return units
+
+
+def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: int,
+                throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
+                shard_stats: List[Dict]) -> int:
+    units = _plan(jobs, runs, chunk)
+    for j in jobs:
+        if j.pieces == 0:
+            j.finish()
+    left_per_file = [0] * len(files)
+    for u in units:
+        left_per_file[u.file] += 1
+    shards_total = sum(1 for n in left_per_file if n)
+    lock = threading.Lock()
+    fds = [os.open(p, os.O_RDONLY) for p in files]
+    for fd in fds:
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+
+    def work(u: _Unit) -> _Unit:
+        t0 = time.monotonic()
+        for c in u.calls:
+            _preadv_full(fds[u.file], list(c.views), c.offset, files[u.file], jobs[c.jobs[0]].info.name)
+        if throttle:
+            throttle.after_read(u.nbytes)
+        done = []
+        with lock:
+            st = shard_stats[u.file]
+            st["t0"] = min(st["t0"], t0)
+            st["t1"] = max(st["t1"], time.monotonic())
+            st["bytes"] += u.nbytes
+            for c in u.calls:
+                for j in c.jobs:
+                    jobs[j].pieces -= 1
+                    if jobs[j].pieces == 0:
+                        done.append(j)
+        for j in done:
+            jobs[j].finish()  # widening bf16 -> f32 happens in the reading threads
+        return u
+
+    bytes_done = shards_done = 0
+    try:
+        if progress:
+            progress(0, total, 0, shards_total)
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kdtree-load") as pool:
+            pending = {pool.submit(work, u) for u in units}
+            try:
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        u = fut.result()
+                        bytes_done += u.nbytes
+                        left_per_file[u.file] -= 1
+                        shards_done += left_per_file[u.file] == 0
+                    if progress:
+                        progress(bytes_done, total, shards_done, shards_total)
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return bytes_done
+
+
+def _read_mmap(files: List[Path], jobs: List[_Job], slices: List, progress: Optional[ProgressFn], total: int,
+               shard_stats: List[Dict]) -> int:
+    by_file: Dict[int, List[int]] = {}
+    for j, job in enumerate(jobs):
+        by_file.setdefault(files.index(job.info.path), []).append(j)
+    done = 0
+    if progress:
+        progress(0, total, 0, len(by_file))
+    for k, (f, js) in enumerate(sorted(by_file.items())):
+        t0 = time.monotonic()
+        with open(files[f], "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        nbytes = 0
+        for j in js:
+            job, sl = jobs[j], slices[j]
+            count = int(np.prod(job.info.shape, dtype=np.int64))
+            full = np.frombuffer(mm, job.info.storage, count, job.info.start).reshape(job.info.shape)
+            view = full if sl is None else full[tuple(slice(a, b) for a, b in sl)]
+            job.buf = view if view.flags.c_contiguous else np.ascontiguousarray(view)
+            job.finish()
+            nbytes += job.buf.nbytes
+        done += nbytes
+        shard_stats[f].update(t0=t0, t1=time.monotonic(), bytes=nbytes)
+        if progress:
+            progress(done, total, k + 1, len(by_file))
+    return done
+
+
+# ---------------------------------------------------------------- public entry points
+
+def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], progress: Optional[ProgressFn],
+          threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float):
+    if strategy not in ("eager", "mmap"):
+        raise ValueError(f"strategy={strategy!r}; use 'eager' or 'mmap'")
+    t_start = time.monotonic()
+    idx = open_checkpoint(path)
+    m = plain(cfg)
+    if drafter:
+        check_drafter_config(idx.path / CONFIG_FILE, idx.config, cfg)
+        label = f"the drafter of model={m.get('name')}"
+    else:
+        check_target_config(idx.path / CONFIG_FILE, idx.config, cfg, quant_cfg)
+        qm = plain(quant_cfg)["method"] if quant_cfg is not None else "fp32"
+        label = f"model={m.get('name')} quant={qm}"
+    wants = _expected(idx, cfg, quant_cfg, drafter)
+    _validate(idx, wants, label)
+    group = int(plain(quant_cfg)["group_size"]) if quant_cfg is not None else 32
+    linear = names.drafter_linear_shapes(cfg) if drafter else names.target_linear_shapes(cfg)
+
+    # slices per on-disk tensor (INT4 modules are asked once, by their logical name and shape)
+    module_slices: Dict[str, Optional[Tuple[Tuple[int, int], ...]]] = {}
+    files = [h.path for h in idx.files]
+    jobs: List[_Job] = []
+    slices: List = []
+    runs: List[Tuple[int, int, int, int]] = []
+    for w in wants:
+        info = idx.tensors[w.disk]
+        if w.module is None:
+            sl = _norm_slices(w.disk, w.shape, shard(w.disk, w.shape)) if shard else None
+        else:
+            if w.module not in module_slices:
+                logical = linear[w.module]
+                module_slices[w.module] = (_norm_slices(f"{w.module}.weight", logical,
+                                                        shard(f"{w.module}.weight", logical)) if shard else None)
+            sl = _int4_part_slices(w, module_slices[w.module], linear[w.module], group)
+        out_shape, offsets, run = _runs(info, sl)
+        jobs.append(_Job(w, info, np.empty(out_shape, info.storage)))
+        slices.append(sl)
+        f = files.index(info.path)
+        runs.extend((f, off, run, len(jobs) - 1) for off in offsets)
+
+    shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
+    total = sum(len(jobs[j].buf.reshape(-1)) * jobs[j].info.storage.itemsize for j in range(len(jobs)))
+    if strategy == "eager":
+        chunk = int(chunk_mb * 2 ** 20)
+        if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
+            chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
+        throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
+        nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats)
+    else:
+        nread = _read_mmap(files, jobs, slices, progress, total, shard_stats)
+
+    weights = _assemble(jobs, module_slices, linear, group)
+    seconds = time.monotonic() - t_start
+    per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
+                            s["bytes"] / MB / max(s["t1"] - s["t0"], 1e-9) if s["bytes"] else 0.0)
+                 for p, s in zip(files, shard_stats)]
+    stats = LoadStats(nread, idx.data_bytes, seconds, nread / MB / max(seconds, 1e-9), strategy, threads,
+                      len(weights), per_shard)
+    return weights, stats
+
+
+def _int4_part_slices(w: _Want, sl, logical: Tuple[int, int], group: int):
+    """A slice of the logical [out, in] weight -> the slice of its packed / scale / shape part."""
+    if sl is None or w.part == "shape":
+        return None
+    (r0, r1), (c0, c1) = sl
+    n_in = logical[1]
+    per = 8 if w.part == "packed" else group
+    if c0 % per or (c1 % per and c1 != n_in):
+        raise ValueError(f"shard() slices columns {c0}:{c1} of INT4 weight '{w.module}.weight' {list(logical)}; "
+                         f"INT4 column slices must be multiples of {per} ({w.part})")
+    return ((r0, r1), (c0 // per, math.ceil(c1 / per)))
+
+
+def _assemble(jobs: List[_Job], module_slices, linear, group: int) -> Dict[str, object]:
+    weights: Dict[str, object] = {}
+    parts: Dict[str, Dict[str, _Job]] = {}
+    for job in jobs:
+        if job.want.module is None:
+            weights[job.want.disk] = job.result
+        else:
+            parts.setdefault(job.want.module, {})[job.want.part] = job
+            if len(parts[job.want.module]) == 3:
+                weights[f"{job.want.module}.weight"] = _int4(job.want.module, parts.pop(job.want.module),
+                                                             module_slices[job.want.module],
+                                                             linear[job.want.module], group)
+    return weights
+
+
+def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: int):
+    stored = tuple(int(v) for v in p["shape"].result.reshape(-1))
+    if stored != tuple(logical):
+        raise CheckpointError(f"{p['shape'].info.path}: tensor '{module}.weight_shape' holds {list(stored)} but the "
+                              f"model config expects {list(logical)}; regenerate the quantized checkpoint")
+    try:
+        from kdtree.quant.int4 import Int4Weight
+    except ImportError as e:
+        raise CheckpointError(f"{p['packed'].info.path}: INT4 module '{module}' found but kdtree.quant.int4 cannot "
+                              f"be imported ({e}); install kdtree completely") from None
+    shape = logical if sl is None else (sl[0][1] - sl[0][0], sl[1][1] - sl[1][0])
+    return Int4Weight.from_tensors(f"{module}.weight", p["packed"].result, p["scale"].result, shape, group)
+
+
+def load_checkpoint(path, model_cfg, quant_cfg, *, shard: Optional[ShardFn] = None,
+                    progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "eager",
+                    throttle_mb_s: float = 0, chunk_mb: float = 32):
+    """Target checkpoint at `path` -> ({name: float32 ndarray | Int4Weight}, LoadStats)."""
+    return _load(Path(path), model_cfg, quant_cfg, False, shard, progress, threads, strategy, throttle_mb_s,
+                 chunk_mb)
+
+
+def load_drafter(path, model_cfg, quant_cfg=None, *, shard: Optional[ShardFn] = None,
+                 progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "eager",
+                 throttle_mb_s: float = 0, chunk_mb: float = 32):
+    """DFlash drafter in `<path>/drafter` -> ({name: float32 ndarray}, LoadStats)."""
+    return _load(Path(path) / DRAFTER_DIR, model_cfg, quant_cfg, True, shard, progress, threads, strategy,
+                 throttle_mb_s, chunk_mb)
+
+
+def checkpoint_bytes(path) -> int:
+    """Tensor-data bytes of a checkpoint (index metadata.total_size, else the sum over headers): for ETAs."""
+    return open_checkpoint(path).total_size
