@@ -42,10 +42,12 @@ class NumpyOps(Ops):
             for t in range(x.shape[0]):
                 out[t] = w @ x[t]
             return out
-        rows = [np.asarray(w.matvec(x[t]), np.float32) for t in range(x.shape[0])]
-        if not rows:
-            return np.empty((0, w.shape[0]), np.float32)
-        return np.stack(rows)
+        if hasattr(w, "linear"):  # Int4Weight.linear: row t computed exactly as matvec(x[t]), unpacked once
+            return np.asarray(w.linear(x), np.float32)
+        out = np.empty((x.shape[0], w.shape[0]), np.float32)
+        for t in range(x.shape[0]):
+            out[t] = w.matvec(x[t])
+        return out
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         # x: [T, D]

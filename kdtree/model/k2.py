@@ -36,7 +36,8 @@ class LatentCache:
         """Keep block rows `rows` (absolute, ascending, >= start) moved contiguously to start..; drop the rest."""
         rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
         if rows.size and (rows[0] < start or rows[-1] >= self.length or np.any(np.diff(rows) <= 0)):
-            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within [{start}, {self.length})")
+            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within "
+                             f"[{start}, {self.length})")
         n = rows.size
         for kv in self.kv:
             kv[start:start + n] = kv[rows]  # fancy indexing copies first, so overlapping moves are safe

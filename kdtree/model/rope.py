@@ -70,7 +70,8 @@ def rope_mscale(cfg) -> float:
     if not _uses_yarn(cfg):
         return 1.0
     rs = cfg.rope_scaling
-    return yarn_get_mscale(float(rs.factor), float(rs.mscale)) / yarn_get_mscale(float(rs.factor), float(rs.mscale_all_dim))
+    factor = float(rs.factor)
+    return yarn_get_mscale(factor, float(rs.mscale)) / yarn_get_mscale(factor, float(rs.mscale_all_dim))
 
 
 def softmax_scale(cfg) -> float:
