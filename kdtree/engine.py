@@ -72,7 +72,8 @@ class Engine:
         model = K2Model(cfg.model, weights, ops)
         drafter = None
         if cfg.tree.kind != "ar":
-            dweights = load_drafter(ckpt, cfg.model)
+            dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, threads=cfg.load.threads)
+            stats.bytes_read += dstats.bytes_read
             drafter = DFlashDrafter.from_target(model, dweights)
         tokenizer = load_tokenizer(cfg.model, ckpt)
         seconds = time.perf_counter() - t0

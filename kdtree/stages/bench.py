@@ -1,0 +1,174 @@
+"""bench: the fixed prompt set with tree=ar as the baseline and the composed tree, in one process.
+
+Writes bench.json: tokens/s, speedup vs AR, target forwards per token, mean acceptance length and its
+histogram, per-stage seconds, per-prompt outputs (for exact reproduction), whether the tree output equals
+AR token for token, and the provenance needed to rerun the row (overrides, commit, seeds, versions, CPU/GPU,
+native library build).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from kdtree.decode.result import STAGES
+from kdtree.engine import Engine
+
+SIDE = "host"
+PARAMS = {"prompts": str, "max_new_tokens": int, "repeats": int}
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
+
+
+def load_prompts(path: str) -> list:
+    p = Path(path) if path else DEFAULT_PROMPTS
+    return list(json.loads(p.read_text())["prompts"])
+
+
+def _git_commit() -> str:
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        r = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return r.stdout.strip() + ("-dirty" if dirty else "") if r.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _gpu_model() -> str:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _versions() -> dict:
+    out = {"python": sys.version.split()[0]}
+    for pkg in ("numpy", "torch", "hydra-core", "safetensors", "cffi", "kdtree"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _backend_build(cfg) -> dict:
+    if cfg.backend.name == "numpy":
+        return {"name": "numpy"}
+    try:
+        from kdtree.backends import native
+        return {"name": cfg.backend.name, **native.library_info(cfg.backend.name)}
+    except Exception as e:  # provenance must never fail the benchmark
+        return {"name": cfg.backend.name, "error": f"{type(e).__name__}: {e}"}
+
+
+def provenance(ctx) -> dict:
+    # Hydra writes the command-line overrides of every run (and of every multirun job) next to it.
+    saved = Path(ctx.run_dir) / ".hydra" / "overrides.yaml"
+    overrides = list(OmegaConf.load(saved)) if saved.is_file() else []
+    cfg = ctx.cfg
+    return {
+        "overrides": overrides,
+        "rerun": "python -m kdtree.run " + " ".join(f"'{o}'" for o in overrides),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "git_commit": _git_commit(),
+        "seeds": {"model": int(cfg.model.seed), "generate": int(cfg.generate.seed)},
+        "versions": _versions(),
+        "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": _gpu_model(),
+        "backend_build": _backend_build(cfg),
+        "host": platform.node(),
+    }
+
+
+def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
+    from kdtree.decode import generate
+
+    per_prompt, hist = [], collections.Counter()
+    stage_s = {s: 0.0 for s in STAGES}
+    tokens = forwards = drafts = 0
+    seconds = 0.0
+    for ids in prompts_ids:
+        r = generate(engine.model, engine.drafter if tree_cfg.kind != "ar" else None, tree_cfg, ids,
+                     max_new_tokens, eos_id=engine.eos_id)
+        per_prompt.append({"tokens": r.tokens, "acceptance_lengths": r.acceptance_lengths,
+                           "target_forwards": r.target_forwards, "seconds": r.seconds})
+        hist.update(r.acceptance_lengths)
+        for k, v in r.stage_seconds.items():
+            stage_s[k] = stage_s.get(k, 0.0) + v
+        tokens += len(r.tokens)
+        forwards += r.target_forwards
+        drafts += r.draft_forwards
+        seconds += r.seconds
+    acc = [a for p in per_prompt for a in p["acceptance_lengths"]]
+    return {
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "target_forwards": forwards, "draft_forwards": drafts,
+        "target_forwards_per_token": forwards / max(tokens, 1),
+        "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
+        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+        "stage_seconds": stage_s, "per_prompt": per_prompt,
+    }
+
+
+def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> dict:
+    cfg = ctx.cfg
+    engine = ctx.state.get("model_engine") or Engine.from_config(cfg, status=ctx.status)
+    ctx.state["model_engine"] = engine
+    texts = load_prompts(prompts)
+    prompts_ids = [engine.tokenizer.encode(t) for t in texts]
+    ar_cfg = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})
+    # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
+    ar = tree = None
+    for _ in range(max(1, repeats)):
+        a = _run_set(engine, prompts_ids, max_new_tokens, ar_cfg)
+        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if cfg.tree.kind != "ar" else a
+        ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
+        tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
+    lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
+    out = {
+        "tree": OmegaConf.to_container(cfg.tree, resolve=True),
+        "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
+        "prompts": texts, "max_new_tokens": max_new_tokens, "repeats": repeats,
+        "tokens_per_s": tree["tokens_per_s"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "speedup_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+        "target_forwards_per_token": tree["target_forwards_per_token"],
+        "ar_target_forwards_per_token": ar["target_forwards_per_token"],
+        "mean_acceptance_length": tree["mean_acceptance_length"],
+        "acceptance_histogram": tree["acceptance_histogram"],
+        "stage_seconds": tree["stage_seconds"],
+        "outputs_equal_ar": lossless,
+        "ar": ar, "result": tree,
+        "provenance": provenance(ctx),
+    }
+    (ctx.run_dir / "bench.json").write_text(json.dumps(out, indent=2))
+    t = cfg.tree
+    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}: {out['tokens_per_s']:.1f} tok/s vs AR "
+          f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x, acceptance "
+          f"{out['mean_acceptance_length']:.2f}, target forwards/token {out['target_forwards_per_token']:.3f}, "
+          f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
+    if not lossless:
+        from kdtree.errors import PipelineError
+        raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
+                            f"broken (see {ctx.run_dir / 'bench.json'}); report this as a bug")
+    return {k: out[k] for k in ("tokens_per_s", "speedup_vs_ar", "mean_acceptance_length")}
