@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -144,7 +144,13 @@ class Int4Weight:
 
     @classmethod
     def from_tensors(cls, name: str, packed, scale_raw, shape_tensor, group_size: int) -> "Int4Weight":
-        """Validate the three on-disk tensors of module `name` (None = missing) and build the weight."""
+        """Validate the three on-disk tensors of module `name` (None = missing) and build the weight.
+
+        name: the module (`model.layers.1.mlp.experts.0.up_proj`; a trailing `.weight` is dropped) - errors name
+        its tensors. scale_raw: bf16 bits (uint16), float32/float16, or a torch bf16 tensor. shape_tensor: the
+        weight_shape tensor (int32/int64 [2]) or a tuple (out, in).
+        """
+        name = name[: -len(".weight")] if name.endswith(".weight") else name
         for suffix, t in (("weight_packed", packed), ("weight_scale", scale_raw), ("weight_shape", shape_tensor)):
             if t is None:
                 raise CheckpointError(f"{name}.{suffix} is missing; an INT4 module needs weight_packed, "
@@ -306,39 +312,3 @@ def quantization_config_json(quant_cfg) -> Dict[str, Any]:
         "quantization_status": "compressed",
         "kv_cache_scheme": None,
     }
-
-
-def check_quantization_config(block: Optional[Dict[str, Any]], quant_cfg, source: str) -> None:
-    """A checkpoint's config.json `quantization_config` must agree with the composed quant config.
-
-    Compared: presence, quant_method, format and every weight-scheme field kdtree relies on. The ignore list is not
-    compared: which modules are INT4 is decided by the tensors themselves (weight_packed vs weight).
-    """
-    method = _get(quant_cfg, "method", "fp32")
-    if block is None:
-        if method == "int4_w4a16":
-            raise ConfigError(f"{source} has no quantization_config but quant=int4_w4a16; use quant=fp32 or "
-                              f"quantize it first (pipeline=quantize)")
-        return
-    if method != "int4_w4a16":
-        raise ConfigError(f"{source} is quantized ({block.get('quant_method')}/{block.get('format')}) but "
-                          f"quant={method}; use quant=int4_w4a16")
-    want = quantization_config_json(quant_cfg)
-    for key in ("quant_method", "format"):
-        if block.get(key) != want[key]:
-            raise ConfigError(f"{source} quantization_config.{key}={block.get(key)!r}; kdtree reads only "
-                              f"{want[key]!r}")
-    groups = block.get("config_groups") or {}
-    if len(groups) != 1:
-        raise ConfigError(f"{source} quantization_config has {len(groups)} config_groups; kdtree reads exactly one")
-    gname, group = next(iter(groups.items()))
-    weights = group.get("weights") or {}
-    for key, value in want["config_groups"]["group_0"]["weights"].items():
-        if key in ("observer", "actorder", "dynamic"):
-            continue                                                         # how it was made, not how it reads
-        if weights.get(key) != value:
-            raise ConfigError(f"{source} quantization_config.config_groups.{gname}.weights.{key}="
-                              f"{weights.get(key)!r} but quant expects {value!r}"
-                              + (f"; set quant.group_size={weights.get(key)}" if key == "group_size" else ""))
-    if group.get("input_activations") is not None:
-        raise ConfigError(f"{source} quantizes input activations; kdtree runs W4A16 (weights only)")

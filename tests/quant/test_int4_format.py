@@ -101,7 +101,7 @@ def test_dequantized_within_half_step_per_group(group_size):
 
 
 def test_quantize_rejects_ragged_groups_and_nan():
-    with pytest.raises(ConfigError, match=r"experts.0.up_proj \[4, 40\]: in=40 is not a multiple of quant.group_size=32"):
+    with pytest.raises(ConfigError, match=r"up_proj \[4, 40\]: in=40 is not a multiple of quant.group_size=32"):
         quantize_weight(np.ones((4, 40), np.float32), 32, name="model.layers.1.mlp.experts.0.up_proj")
     bad = np.ones((2, 32), np.float32)
     bad[1, 3] = np.nan
@@ -134,7 +134,8 @@ def test_from_tensors_accepts_int64_shape_and_torch_bf16_scale():
 @pytest.mark.parametrize("case, message", [
     ("missing_scale", r"experts.3.down_proj.weight_scale is missing"),
     ("missing_shape", r"experts.3.down_proj.weight_shape is missing"),
-    ("scale_group", r"experts.3.down_proj.weight_scale shape \[16, 2\] does not match group_size=32 .*expected \[16, 4\]"),
+    ("scale_group",
+     r"experts.3.down_proj.weight_scale shape \[16, 2\] does not match group_size=32 .*expected \[16, 4\]"),
     ("shape_vs_packed", r"experts.3.down_proj.weight_shape \[16, 256\] disagrees with weight_packed \[16, 16\]"),
     ("packed_dtype", r"experts.3.down_proj.weight_packed is int64\[16, 16\]; expected int32"),
     ("ragged", r"experts.3.down_proj: in=128 is not a multiple of group_size=48"),
@@ -204,3 +205,13 @@ def test_cols_with_group_size_not_multiple_of_8_repacks():
     W = Int4Weight.from_tensors("m", p, s, shp, 4)
     c = W.cols(slice(4, 20))                                             # starts mid-word
     assert c.packed.shape == (4, 2) and np.array_equal(c.dequantize(), W.dequantize()[:, 4:20])
+
+
+def test_from_tensors_takes_the_loaders_arguments():
+    # the loader passes "<module>.weight", float32 scales and the logical shape as a tuple
+    w = np.random.default_rng(10).normal(size=(8, 64)).astype(np.float32)
+    p, s, _ = quantize_weight(w, 32)
+    W = Int4Weight.from_tensors("model.layers.1.mlp.experts.0.up_proj.weight", p, bf16_to_f32(s), (8, 64), 32)
+    assert W.shape == (8, 64)
+    with pytest.raises(CheckpointError, match=r"^model.layers.1.mlp.experts.0.up_proj.weight_scale is missing"):
+        Int4Weight.from_tensors("model.layers.1.mlp.experts.0.up_proj.weight", p, None, (8, 64), 32)
