@@ -1,0 +1,310 @@
+"""The engine process: runs a group of consecutive `on: host` stages, detached, on the target host.
+
+    python -m kdtree.pipeline.engine_process --run-dir D --stages load,warmup,serve [--at 0]
+
+reads D/config.yaml (the resolved config) and D/pipeline.json (the resolved stages), creates the
+StatusFile (D/status.json) when kdtree.serve.status exists, calls every stage module's
+on_process_start(ctx) hook, runs the stages in order sharing ctx.state, and writes its exit status to
+D/engine.exit (0 = every stage ended, 1 = a stage failed, 143 = stopped by SIGTERM).
+
+Also the controller-side helpers for such a process: launch (`launch_engine`), wait (`wait_engine`),
+stop (`stop_engine`), and the registry of launched engines (`<cache_dir>/engines.jsonl`) that
+`pipeline=stop` reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from kdtree.errors import PipelineError
+
+PIDFILE, LOGFILE, EXITFILE, CONFIG, PIPELINE = "engine.pid", "engine.log", "engine.exit", "config.yaml", "pipeline.json"
+EXIT_OK, EXIT_FAILED, EXIT_TERMINATED = 0, 1, 143
+POLL_S = 0.5  # controller poll period while an engine runs (liveness, exit file, log tail)
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine process itself
+# ----------------------------------------------------------------------------------------------
+class EngineTerminated(BaseException):
+    """SIGTERM in the engine: unwinds the running stage (its finally blocks run) like Ctrl-C would."""
+
+
+def _write_exit(run_dir: Path, code: int) -> None:
+    tmp = run_dir / f".{EXITFILE}.{os.getpid()}"
+    tmp.write_text(f"{code}\n")
+    os.replace(tmp, run_dir / EXITFILE)
+
+
+def _make_status(run_dir: Path):
+    try:
+        from kdtree.serve.status import StatusFile  # the serving engineer's; optional for the runner
+    except ImportError:
+        return None
+    return StatusFile(run_dir / "status.json")
+
+
+def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
+    from omegaconf import OmegaConf
+
+    from kdtree import stages as stage_registry
+    from kdtree.pipeline.context import StageContext
+    from kdtree.pipeline.events import EVENTS_FILE, EventLog
+    from kdtree.pipeline.runner import execute_stage
+    from kdtree.pipeline.spec import StageSpec
+
+    run_dir = Path(run_dir).resolve()
+    events = EventLog(run_dir / EVENTS_FILE, where="engine", console=sys.stdout)
+    code = EXIT_FAILED
+
+    def on_term(signum, frame):
+        raise EngineTerminated(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        events.emit("engine_start", stages=stage_names, host=socket.gethostname(),
+                    ssh=os.environ.get("SSH_CONNECTION", ""), python=sys.executable)
+        cfg = OmegaConf.load(run_dir / CONFIG)
+        doc = json.loads((run_dir / PIPELINE).read_text())
+        specs = [StageSpec.from_dict(d) for d in doc["stages"][at:at + len(stage_names)]]
+        if [s.stage for s in specs] != stage_names or any(s.on != "host" for s in specs):
+            raise PipelineError(f"--stages {','.join(stage_names)} --at {at} does not match the host stages of "
+                                f"{run_dir / PIPELINE}; relaunch through kdtree.run")
+        ctx = StageContext(cfg=cfg, run_dir=run_dir, state={"results": {}}, emit=events.emit,
+                           status=_make_status(run_dir))
+        modules = [stage_registry.load_stage(s.stage) for s in specs]
+        for spec, module in zip(specs, modules):
+            hook = getattr(module, "on_process_start", None)
+            if hook is not None:
+                try:
+                    hook(ctx)
+                except Exception as e:
+                    events.emit("stage_fail", stage=spec.stage, index=spec.index, side="host", seconds=0.0,
+                                error_type=type(e).__name__, error=f"on_process_start: {e}")
+                    return _finish(run_dir, events, EXIT_FAILED)
+        code = EXIT_OK
+        for spec in specs:
+            if not execute_stage(ctx, spec, events, hard_exit=lambda: _write_exit(run_dir, EXIT_FAILED)):
+                code = EXIT_FAILED
+                break
+    except EngineTerminated as e:
+        events.emit("engine_terminated", signal=str(e))
+        code = EXIT_TERMINATED
+    except Exception as e:  # config/pipeline files unreadable: still leave an exit status behind
+        events.emit("engine_error", error_type=type(e).__name__, error=str(e))
+        code = EXIT_FAILED
+    return _finish(run_dir, events, code)
+
+
+def _finish(run_dir: Path, events, code: int) -> int:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _write_exit(run_dir, code)
+    events.emit("engine_exit", code=code)
+    return code
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kdtree.pipeline.engine_process", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--stages", required=True, help="comma-separated stage names (consecutive host stages)")
+    ap.add_argument("--at", type=int, default=0, help="index of the first of them in pipeline.json")
+    a = ap.parse_args(argv)
+    return engine_main(Path(a.run_dir), [s for s in a.stages.split(",") if s], a.at)
+
+
+# ----------------------------------------------------------------------------------------------
+# Controller side: launch, wait, stop
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class EngineHandle:
+    host: Any                   # kdtree.hosts.Host
+    pid: int
+    run_dir: str                # the run dir on the host
+    local_run_dir: Path         # the run dir of the controller
+    shared_fs: bool             # True when both are the same directory (local host, or ssh to this machine)
+    stages: List[str] = field(default_factory=list)
+    log_offset: int = 0
+
+    @property
+    def log(self) -> str:
+        return f"{self.run_dir}/{LOGFILE}"
+
+    def state(self) -> Dict[str, Any]:
+        return {"pid": self.pid, "run_dir": self.run_dir, "host": self.host, "log": self.log,
+                "pidfile": f"{self.run_dir}/{PIDFILE}", "stages": list(self.stages)}
+
+
+def _host_run_dir(host, local_run_dir: Path) -> (str, bool):
+    """Where the engine's run dir lives on `host`, and whether it is the controller's own directory."""
+    if host.kind == "local":
+        return str(local_run_dir), True
+    marker = local_run_dir / f".controller-{uuid.uuid4().hex[:12]}"
+    marker.write_text("")
+    try:
+        if host.exists(str(marker)):  # ssh to this very machine (tests) or a shared filesystem
+            return str(local_run_dir), True
+    finally:
+        marker.unlink(missing_ok=True)
+    base = host.workdir or host.shell('printf %s "$HOME"').stdout.strip() or "/tmp"
+    return f"{base}/kdtree-runs/{local_run_dir.parent.name}/{local_run_dir.name}", False
+
+
+def _engine_env(host) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith("KDTREE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if host.kind == "local":
+        from kdtree.pipeline.spec import repo_root
+
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def launch_engine(host, local_run_dir: Path, stages: List[Any]) -> EngineHandle:
+    """Start the engine process for `stages` (StageSpecs, consecutive, on: host) through `host`, detached."""
+    local_run_dir = Path(local_run_dir)
+    rdir, shared = _host_run_dir(host, local_run_dir)
+    if not shared:
+        host.mkdir(rdir)
+        for name in (CONFIG, PIPELINE):
+            host.put(str(local_run_dir / name), f"{rdir}/{name}")
+    else:
+        for name in (EXITFILE, PIDFILE):
+            (local_run_dir / name).unlink(missing_ok=True)  # a second host group reuses the run dir
+    names = [s.stage for s in stages]
+    argv = [host.python, "-m", "kdtree.pipeline.engine_process", "--run-dir", rdir,
+            "--stages", ",".join(names), "--at", str(stages[0].index)]
+    cwd = host.workdir or (os.getcwd() if host.kind == "local" else None)
+    pid = host.start_detached(argv, log=f"{rdir}/{LOGFILE}", pidfile=f"{rdir}/{PIDFILE}", cwd=cwd,
+                              env=_engine_env(host), unit=f"{local_run_dir.name}-{stages[0].index}")
+    return EngineHandle(host=host, pid=pid, run_dir=rdir, local_run_dir=local_run_dir, shared_fs=shared,
+                        stages=names)
+
+
+def read_exit(engine: EngineHandle) -> Optional[int]:
+    raw = engine.host.read_file(f"{engine.run_dir}/{EXITFILE}").decode(errors="replace").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else None
+
+
+def engine_running(engine: EngineHandle) -> bool:
+    return read_exit(engine) is None and engine.host.is_alive(engine.pid)
+
+
+def tail_log(engine: EngineHandle, out=sys.stdout) -> None:
+    chunk = engine.host.read_file(engine.log, engine.log_offset)
+    if chunk:
+        engine.log_offset += len(chunk)
+        if out is not None:
+            out.write(chunk.decode(errors="replace"))
+            out.flush()
+
+
+def wait_engine(engine: EngineHandle, tail: bool = True, out=sys.stdout, timeout_s: Optional[float] = None) -> Optional[int]:
+    """Wait until the engine exits (tailing its log); its exit code, or None if it died without one."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while engine.host.is_alive(engine.pid) and (deadline is None or time.monotonic() < deadline):
+        if tail:
+            tail_log(engine, out)
+        if read_exit(engine) is not None:
+            break
+        time.sleep(POLL_S)
+    # the exit file is written just before the process ends: give it a moment to land
+    for _ in range(10):
+        code = read_exit(engine)
+        if code is not None or engine.host.is_alive(engine.pid):
+            break
+        time.sleep(0.1)
+    if tail:
+        tail_log(engine, out)
+    return read_exit(engine)
+
+
+def stop_engine(host, pid: int, grace_s: float = 10.0, poll_s: float = 0.2) -> str:
+    """SIGTERM the engine's process group, wait up to grace_s, then SIGKILL it: 'not running'|'terminated'|'killed'."""
+    if not host.is_alive(pid):
+        return "not running"
+    host.signal(pid, signal.SIGTERM, group=True)
+    deadline = time.monotonic() + max(0.0, grace_s)
+    while time.monotonic() < deadline:
+        if not host.is_alive(pid):
+            return "terminated"
+        time.sleep(poll_s)
+    host.signal(pid, signal.SIGKILL, group=True)
+    for _ in range(50):  # bounded: SIGKILL cannot be refused; only the reaping can lag
+        if not host.is_alive(pid):
+            break
+        time.sleep(0.1)
+    return "killed"
+
+
+def fetch_back(engine: EngineHandle) -> None:
+    """Copy the engine's files to the controller's run dir when they are not the same directory."""
+    if engine.shared_fs:
+        return
+    from kdtree.pipeline.events import EVENTS_FILE
+
+    r = engine.host.run(["ls", "-1", engine.run_dir])
+    for name in r.stdout.split():
+        if name in (CONFIG, PIPELINE) or name.startswith("."):
+            continue
+        if name == EVENTS_FILE:  # the engine's events join the controller's file (lines, O_APPEND)
+            data = engine.host.read_file(f"{engine.run_dir}/{name}")
+            fd = os.open(engine.local_run_dir / EVENTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            continue
+        try:
+            engine.host.get(f"{engine.run_dir}/{name}", str(engine.local_run_dir / name))
+        except Exception:
+            pass  # a directory or a file that vanished: the engine's run dir keeps it
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry of launched engines: <cache_dir>/engines.jsonl (one JSON line per launch)
+# ----------------------------------------------------------------------------------------------
+REGISTRY = "engines.jsonl"
+
+
+def cache_dir(cfg) -> Path:
+    d = (cfg.get("cache_dir") if hasattr(cfg, "get") else "") or os.environ.get("KDTREE_CACHE") or "~/.cache/kdtree"
+    return Path(d).expanduser()
+
+
+def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Optional[int]) -> None:
+    """Append this engine to the registry so `pipeline=stop` finds it by run dir or serve port."""
+    d = cache_dir(cfg)
+    d.mkdir(parents=True, exist_ok=True)
+    entry = {"t": round(time.time(), 3), "run_dir": str(engine.local_run_dir), "host_run_dir": engine.run_dir,
+             "pid": engine.pid, "port": port, "host": host_cfg, "stages": engine.stages}
+    fd = os.open(d / REGISTRY, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def registry_entries(cfg) -> List[Dict[str, Any]]:
+    path = cache_dir(cfg) / REGISTRY
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

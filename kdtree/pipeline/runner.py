@@ -1,0 +1,243 @@
+"""Run a pipeline: plan it (every check before any work), then its stages, controller and host side.
+
+    run_pipeline(cfg, run_dir) -> exit code     (0 ok, 1 a stage failed, 2 the plan is invalid, 130 Ctrl-C)
+
+Consecutive `on: host` stages run in ONE engine process launched through the host connection (detached,
+run_dir/engine.{pid,log,exit}); controller stages run here. A controller stage that follows a host group
+runs while the engine runs (health_poll watches it); with none following, the controller waits for the
+engine, tails its log and propagates its failure. After the last stage an engine still running is waited
+for (foreground, Ctrl-C stops it) or, with serve.detach=true after a controller stage, left running.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from omegaconf import OmegaConf
+
+from kdtree import stages as stage_registry
+from kdtree.errors import KdtreeError, PipelineError
+from kdtree.pipeline import engine_process as ep
+from kdtree.pipeline.context import StageContext
+from kdtree.pipeline.events import EVENTS_FILE, EventLog, read_events
+from kdtree.pipeline.spec import PipelineSpec, StageSpec, load_pipeline
+
+EXIT_OK, EXIT_STAGE_FAILED, EXIT_BAD_PLAN, EXIT_INTERRUPTED = 0, 1, 2, 130
+HARD_TIMEOUT_GRACE_S = 10.0  # engine only: a stage stuck in C code past timeout_s + this ends the process
+
+
+class StageTimeout(PipelineError):
+    """A stage ran past its timeout_s."""
+
+
+def _cfg_get(cfg, dotted: str, default=None):
+    try:
+        value = OmegaConf.select(cfg, dotted, default=default)
+    except Exception:
+        return default
+    return default if value is None else value
+
+
+def save_config(cfg, run_dir: Path) -> Path:
+    """run_dir/config.yaml: the composed config with interpolations resolved (what the engine process reads)."""
+    try:
+        text = OmegaConf.to_yaml(cfg, resolve=True)
+    except Exception:  # an interpolation to a missing value: keep it unresolved rather than fail here
+        text = OmegaConf.to_yaml(cfg, resolve=False)
+    path = run_dir / ep.CONFIG
+    path.write_text(text)
+    return path
+
+
+def plan_pipeline(cfg) -> PipelineSpec:
+    """The checked spec of cfg.pipeline; raises PipelineError (one line) when it cannot run."""
+    return load_pipeline(str(_cfg_get(cfg, "pipeline", "serve")), cfg)
+
+
+def execute_stage(ctx: StageContext, spec: StageSpec, events: EventLog,
+                  hard_exit: Optional[Callable[[], None]] = None) -> bool:
+    """Run one stage in this process with its timeout; record start/end/fail events. True when it ended."""
+    module = stage_registry.load_stage(spec.stage)
+    base = dict(stage=spec.stage, index=spec.index)
+    ctx.emit = lambda kind, **f: events.emit(kind, **{**base, **f})
+    events.emit("stage_start", side=spec.on, params=spec.params, timeout_s=spec.timeout_s, **base)
+    t0 = time.monotonic()
+    in_main = threading.current_thread() is threading.main_thread()
+    old_handler, watchdog = None, None
+    if spec.timeout_s and in_main:
+        def on_alarm(signum, frame):
+            raise StageTimeout(f"stage {spec.stage!r} exceeded timeout_s={spec.timeout_s:g}")
+        old_handler = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, spec.timeout_s)
+    if spec.timeout_s and hard_exit is not None:
+        def hard():  # the alarm could not interrupt the stage (blocked in C): end the process, leave a record
+            import os
+
+            events.emit("stage_fail", side=spec.on, seconds=round(time.monotonic() - t0, 3),
+                        error_type="StageTimeout", error=f"stage {spec.stage!r} exceeded timeout_s={spec.timeout_s:g} "
+                        f"and did not stop within {HARD_TIMEOUT_GRACE_S:g} s", **base)
+            hard_exit()
+            os._exit(ep.EXIT_FAILED)
+        watchdog = threading.Timer(spec.timeout_s + HARD_TIMEOUT_GRACE_S, hard)
+        watchdog.daemon = True
+        watchdog.start()
+    try:
+        result = module.run(ctx, **spec.params)
+    except Exception as e:
+        seconds = round(time.monotonic() - t0, 3)
+        _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        events.emit("stage_fail", side=spec.on, seconds=seconds, error_type=type(e).__name__, error=msg, **base)
+        return False
+    finally:
+        _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)
+    seconds = round(time.monotonic() - t0, 3)
+    if result is not None:
+        ctx.state.setdefault("results", {})[spec.stage] = result
+    events.emit("stage_end", side=spec.on, seconds=seconds, result=result, **base)
+    return True
+
+
+def _disarm(old_handler, had_alarm: bool, watchdog) -> None:
+    if had_alarm:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if old_handler is not None:
+            signal.signal(signal.SIGALRM, old_handler)
+    if watchdog is not None:
+        watchdog.cancel()
+
+
+def _last_failure(run_dir: Path, where: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    fails = [e for e in read_events(run_dir) if e.get("kind") in ("stage_fail", "engine_error")
+             and (where is None or e.get("where") == where)]
+    return fails[-1] if fails else None
+
+
+def _fail_line(event: Dict[str, Any], spec: PipelineSpec) -> str:
+    if event.get("kind") == "engine_error":
+        return f"engine process failed before its stages: {event.get('error_type')}: {event.get('error')}"
+    side = event.get("side", "?")
+    return (f"pipeline {spec.name}: stage {event.get('stage')!r} (#{event.get('index')}, {side}) failed: "
+            f"{event.get('error_type')}: {event.get('error')}")
+
+
+class _Run:
+    """One pipeline run: the spec, its context, the events, and the engine process if one was started."""
+
+    def __init__(self, cfg, run_dir: Path, spec: PipelineSpec, events: EventLog, out):
+        self.cfg, self.run_dir, self.spec, self.events, self.out = cfg, run_dir, spec, events, out
+        self.ctx = StageContext(cfg=cfg, run_dir=run_dir, state={"results": {}}, emit=events.emit)
+        self.host = None
+        self.engine: Optional[ep.EngineHandle] = None
+
+    def error(self, line: str) -> None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+
+    def launch(self, stages) -> None:
+        from kdtree.hosts import connect
+
+        if self.host is None:
+            self.host = connect(self.cfg.host)
+        self.engine = ep.launch_engine(self.host, self.run_dir, stages)
+        self.ctx.state["engine"] = self.engine.state()
+        port = _cfg_get(self.cfg, "serve.port") if any(s.stage == "serve" for s in stages) else None
+        host_cfg = OmegaConf.to_container(self.cfg.host, resolve=True) if "host" in self.cfg else {"kind": "local"}
+        ep.record_engine(self.cfg, self.engine, host_cfg, port)
+        self.events.emit("engine_launch", pid=self.engine.pid, host=self.host.label, stages=self.engine.stages,
+                         host_run_dir=self.engine.run_dir, log=self.engine.log)
+
+    def finish_engine(self) -> int:
+        """Wait for the engine (tailing its log), fetch its files, and turn its exit into ours."""
+        engine = self.engine
+        code = ep.wait_engine(engine, tail=True, out=self.out)
+        ep.fetch_back(engine)
+        self.engine = None
+        self.ctx.state["engine"] = dict(self.ctx.state.get("engine") or {}, exit=code)
+        if code == ep.EXIT_OK:
+            return EXIT_OK
+        failure = _last_failure(self.run_dir, "engine")
+        if code is None:
+            self.events.emit("engine_lost", pid=engine.pid, log=engine.log)
+            self.error(f"pipeline {self.spec.name}: engine process {engine.pid} on {engine.host.label} ended without "
+                       f"an exit status (killed?); see {engine.log}")
+        elif failure is not None:
+            self.error(_fail_line(failure, self.spec))
+        else:
+            self.error(f"pipeline {self.spec.name}: engine process exited {code} (stages {','.join(engine.stages)}); "
+                       f"see {engine.log}")
+        return EXIT_STAGE_FAILED
+
+    def stop_engine(self, why: str) -> None:
+        if self.engine is None:
+            return
+        grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
+        how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
+        self.events.emit("engine_stop", pid=self.engine.pid, why=why, result=how)
+        ep.tail_log(self.engine, self.out)
+        ep.fetch_back(self.engine)
+        self.engine = None
+
+    def run(self) -> int:
+        groups = self.spec.groups()
+        for gi, (side, stages) in enumerate(groups):
+            if side == "host":
+                if self.engine is not None:  # an earlier host group: its process must end first
+                    code = self.finish_engine()
+                    if code:
+                        return code
+                self.launch(stages)
+                continue
+            if not execute_stage(self.ctx, stages[0], self.events):
+                self.error(_fail_line(_last_failure(self.run_dir, "controller") or {}, self.spec))
+                if self.engine is not None and not bool(_cfg_get(self.cfg, "serve.detach", False)):
+                    self.stop_engine(f"stage {stages[0].stage!r} failed")
+                return EXIT_STAGE_FAILED
+        if self.engine is None:
+            return EXIT_OK
+        last_side = groups[-1][0]
+        if last_side == "controller" and bool(_cfg_get(self.cfg, "serve.detach", False)):
+            if ep.engine_running(self.engine):
+                self.events.emit("engine_detached", pid=self.engine.pid, host=self.engine.host.label,
+                                 log=self.engine.log, stop=f"python -m kdtree.run pipeline=stop stop.run_dir={self.run_dir}")
+                return EXIT_OK
+        return self.finish_engine()
+
+
+def run_pipeline(cfg, run_dir, out=sys.stdout) -> int:
+    """Plan and run cfg.pipeline in run_dir; the process exit code (0 ok, 1 stage failed, 2 bad plan, 130 Ctrl-C)."""
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir / EVENTS_FILE, where="controller", console=out)
+    save_config(cfg, run_dir)
+    try:
+        spec = plan_pipeline(cfg)
+    except KdtreeError as e:
+        events.emit("plan_error", error_type=type(e).__name__, error=str(e))
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_PLAN
+    (run_dir / ep.PIPELINE).write_text(json.dumps(spec.to_dict(), indent=1, default=str))
+    events.emit("pipeline_start", pipeline=spec.name, spec=str(spec.path), run_dir=str(run_dir),
+                stages=[f"{s.stage}@{s.on}" for s in spec.stages])
+    t0 = time.monotonic()
+    run = _Run(cfg, run_dir, spec, events, out)
+    try:
+        code = run.run()
+    except KeyboardInterrupt:
+        events.emit("interrupted")
+        run.stop_engine("Ctrl-C")
+        code = EXIT_INTERRUPTED
+    except KdtreeError as e:  # the host could not be reached, the engine could not start, ...
+        events.emit("pipeline_error", error_type=type(e).__name__, error=str(e))
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        run.stop_engine("error")
+        code = EXIT_STAGE_FAILED
+    finally:
+        if run.host is not None and run.engine is None:
+            run.host.close()
+    events.emit("pipeline_end", pipeline=spec.name, code=code, seconds=round(time.monotonic() - t0, 3))
+    return code

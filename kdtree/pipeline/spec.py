@@ -1,0 +1,235 @@
+"""Pipeline specs: pipelines/NAME.yaml (or a user's YAML) -> a checked PipelineSpec, before any work.
+
+    name: serve
+    stages:
+      - {stage: load,        on: host, params: {path: "${model.path}"}}
+      - {stage: health_poll, on: controller, params: {timeout_s: 900}}
+
+Params interpolate the composed config (resolved by OmegaConf against it). `timeout_s` is accepted by
+every stage and enforced by the runner. Every check fails with one line naming the pipeline, the stage,
+the value and the fix.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+import kdtree
+from kdtree import stages as stage_registry
+from kdtree.errors import PipelineError
+
+SIDES = ("host", "controller")
+STAGE_KEYS = ("stage", "on", "params")
+
+
+def repo_root() -> Path:
+    """The directory holding kdtree/, conf/ and pipelines/ (found from the package location)."""
+    return Path(kdtree.__file__).resolve().parent.parent
+
+
+def pipelines_dir() -> Path:
+    return repo_root() / "pipelines"
+
+
+def available_pipelines() -> List[str]:
+    return sorted(p.stem for p in pipelines_dir().glob("*.yaml"))
+
+
+def pipeline_path(name_or_path: str) -> Path:
+    """`serve` -> <repo>/pipelines/serve.yaml; a path to a YAML file is taken as it is."""
+    s = str(name_or_path)
+    if s.endswith((".yaml", ".yml")) or "/" in s:
+        p = Path(s).expanduser()
+        if not p.is_file():
+            raise PipelineError(f"pipeline={s}: no such file; give an existing YAML path or one of "
+                                f"{', '.join(available_pipelines())}")
+        return p.resolve()
+    p = pipelines_dir() / f"{s}.yaml"
+    if not p.is_file():
+        raise PipelineError(f"pipeline={s}: unknown pipeline; known pipelines: {', '.join(available_pipelines())} "
+                            f"(or give a path to a YAML file)")
+    return p
+
+
+@dataclass
+class StageSpec:
+    stage: str                       # stage name = module kdtree.stages.<stage>
+    on: str                          # "host" | "controller"
+    index: int                       # position in the pipeline (0-based)
+    params: Dict[str, Any] = field(default_factory=dict)   # resolved, without timeout_s
+    timeout_s: Optional[float] = None
+
+    def label(self) -> str:
+        return f"#{self.index} {self.stage!r} ({self.on})"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"stage": self.stage, "on": self.on, "index": self.index, "params": self.params,
+                "timeout_s": self.timeout_s}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "StageSpec":
+        return cls(stage=d["stage"], on=d["on"], index=d["index"], params=dict(d.get("params") or {}),
+                   timeout_s=d.get("timeout_s"))
+
+
+@dataclass
+class PipelineSpec:
+    name: str
+    path: Path
+    stages: List[StageSpec]
+
+    def groups(self) -> List[Tuple[str, List[StageSpec]]]:
+        """Consecutive host stages form one group (one engine process); each controller stage is its own."""
+        out: List[Tuple[str, List[StageSpec]]] = []
+        for s in self.stages:
+            if s.on == "host" and out and out[-1][0] == "host":
+                out[-1][1].append(s)
+            else:
+                out.append((s.on, [s]))
+        return out
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "stages": [s.to_dict() for s in self.stages]}
+
+
+def _read_yaml(path: Path, where: str) -> Any:
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        line = str(e).replace("\n", " ")
+        raise PipelineError(f"{where}: not valid YAML: {line}") from None
+
+
+def load_pipeline(name_or_path: str, cfg: DictConfig) -> PipelineSpec:
+    """Read, resolve and check a pipeline against the composed config; raise PipelineError on the first problem."""
+    path = pipeline_path(name_or_path)
+    where = f"pipeline {path}"
+    doc = _read_yaml(path, where)
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), list) or not doc["stages"]:
+        raise PipelineError(f"{where}: expected a mapping with `name:` and a non-empty `stages:` list")
+    unknown_top = sorted(set(map(str, doc)) - {"name", "stages", "description"})
+    if unknown_top:
+        raise PipelineError(f"{where}: unknown key(s) {', '.join(unknown_top)}; allowed: name, stages, description")
+    name = str(doc.get("name") or path.stem)
+    where = f"pipeline {name} ({path})"
+    specs = [_check_stage(entry, i, cfg, where) for i, entry in enumerate(doc["stages"])]
+    _check_order(specs, cfg, where)
+    return PipelineSpec(name=name, path=path, stages=specs)
+
+
+def _check_stage(entry: Any, index: int, cfg: DictConfig, where: str) -> StageSpec:
+    if isinstance(entry, str):
+        entry = {"stage": entry}
+    if not isinstance(entry, dict) or "stage" not in entry:
+        raise PipelineError(f"{where}: stage #{index} is {entry!r}; write it as {{stage: NAME, on: host|controller}}")
+    entry = {("on" if k is True else str(k)): v for k, v in entry.items()}  # YAML 1.1 reads `on:` as True
+    extra = sorted(set(entry) - set(STAGE_KEYS))
+    name = str(entry["stage"])
+    if extra:
+        raise PipelineError(f"{where}: stage #{index} {name!r} has unknown key(s) {', '.join(extra)}; "
+                            f"allowed: {', '.join(STAGE_KEYS)}")
+    try:
+        module = stage_registry.load_stage(name)
+    except PipelineError as e:
+        raise PipelineError(f"{where}: stage #{index}: {e}") from None
+    side = getattr(module, "SIDE")
+    on = entry.get("on") or (side if side != "any" else "controller")
+    if on not in SIDES:
+        raise PipelineError(f"{where}: stage #{index} {name!r} has on={on!r}; use on: host or on: controller")
+    if side != "any" and on != side:
+        raise PipelineError(f"{where}: stage #{index} {name!r} runs on the {side} side only, got on: {on}; "
+                            f"write on: {side}")
+    label = f"{where}: stage #{index} {name!r}"
+    params = _resolve_params(entry.get("params") or {}, cfg, label)
+    timeout_s = params.pop("timeout_s", None)
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or timeout_s <= 0):
+        raise PipelineError(f"{label}: timeout_s={timeout_s!r}; give a positive number of seconds or leave it out")
+    _check_params(module, params, label)
+    return StageSpec(stage=name, on=on, index=index, params=params,
+                     timeout_s=float(timeout_s) if timeout_s is not None else None)
+
+
+def _resolve_params(raw: Any, cfg: DictConfig, label: str) -> Dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise PipelineError(f"{label}: params is {raw!r}; write params as a mapping name: value")
+    out: Dict[str, Any] = {}
+    for key, value in raw.items():
+        try:
+            node = OmegaConf.create({"v": value}, parent=cfg)  # interpolations resolve against the composed cfg
+            out[str(key)] = OmegaConf.to_container(node, resolve=True)["v"]
+        except OmegaConfBaseException as e:
+            reason = str(e).splitlines()[0]
+            raise PipelineError(f"{label}: parameter {key}={value!r} cannot be resolved: {reason}; "
+                                f"set the config key on the command line (key=value)") from None
+    return out
+
+
+def _type_name(t: Any) -> str:
+    if isinstance(t, tuple):
+        return " | ".join(_type_name(x) for x in t)
+    return getattr(t, "__name__", str(t))
+
+
+def _type_ok(value: Any, typ: Any) -> bool:
+    if typ is Any or typ is object:
+        return True
+    types = typ if isinstance(typ, tuple) else (typ,)
+    for t in types:
+        if t is None or t is type(None):
+            if value is None:
+                return True
+            continue
+        if t is float and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, bool):
+            continue
+        if isinstance(t, type) and isinstance(value, t):
+            return True
+    return False
+
+
+def _check_params(module: Any, params: Dict[str, Any], label: str) -> None:
+    sig = stage_registry.stage_params(module)
+    declared = getattr(module, "PARAMS", None)
+    known = dict(declared) if declared is not None else {k: Any for k in sig}
+    if not stage_registry.accepts_any_params(module):
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            allowed = ", ".join(sorted(known) + ["timeout_s"])
+            raise PipelineError(f"{label}: unknown parameter(s) {', '.join(unknown)}; known: {allowed}")
+    missing = [k for k, d in sig.items() if d is inspect.Parameter.empty and k not in params]
+    if missing:
+        raise PipelineError(f"{label}: missing parameter(s) {', '.join(missing)}; add them under params:")
+    for key, value in params.items():
+        typ = known.get(key, Any)
+        if sig.get(key, inspect.Parameter.empty) is None and value is None:
+            continue
+        if not _type_ok(value, typ):
+            raise PipelineError(f"{label}: parameter {key}={value!r} is {type(value).__name__}, expected "
+                                f"{_type_name(typ)}; fix the value (or the config key it interpolates)")
+
+
+def _needs_engine(module: Any, params: Dict[str, Any], cfg: DictConfig) -> bool:
+    flag = getattr(module, "NEEDS_ENGINE", False)
+    return bool(flag(params, cfg)) if callable(flag) else bool(flag)
+
+
+def _check_order(specs: List[StageSpec], cfg: DictConfig, where: str) -> None:
+    """A controller stage that watches this run's engine must come after a host stage (which starts it)."""
+    seen_host = False
+    for s in specs:
+        if s.on == "host":
+            seen_host = True
+            continue
+        module = stage_registry.load_stage(s.stage)
+        if not seen_host and _needs_engine(module, s.params, cfg):
+            raise PipelineError(f"{where}: stage #{s.index} {s.stage!r} (controller) watches this run's engine "
+                                f"but no host stage runs before it; move it after the host stages or give it "
+                                f"a url to watch")
