@@ -1,0 +1,49 @@
+"""Fixtures of the checkpoint tests: the tiny model/quant configs, its weights, and a written checkpoint."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kdtree.checkpoint.hf_config import target_config_json
+from kdtree.checkpoint.names import init_weights, target_tensor_shapes
+from kdtree.checkpoint.tiny import TINY_SHARD_BYTES
+from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.config.schema import ModelConfig, QuantConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def model_cfg(name: str = "tiny"):
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / f"conf/model/{name}.yaml"))
+
+
+def quant_cfg(name: str = "fp32"):
+    return OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(ROOT / f"conf/quant/{name}.yaml"))
+
+
+@pytest.fixture(scope="session")
+def cfg():
+    return model_cfg("tiny")
+
+
+@pytest.fixture(scope="session")
+def fp32():
+    return quant_cfg("fp32")
+
+
+@pytest.fixture(scope="session")
+def weights(cfg):
+    return init_weights(target_tensor_shapes(cfg), cfg.seed)
+
+
+@pytest.fixture
+def write(tmp_path, cfg, weights):
+    """write(**changes) -> a target checkpoint dir of the tiny weights with `changes` applied (None = drop)."""
+    def _write(tensors=None, config=None, dtypes=None, max_shard_bytes=TINY_SHARD_BYTES, name="ckpt"):
+        t = dict(weights if tensors is None else tensors)
+        conf = target_config_json(cfg)
+        conf.update(config or {})
+        return write_checkpoint(tmp_path / name, t, conf, max_shard_bytes, dtypes=dtypes)
+    return _write
