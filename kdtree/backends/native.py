@@ -15,7 +15,7 @@ stream and copies the result back. Callers holding torch CUDA tensors call the C
 """
 from __future__ import annotations
 
-import os
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -128,6 +128,7 @@ class NativeLibrary:
         self.backend = ffi.string(c.kd_backend()).decode()
         self.device_count = int(c.kd_device_count())
         self.device_reason = self.last_error() if self.device_count == 0 else ""
+        self._weights: Dict[int, Tuple[Any, "DeviceArray"]] = {}  # cuda: id -> (weakref to array, device copy)
 
     # ---- plumbing ---------------------------------------------------------------------------------------
     def last_error(self) -> str:
@@ -198,7 +199,7 @@ class NativeLibrary:
         if x.shape[1] != w.shape[1]:
             raise NativeError(f"linear: x {x.shape} and w {w.shape} disagree on in_features")
         out = self._out(out, (x.shape[0], w.shape[0]), "linear out")
-        self._run("kd_linear_f32", (x, w, out), x.shape[0], x.shape[1], w.shape[0])
+        self._run("kd_linear_f32", (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
         return out
 
     def linear_w4a16(self, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, n_in: int, group: int,
@@ -212,8 +213,32 @@ class NativeLibrary:
             raise NativeError(f"linear_w4a16: x {x.shape}, packed {packed.shape}, scales {scales.shape} do not "
                               f"match in={n_in}, group={group}")
         out = self._out(out, (x.shape[0], n_out), "linear_w4a16 out")
-        self._run("kd_linear_w4a16", (x, packed, scales, out), x.shape[0], n_in, n_out, group)
+        self._run("kd_linear_w4a16", (x, packed, scales, out), x.shape[0], n_in, n_out, group, weights=(1, 2))
         return out
+
+    def linear_w4a16_half(self, x: np.ndarray, act_dtype: str, packed: np.ndarray, scales: np.ndarray, n_in: int,
+                          group: int) -> np.ndarray:
+        """CUDA only: x float16 [T, in] (act_dtype "f16") or bf16 bit patterns uint16 [T, in] ("bf16")."""
+        code = {"f16": 1, "bf16": 2}.get(act_dtype)
+        if code is None:
+            raise NativeError(f"linear_w4a16_half: act_dtype={act_dtype!r}; use 'f16' or 'bf16'")
+        _c_contig(x, np.float16 if code == 1 else np.uint16, "linear_w4a16_half x", 2)
+        _c_contig(packed, np.int32, "linear_w4a16_half packed", 2)
+        _c_contig(scales, np.float32, "linear_w4a16_half scales", 2)
+        out = np.empty((x.shape[0], packed.shape[0]), np.float32)
+        if self.kind == "cpu":
+            self.check(self.c.kd_linear_w4a16_half(self.ptr("void *", x), code, self.ptr("int32_t *", packed),
+                                                   self.ptr("float *", scales), self.ptr("float *", out), x.shape[0],
+                                                   n_in, packed.shape[0], group, self.ffi.NULL), "kd_linear_w4a16_half")
+            return out
+        self.require_device("kd_linear_w4a16_half")
+        dx, dp, ds = (self.device_array(a) for a in (x, packed, scales))
+        do = self.device_array(out, upload=False)
+        self.check(self.c.kd_linear_w4a16_half(self.ffi.cast("void *", dx.addr), code,
+                                               self.ffi.cast("int32_t *", dp.addr), self.ffi.cast("float *", ds.addr),
+                                               self.ffi.cast("float *", do.addr), x.shape[0], n_in, packed.shape[0],
+                                               group, self.ffi.NULL), "kd_linear_w4a16_half")
+        return do.download(out)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float, out: Optional[np.ndarray] = None) -> np.ndarray:
         _c_contig(x, np.float32, "rms_norm x", 2)
@@ -221,7 +246,7 @@ class NativeLibrary:
         if w.shape[0] != x.shape[1]:
             raise NativeError(f"rms_norm: x {x.shape} and w {w.shape} disagree on D")
         out = self._out(out, x.shape, "rms_norm out")
-        self._run("kd_rms_norm", (x, w, out), x.shape[0], x.shape[1], float(eps))
+        self._run("kd_rms_norm", (x, w, out), x.shape[0], x.shape[1], float(eps), weights=(1,))
         return out
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -250,7 +275,8 @@ class NativeLibrary:
         self._run("kd_mla_attention", (q, kv, visibility, out), T, H, L, E - L, int(n_prefix), float(scale))
         return out
 
-    _CTYPES = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int32_t *", np.dtype(np.uint64): "uint64_t *"}
+    _CTYPES = {np.dtype(np.float32): "float *", np.dtype(np.int32): "int32_t *", np.dtype(np.uint64): "uint64_t *",
+               np.dtype(np.float16): "void *", np.dtype(np.uint16): "void *"}
 
     def _out(self, out, shape, name):
         if out is None:
@@ -260,14 +286,16 @@ class NativeLibrary:
             raise NativeError(f"{name}: shape {out.shape}, expected {tuple(shape)}")
         return out
 
-    def _run(self, fn: str, arrays, *sizes) -> None:
-        """Call a dense op on host arrays: directly on cpu, through device copies on cuda."""
+    def _run(self, fn: str, arrays, *sizes, weights=()) -> None:
+        """Call a dense op on host arrays (the last one is the output): directly on cpu; on cuda through device
+        copies, the arrays at positions `weights` uploaded once and kept while the numpy array lives."""
         if self.kind == "cpu":
             ptrs = [self.ffi.NULL if a is None else self.ptr(self._CTYPES[a.dtype], a) for a in arrays]
             self.check(getattr(self.c, fn)(*ptrs, *sizes, self.ffi.NULL), fn)
             return
         self.require_device(fn)
-        bufs = [None if a is None else self.device_array(a, upload=a is not arrays[-1]) for a in arrays]
+        bufs = [None if a is None else self._weight(a) if i in weights else
+                self.device_array(a, upload=i < len(arrays) - 1) for i, a in enumerate(arrays)]
         ptrs = [self.ffi.NULL if b is None else self.ffi.cast(self._CTYPES[b.dtype], b.addr) for b in bufs]
         self.check(getattr(self.c, fn)(*ptrs, *sizes, self.ffi.NULL), fn)
         bufs[-1].download(arrays[-1])
@@ -275,6 +303,19 @@ class NativeLibrary:
     # ---- device memory (cuda) ------------------------------------------------------------------------------
     def device_array(self, a: np.ndarray, upload: bool = True) -> "DeviceArray":
         return DeviceArray(self, a, upload)
+
+    def _weight(self, a: np.ndarray) -> "DeviceArray":
+        key = id(a)
+        hit = self._weights.get(key)
+        if hit is None or hit[0]() is not a:
+            # a weak reference: the device copy is freed when the numpy array dies (its id may then be reused)
+            ref = weakref.ref(a, lambda _r, k=key, w=self._weights: w.pop(k, None))
+            hit = self._weights[key] = (ref, self.device_array(a))
+        return hit[1]
+
+    def release_weights(self) -> None:
+        """Free the device copies of weights (cuda)."""
+        self._weights.clear()
 
 
 class DeviceArray:
