@@ -313,8 +313,8 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
                         bytes_done += u.nbytes
                         left_per_file[u.file] -= 1
                         shards_done += left_per_file[u.file] == 0
-                    if progress:
-                        progress(bytes_done, total, shards_done, shards_total)
+                        if progress:  # once per chunk, so callers see every step
+                            progress(bytes_done, total, shards_done, shards_total)
             except BaseException:
                 for fut in pending:
                     fut.cancel()

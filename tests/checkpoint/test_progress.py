@@ -12,7 +12,7 @@ def test_callback_is_monotonic_and_reaches_the_total(write, cfg, fp32):
     _, stats = load_checkpoint(write(), cfg, fp32, progress=lambda *a: calls.append(a), chunk_mb=0.5, threads=3)
     assert calls[0] == (0, stats.bytes_read, 0, 4)
     assert calls[-1] == (stats.bytes_read, stats.bytes_read, 4, 4)
-    assert len(calls) > 10
+    assert len(calls) >= 1 + stats.bytes_read // 2 ** 19    # the start, then one call per 0.5 MiB chunk
     for (b0, _, s0, _), (b1, _, s1, _) in zip(calls, calls[1:]):
         assert b1 >= b0 and s1 >= s0
 
