@@ -52,6 +52,10 @@ def target_tensor_shapes(cfg) -> Dict[str, Shape]:
     """Tensor name -> shape of every tensor of an unquantized target checkpoint, in file order."""
     D = cfg.hidden_size
     lin = target_linear_shapes(cfg)
+    by_layer: Dict[str, list] = {}  # "model.layers.N" -> its linears in order (one pass, not layers x linears)
+    for name, shape in lin.items():
+        if name.startswith("model.layers."):
+            by_layer.setdefault(".".join(name.split(".", 3)[:3]), []).append((name, shape))
     out: Dict[str, Shape] = {"model.embed_tokens.weight": (cfg.vocab_size, D)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -59,9 +63,8 @@ def target_tensor_shapes(cfg) -> Dict[str, Shape]:
         out[f"{p}.post_attention_layernorm.weight"] = (D,)
         out[f"{p}.self_attn.q_a_layernorm.weight"] = (cfg.q_lora_rank,)
         out[f"{p}.self_attn.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
-        for name, shape in lin.items():
-            if name.startswith(p + "."):
-                out[f"{name}.weight"] = shape
+        for name, shape in by_layer.get(p, ()):
+            out[f"{name}.weight"] = shape
         if is_moe_layer(cfg, i):
             out[f"{p}.mlp.gate.weight"] = (cfg.n_routed_experts, D)
             out[f"{p}.mlp.gate.e_score_correction_bias"] = (cfg.n_routed_experts,)

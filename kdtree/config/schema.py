@@ -155,11 +155,28 @@ class HealthConfig:
     unit: str = ""  # systemd unit for journalctl log silence
     log: str = ""  # engine log file for log silence
     pid: int = 0
+    unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
+    model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
+    api_key: str = ""  # Bearer key for health.url (this run's engine uses serve.api_key)
+    status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
 
 
 @dataclass
 class GenerateConfig:
     seed: int = 0
+
+
+@dataclass
+class PlanConfig:
+    disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
+    float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
+    shard_gb: float = 5.0  # shard size of the computed layout when there is no checkpoint index (GB = 1e9 B)
+
+
+@dataclass
+class StopConfig:
+    run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
+    timeout_s: float = 10.0  # SIGTERM, wait this long, then SIGKILL the engine's process group
 
 
 @dataclass
@@ -178,6 +195,8 @@ class RootConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     extra: Optional[Any] = None
 
 

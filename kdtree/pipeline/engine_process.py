@@ -276,8 +276,10 @@ REGISTRY = "engines.jsonl"
 
 
 def cache_dir(cfg) -> Path:
-    d = (cfg.get("cache_dir") if hasattr(cfg, "get") else "") or os.environ.get("KDTREE_CACHE") or "~/.cache/kdtree"
-    return Path(d).expanduser()
+    """cache_dir, else $KDTREE_CACHE, else ~/.cache/kdtree (the same rule as the checkpoint cache)."""
+    from kdtree.checkpoint.tiny import cache_root
+
+    return cache_root((cfg.get("cache_dir") if hasattr(cfg, "get") else "") or "")
 
 
 def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Optional[int]) -> None:

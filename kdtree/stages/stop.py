@@ -1,0 +1,73 @@
+"""stop: stop the engine process of a run — SIGTERM its process group, wait grace_s, then SIGKILL.
+
+    python -m kdtree.run pipeline=stop stop.run_dir=runs/2026-11-30/08-00-00-serve
+    python -m kdtree.run pipeline=stop serve.port=30001      # the most recent engine serving on that port
+
+The engine is found in the registry of launched engines (<cache_dir>/engines.jsonl, written by the runner),
+which also says through which host it was launched, so a remote engine is stopped through the same host
+connection. The run's files are left as they are (an engine_stop event is appended to its events.jsonl).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from omegaconf import OmegaConf
+
+from kdtree.errors import PipelineError
+from kdtree.pipeline import engine_process as ep
+from kdtree.pipeline.events import EVENTS_FILE, EventLog
+
+SIDE = "controller"
+PARAMS = {"run_dir": str, "port": int, "grace_s": float}
+
+
+def _entry_for_run_dir(cfg, run_dir: Path) -> Dict[str, Any]:
+    entries = [e for e in ep.registry_entries(cfg) if Path(e.get("run_dir", "")).resolve() == run_dir]
+    if entries:
+        return entries[-1]
+    pidfile, config = run_dir / ep.PIDFILE, run_dir / ep.CONFIG
+    if not pidfile.exists():
+        raise PipelineError(f"stop.run_dir={run_dir}: no engine.pid there and no entry in "
+                            f"{ep.cache_dir(cfg) / ep.REGISTRY}; give the run dir of a pipeline that started an engine")
+    host = OmegaConf.to_container(OmegaConf.load(config).host) if config.exists() else {"kind": "local"}
+    return {"run_dir": str(run_dir), "host_run_dir": str(run_dir), "pid": int(pidfile.read_text().strip()),
+            "host": host}
+
+
+def _entry_for_port(cfg, port: int) -> Dict[str, Any]:
+    from kdtree.hosts import connect
+
+    entries = [e for e in ep.registry_entries(cfg) if e.get("port") == port]
+    for e in reversed(entries):  # most recent first; skip engines that already ended
+        host = connect(e.get("host") or {"kind": "local"})
+        try:
+            if host.is_alive(int(e["pid"])):
+                return e
+        finally:
+            host.close()
+    raise PipelineError(f"serve.port={port}: no running engine of {len(entries)} launched on that port in "
+                        f"{ep.cache_dir(cfg) / ep.REGISTRY}; give stop.run_dir=<the run dir>")
+
+
+def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0) -> dict:
+    from kdtree.hosts import connect
+
+    if run_dir:
+        entry = _entry_for_run_dir(ctx.cfg, Path(run_dir).expanduser().resolve())
+    elif port:
+        entry = _entry_for_port(ctx.cfg, int(port))
+    else:
+        raise PipelineError("stop: nothing to stop; give stop.run_dir=<run dir> or serve.port=<port>")
+    host = connect(entry.get("host") or {"kind": "local"})
+    pid = int(entry["pid"])
+    try:
+        result = ep.stop_engine(host, pid, grace_s=float(grace_s))
+    finally:
+        host.close()
+    target = Path(entry["run_dir"])
+    print(f"stop: engine {pid} of {target} on {host.label}: {result}", flush=True)
+    if (target / EVENTS_FILE).exists() and target.resolve() != Path(ctx.run_dir).resolve():
+        EventLog(target / EVENTS_FILE, where="stop", console=None).emit(
+            "engine_stop", pid=pid, result=result, by=str(ctx.run_dir))
+    return {"run_dir": str(target), "pid": pid, "host": host.label, "result": result}
