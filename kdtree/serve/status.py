@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 PHASES = ("loading", "warmup", "ready", "draining", "stopped", "failed")
 
@@ -26,6 +26,7 @@ class StatusFile:
     def __init__(self, path: Union[str, Path], **initial: Any):
         self.path = Path(path)
         self._lock = threading.Lock()
+        self._listeners: List[Callable[[Dict[str, Any]], None]] = []
         now = time.time()
         self._data: Dict[str, Any] = {
             "pid": os.getpid(),
@@ -61,7 +62,18 @@ class StatusFile:
             self._data["pid"] = os.getpid()
             snap = json.loads(json.dumps(self._data, default=str))
             self._write(snap)
+            listeners = list(self._listeners)
+        for fn in listeners:                      # sd_notify, metrics: outside the lock, never fatal
+            try:
+                fn(snap)
+            except Exception:
+                pass
         return snap
+
+    def subscribe(self, fn: Callable[[Dict[str, Any]], None]) -> None:
+        """Call fn(snapshot) after every update (sd_notify mirrors the status to systemd this way)."""
+        with self._lock:
+            self._listeners.append(fn)
 
     def snapshot(self) -> Dict[str, Any]:
         with self._lock:
@@ -88,3 +100,30 @@ def read_status(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
             return json.load(f)
     except FileNotFoundError:
         return None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def describe(snap: Dict[str, Any]) -> str:
+    """One line for humans and systemd: 'loading 3/8 shards, 12.5 MB/40.0 MB, 2.5 MB/s, ETA 11 s'."""
+    phase = snap.get("phase", "?")
+    parts = [phase]
+    if phase == "loading" or (phase in ("warmup", "ready") and snap.get("bytes_total")):
+        if snap.get("shards_total"):
+            parts[0] += f" {snap.get('shards_done', 0)}/{snap['shards_total']} shards"
+        if snap.get("bytes_total"):
+            parts.append(f"{_size(snap.get('bytes_done', 0))}/{_size(snap['bytes_total'])}")
+        if phase == "loading" and snap.get("rate_mb_s"):
+            parts.append(f"{snap['rate_mb_s']:.1f} MB/s")
+        if phase == "loading" and snap.get("eta_s") is not None:
+            parts.append(f"ETA {snap['eta_s']:.0f} s")
+    if phase == "warmup" and snap.get("warmup_total"):
+        parts.append(f"shape {snap.get('warmup_done', 0)}/{snap['warmup_total']} {snap.get('warmup_shape', '')}".rstrip())
+    if phase == "failed" and snap.get("error"):
+        parts.append(str(snap["error"]))
+    return ", ".join(parts)

@@ -1,0 +1,36 @@
+"""ETA of the load from bytes: remaining bytes / the rate observed over the last `window_s` seconds.
+
+The rate is measured by the monitor from successive samples (not taken from the engine), so it works
+for any byte counter: kdtree's status bytes, or the engine process's read bytes against the checkpoint
+index's total_size for servers that report nothing.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Optional, Tuple
+
+
+class RateMeter:
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = float(window_s)
+        self.points: Deque[Tuple[float, float]] = deque()      # (seconds, bytes)
+
+    def add(self, t: float, value: float) -> None:
+        if self.points and value < self.points[-1][1]:          # a counter that went back: a new load
+            self.points.clear()
+        self.points.append((t, float(value)))
+        while len(self.points) > 2 and t - self.points[1][0] >= self.window_s:
+            self.points.popleft()
+
+    def rate(self) -> Optional[float]:
+        """bytes/s over the window, None until two points at least 0.5 s apart."""
+        if len(self.points) < 2:
+            return None
+        (t0, v0), (t1, v1) = self.points[0], self.points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 - t0 >= 0.5 else None
+
+
+def eta_seconds(done: float, total: float, rate: Optional[float]) -> Optional[float]:
+    if not total or rate is None or rate <= 0:
+        return None
+    return max(0.0, (total - done) / rate)

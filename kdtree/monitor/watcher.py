@@ -1,0 +1,364 @@
+"""The monitor loop: sample every probe, judge, print one evidence line per sample, stop on a settled verdict.
+
+    w = Watcher(host, Target(url="http://127.0.0.1:30001", pid=1234, log=".../engine.log"),
+                interval_s=1, stall_window_s=30, deadline_s=600, probe_timeout_s=5,
+                history=History(cache_dir, fields), out_dir=run_dir)
+    summary = w.run()        # {"verdict": "READY", "exit_code": 0, ...}; health.json + health.jsonl in out_dir
+
+A line per sample reads, e.g.
+    12.0s PROGRESSING loading 2/4 shards 6.3 MB/12.5 MB 1.0 MB/s ETA 6 s | http 503 | pid 812 R cpu 12% rss 180 MB
+          read 1.0 MB/s | disk idle | log +0 B | moved: status.bytes_done,process.rchar
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from kdtree.monitor import probes as P
+from kdtree.monitor.eta import RateMeter, eta_seconds
+from kdtree.monitor.history import History, compare
+from kdtree.monitor.verdict import EXIT_CODES, Judge
+from kdtree.serve.status import describe
+
+
+@dataclass
+class Target:
+    url: str                    # base URL as seen from the host (curl runs there)
+    model: str = ""             # empty: the first id of GET /v1/models
+    api_key: str = ""
+    pid: int = 0                # engine pid; 0: from pidfile, the status, or the unit's MainPID
+    pidfile: str = ""
+    status_path: str = ""       # kdtree's status.json on the host (read when /status does not answer)
+    log: str = ""               # engine log file on the host
+    unit: str = ""              # systemd unit (log silence via journalctl, crash via ActiveState)
+    unit_user: bool = False
+    checkpoint: str = ""        # checkpoint dir on the host: index total_size for the ETA of other servers
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
+
+
+class Watcher:
+    def __init__(self, host, target: Target, interval_s: float = 1.0, stall_window_s: float = 30.0,
+                 deadline_s: float = 600.0, probe_timeout_s: float = 5.0, history: Optional[History] = None,
+                 out_dir: Optional[Path] = None, echo: Callable[[str], None] = lambda s: print(s, flush=True)):
+        self.host, self.target = host, target
+        self.interval_s, self.window, self.deadline_s = float(interval_s), float(stall_window_s), float(deadline_s)
+        self.timeout = float(probe_timeout_s)
+        self.history, self.out_dir, self.echo = history, Path(out_dir) if out_dir else None, echo
+        self.samples: List[Dict[str, Any]] = []
+        self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
+        self._prev_disk: Optional[Dict[str, Any]] = None
+        self._prev_proc: Optional[Dict[str, Any]] = None
+        self._prev_log_size: Optional[int] = None
+        self._prev_t: Optional[float] = None
+        self._gpu_absent = False
+        self._checkpoint_total: Optional[int] = None
+        self._last_status: Optional[Dict[str, Any]] = None
+        self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
+
+    # -- probes ----------------------------------------------------------------------------------------
+    def _pid(self) -> int:
+        t = self.target
+        if t.pid:
+            return t.pid
+        if t.pidfile:
+            r = P._run(self.host, "pidfile", f"cat {shlex.quote(t.pidfile)}", self.timeout,
+                       lambda r: {"pid": int(r.stdout.strip())})
+            if r.ok:
+                return r.data["pid"]
+        if self._last_status and self._last_status.get("pid"):
+            return int(self._last_status["pid"])
+        return 0
+
+    def _probes(self) -> Dict[str, P.ProbeResult]:
+        t, to = self.target, self.timeout
+        if not t.url and self._last_status and self._last_status.get("url"):
+            t.url = self._last_status["url"]          # serve.port=0: the engine wrote the port it got
+        pid = self._pid()
+        jobs: Dict[str, Callable[[], P.ProbeResult]] = {
+            "completion": lambda: self._completion(),
+            "status": lambda: P.probe_status(self.host, t.url, to, t.status_path),
+            "disk": lambda: P.probe_diskstats(self.host, to),
+        }
+        if pid:
+            jobs["process"] = lambda: P.probe_process(self.host, pid, to)
+        if not self._gpu_absent:
+            jobs["gpu"] = lambda: P.probe_gpu(self.host, to)
+        if t.unit:
+            jobs["log"] = lambda: P.probe_unit(self.host, t.unit, to, user=t.unit_user)
+        elif t.log:
+            jobs["log"] = lambda: P.probe_log_file(self.host, t.log, to)
+        results: Dict[str, P.ProbeResult] = {}
+        threads = [threading.Thread(target=lambda k=k, f=f: results.__setitem__(k, f()), daemon=True)
+                   for k, f in jobs.items()]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(to + 30)        # the host layer enforces each probe's own timeout; this is a backstop
+        for k in jobs:
+            results.setdefault(k, P.ProbeResult(k, False, to + 30, timed_out=True, error="probe thread hung"))
+        if "gpu" in results and results["gpu"].ok and not results["gpu"].data.get("present"):
+            self._gpu_absent = True
+        return {k: results[k] for k in jobs}
+
+    def _completion(self) -> P.ProbeResult:
+        t = self.target
+        if not t.url:
+            return P.ProbeResult("completion", True, 0.0, data={"port": "unknown (no status yet)", "answered": False})
+        if not t.model:
+            m = P.probe_models(self.host, t.url, self.timeout, t.api_key)
+            if m.ok and m.data.get("model"):
+                t.model = m.data["model"]
+            else:
+                m.name = "completion"
+                m.data["answered"] = False
+                return m
+        return P.probe_completion(self.host, t.url, t.model, self.timeout, t.api_key)
+
+    # -- one sample ------------------------------------------------------------------------------------
+    def sample(self, judge: Judge, t_start: float) -> Dict[str, Any]:
+        t_probe = time.monotonic()
+        probes = self._probes()
+        now = time.monotonic()
+        elapsed = now - t_start
+        st = probes.get("status")
+        snap = st.data.get("status") if st is not None and st.ok else None
+        if isinstance(snap, dict):
+            self._last_status = snap
+        j = judge.judge(probes, now)
+        comp = probes["completion"]
+        if comp.ok and comp.data.get("port") == "open":
+            self._observed.setdefault("port_open", elapsed)
+        if j.verdict == "READY":
+            self._observed.setdefault("ready", elapsed)
+
+        eta = self._eta(probes, snap, t_probe)
+        line = self._line(elapsed, j, probes, snap, eta, now)
+        sample = {"t": round(elapsed, 3), "at": time.time(), "verdict": j.verdict, "reason": j.reason,
+                  "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
+                  "probes": {k: v.to_dict() for k, v in probes.items()}}
+        sample["probes"].get("status", {}).get("data", {}).pop("status", None)   # kept once below, smaller
+        if isinstance(snap, dict):
+            sample["status"] = {k: snap.get(k) for k in ("phase", "shards_done", "shards_total", "bytes_done",
+                                                         "bytes_total", "rate_mb_s", "eta_s", "pid", "warmup_done",
+                                                         "warmup_total", "updated_at")}
+        self._prev_t = now
+        return sample
+
+    def _eta(self, probes, snap, t: float) -> Optional[Dict[str, Any]]:
+        """Load ETA from kdtree's status bytes, else from the process's read bytes vs the checkpoint size."""
+        done = total = None
+        source = None
+        if isinstance(snap, dict) and snap.get("phase") == "loading" and snap.get("bytes_total"):
+            done, total, source = snap.get("bytes_done", 0), snap["bytes_total"], "status"
+        elif self.target.checkpoint and probes.get("process") is not None and probes["process"].ok \
+                and probes["process"].data.get("rchar") is not None:
+            if self._checkpoint_total is None:
+                self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint, self.timeout) or 0
+            if self._checkpoint_total:
+                done, total, source = min(probes["process"].data["rchar"], self._checkpoint_total), \
+                    self._checkpoint_total, "process"
+        if done is None:
+            return None
+        self.meter.add(t, done)
+        rate = self.meter.rate()
+        e = eta_seconds(done, total, rate)
+        return {"source": source, "bytes_done": done, "bytes_total": total,
+                "rate_mb_s": None if rate is None else round(rate / 1e6, 3),
+                "eta_s": None if e is None else round(e, 1)}
+
+    def _line(self, elapsed, j, probes, snap, eta, now) -> str:
+        parts = []
+        dt = (now - self._prev_t) if self._prev_t else None
+        # engine status
+        if isinstance(snap, dict):
+            s = dict(snap)
+            if eta is not None and eta["source"] == "status":
+                s["rate_mb_s"] = eta["rate_mb_s"] or 0.0
+                s["eta_s"] = eta["eta_s"]
+            src = probes["status"].data.get("source")
+            parts.append(describe(s) + (" (status.json; /status not answering)" if src == "file" else ""))
+        elif eta is not None:
+            parts.append(f"read {_mb(eta['bytes_done'])}/{_mb(eta['bytes_total'])}"
+                         + (f" {eta['rate_mb_s']:.1f} MB/s" if eta["rate_mb_s"] else "")
+                         + (f" ETA {eta['eta_s']:.0f} s" if eta["eta_s"] is not None else ""))
+        # the completion probe, exactly what users see
+        c = probes["completion"]
+        if c.timed_out or c.unreachable:
+            parts.append(f"http ? (host command failed after {c.seconds:.1f} s)")
+        elif not c.ok:
+            parts.append(f"http ? ({c.error[:60]})")
+        elif c.data.get("answered"):
+            parts.append(f"http 200 {c.data.get('text')!r} in {c.seconds:.2f} s")
+        elif c.data.get("http") is not None:
+            parts.append(f"http {c.data['http']}")
+        else:
+            parts.append(f"port {c.data.get('port')}" + (f" after {c.seconds:.1f} s" if c.data.get("port") == "timeout"
+                                                        else ""))
+        # process
+        pr = probes.get("process")
+        if pr is not None:
+            if not pr.ok:
+                parts.append(f"pid ? ({'ssh timeout' if pr.timed_out else pr.error[:40]})")
+            elif not pr.data["alive"]:
+                parts.append(f"pid {pr.data['pid']} {pr.data['state']}")
+            else:
+                d = pr.data
+                txt = f"pid {d['pid']} {d['state']}"
+                prev = self._prev_proc
+                if prev and dt and prev.get("pid") == d["pid"]:
+                    txt += f" cpu {100 * (d['cpu_s'] - prev['cpu_s']) / dt:.0f}%"
+                txt += f" rss {_mb(d['rss_bytes'])}"
+                if d.get("io_readable") and prev and dt and prev.get("rchar") is not None:
+                    txt += f" read {(d['rchar'] - prev['rchar']) / dt / 1e6:.1f} MB/s"
+                elif not d.get("io_readable"):
+                    txt += " io ?"
+                if d.get("procs", 1) > 1:
+                    txt += f" ({d['procs']} procs)"
+                parts.append(txt)
+                self._prev_proc = d
+        # disk
+        dk = probes.get("disk")
+        if dk is not None and dk.ok:
+            devs = dk.data["devices"]
+            if self._prev_disk is not None and dt:
+                rates = {n: (v["read_bytes"] - self._prev_disk[n]["read_bytes"]) / dt / 1e6
+                         for n, v in devs.items() if n in self._prev_disk}
+                dk.data["read_mb_s"] = {n: round(r, 2) for n, r in rates.items() if r > 0}
+                top = sorted(dk.data["read_mb_s"].items(), key=lambda kv: -kv[1])[:2]
+                parts.append("disk " + (", ".join(f"{n} {r:.1f} MB/s" for n, r in top) if top else "idle"))
+            self._prev_disk = devs
+            dk.data["devices"] = {}         # raw counters are large; the per-device rates above are the evidence
+        # gpu
+        g = probes.get("gpu")
+        if g is not None and g.ok and g.data.get("present"):
+            gs = g.data["gpus"]
+            parts.append(f"gpu {sum(x['mem_used_mb'] for x in gs) / 1024:.1f}/"
+                         f"{sum(x['mem_total_mb'] for x in gs) / 1024:.0f} GiB "
+                         f"util {max((x['util_pct'] or 0) for x in gs):.0f}%")
+        # log
+        lg = probes.get("log")
+        if lg is not None and lg.ok:
+            if "active" in lg.data:
+                parts.append(f"unit {lg.data['active']}/{lg.data['sub']}")
+            elif lg.data.get("exists"):
+                grew = lg.data["size"] - self._prev_log_size if self._prev_log_size is not None else 0
+                parts.append(f"log +{grew} B" if grew else f"log silent {time.time() - lg.data['mtime']:.0f} s")
+                self._prev_log_size = lg.data["size"]
+        head = f"{elapsed:6.1f}s {j.verdict:<11}"
+        return head + " " + " | ".join(parts) + f" | {j.reason}"
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run(self) -> Dict[str, Any]:
+        t_start = time.monotonic()
+        judge = Judge(self.window, self.deadline_s, t_start)
+        base = self.history.baseline() if self.history is not None else {"starts": 0}
+        hist_line = (f"{base['starts']} earlier cold start(s), usually ready after {base['to_ready_s']:.1f} s"
+                     if base.get("starts") and base.get("to_ready_s") else "no earlier cold starts recorded")
+        self.echo(f"watching {self.target.url} on {getattr(self.host, 'label', 'local')} "
+                  f"(every {self.interval_s:g} s, stall window {self.window:g} s, deadline {self.deadline_s:g} s); "
+                  f"{hist_line}")
+        jsonl = self.out_dir / "health.jsonl" if self.out_dir else None
+        if jsonl:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            jsonl.write_text("")
+        verdict, reason = "STALLED", "interrupted"
+        try:
+            while True:
+                t_sample = time.monotonic()
+                s = self.sample(judge, t_start)
+                self.samples.append(s)
+                self.echo(s["line"])
+                if jsonl:
+                    with open(jsonl, "a") as f:
+                        f.write(json.dumps(s, default=str) + "\n")
+                if s["verdict"] in ("READY", "CRASHED", "STALLED", "UNREACHABLE") and \
+                        (s["verdict"] != "UNREACHABLE" or judge.unreachable_since is not None
+                         and time.monotonic() - judge.unreachable_since >= self.window):
+                    verdict, reason = s["verdict"], s["reason"]
+                    break
+                time.sleep(max(0.0, self.interval_s - (time.monotonic() - t_sample)))
+        except KeyboardInterrupt:
+            verdict, reason = "INTERRUPTED", "interrupted by the user"
+        return self._finish(verdict, reason, time.monotonic() - t_start, base)
+
+    def _finish(self, verdict: str, reason: str, seconds: float, base: Dict[str, Any]) -> Dict[str, Any]:
+        phases, to_ready = self._phases(verdict)
+        cmp = compare(phases, to_ready, base) if verdict == "READY" else {"starts": base.get("starts", 0)}
+        if self.history is not None and verdict != "INTERRUPTED":
+            self.history.record(verdict, phases, to_ready, url=self.target.url)
+        summary = {"verdict": verdict, "exit_code": EXIT_CODES.get(verdict, 130), "reason": reason,
+                   "url": self.target.url, "host": getattr(self.host, "label", "local"),
+                   "seconds": round(seconds, 3), "phases": phases, "to_ready_s": to_ready, "history": cmp,
+                   "samples": self.samples}
+        if self.out_dir:
+            tmp = self.out_dir / ".health.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1, default=str))
+            tmp.replace(self.out_dir / "health.json")
+        tail = f"; {cmp['line']}" if cmp.get("line") else ""
+        self.echo(f"{verdict}: {reason} ({seconds:.1f} s){tail}")
+        return summary
+
+    def _phases(self, verdict: str):
+        """Phase durations of this start (engine-reported when kdtree, else monitor-observed) and time to ready."""
+        snap = self._last_status
+        if isinstance(snap, dict) and snap.get("phases"):
+            ph = snap["phases"]
+            phases = {p: float(v["seconds"]) for p, v in ph.items() if "seconds" in v}
+            to_ready = None
+            if "ready" in ph and snap.get("started_at"):
+                to_ready = round(ph["ready"]["started_at"] - snap["started_at"], 3)
+            return phases, to_ready
+        obs = self._observed
+        phases = {}
+        if "port_open" in obs:
+            phases["port_closed"] = round(obs["port_open"], 3)
+            if "ready" in obs:
+                phases["not_ready"] = round(obs["ready"] - obs["port_open"], 3)
+        to_ready = obs.get("ready") if verdict == "READY" else None
+        pr = self.samples[-1]["probes"].get("process") if self.samples else None
+        if to_ready is not None and pr and pr.get("ok") and pr["data"].get("elapsed_s"):
+            to_ready = pr["data"]["elapsed_s"]          # from the server's own start, not the monitor's
+        return phases, to_ready
+
+
+class HealthError(Exception):
+    """The monitor settled on something other than READY; carries the verdict and the process exit code."""
+
+    def __init__(self, summary: Dict[str, Any]):
+        self.verdict, self.exit_code = summary["verdict"], summary["exit_code"]
+        super().__init__(f"{summary['verdict']}: {summary['reason']} after {summary['seconds']:.1f} s "
+                         f"(evidence: health.json)")
+
+
+def history_for(cfg, url: str = "") -> History:
+    """Cold starts are comparable when host, model, checkpoint, quant, tp and backend match (+ the URL
+    for servers this run did not start)."""
+    from kdtree.engine import cache_dir
+
+    fields = {"host": f"{cfg.host.name}:{cfg.host.address}", "model": cfg.model.name, "path": cfg.model.path,
+              "quant": cfg.quant.method, "tp": cfg.tp.size, "backend": cfg.backend.name, "tree": cfg.tree.kind}
+    if url:
+        fields = {"host": f"{cfg.host.name}:{cfg.host.address}", "url": url, "model": cfg.health.model}
+    return History(cache_dir(cfg), fields)
+
+
+def watch(cfg, host, target: Target, out_dir: Path, history: Optional[History]) -> Dict[str, Any]:
+    """Run the monitor with health.* settings; the summary on READY, HealthError otherwise."""
+    h = cfg.health
+    w = Watcher(host, target, interval_s=h.interval_s, stall_window_s=h.stall_window_s, deadline_s=h.deadline_s,
+                probe_timeout_s=h.probe_timeout_s, history=history, out_dir=out_dir)
+    summary = w.run()
+    if summary["verdict"] == "INTERRUPTED":
+        raise KeyboardInterrupt
+    if summary["verdict"] != "READY":
+        raise HealthError(summary)
+    return {k: summary[k] for k in ("verdict", "seconds", "to_ready_s", "phases", "url")} | \
+        {"history": summary["history"].get("line"), "samples": len(summary["samples"])}

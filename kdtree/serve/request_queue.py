@@ -1,0 +1,90 @@
+"""One engine worker thread consuming a bounded request queue.
+
+The numpy engine (and a single CUDA stream) is not thread-safe, so HTTP handler threads never touch it:
+they submit a Job and wait. Concurrency = queueing; a full queue is refused (HTTP 429) instead of
+growing without bound. Results are per request, so greedy output never depends on the other requests.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Draining(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    prompt_ids: List[int]
+    max_new_tokens: int
+    stop_ids: Sequence[int] = ()
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0
+    result: Any = None                 # GenerationResult
+    error: Optional[BaseException] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.done.wait(timeout)
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, max_queue: int = 256, on_done=None):
+        self.engine = engine
+        self.on_done = on_done                     # fn(job) after each job (metrics)
+        self._q: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max(1, int(max_queue)))
+        self._accepting = True
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def submit(self, job: Job) -> Job:
+        with self._lock:
+            if not self._accepting:
+                raise Draining()
+            try:
+                self._q.put_nowait(job)
+            except queue.Full:
+                raise QueueFull() from None
+        return job
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Refuse new jobs, finish every accepted one, stop the thread. True when it finished in time."""
+        with self._lock:
+            self._accepting = False
+        self._q.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            self.in_flight = 1
+            job.started_at = time.monotonic()
+            try:
+                job.result = self.engine.generate(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids))
+            except BaseException as e:             # reported to the waiting request, the worker lives on
+                job.error = e
+            finally:
+                self.in_flight = 0
+                if self.on_done is not None and job.error is None:
+                    try:
+                        self.on_done(job)
+                    except Exception:
+                        pass
+                job.done.set()

@@ -1,0 +1,34 @@
+"""health_poll: watch this run's engine from the controller until it answers a completion (READY) or the
+evidence says STALLED / CRASHED / UNREACHABLE (the stage fails with the verdict; health.json has the timeline).
+
+Probes run through the same host connection that launched the engine, against its pid, log and
+status.json, and `POST /v1/completions` on serve.host:serve.port as seen from that host.
+"""
+from __future__ import annotations
+
+from kdtree.monitor.watcher import Target, history_for, watch
+
+SIDE = "controller"
+PARAMS = {}
+NEEDS_ENGINE = True
+
+
+def engine_target(cfg, engine: dict) -> Target:
+    s, h = cfg.serve, cfg.health
+    bind = "127.0.0.1" if s.host in ("0.0.0.0", "", "::") else s.host
+    url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
+    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or s.api_key,
+                  pid=int(h.pid or engine.get("pid") or 0), status_path=f"{engine['run_dir']}/status.json",
+                  log=h.log or engine.get("log", ""), unit=h.unit, unit_user=h.unit_user)
+
+
+def run(ctx) -> dict:
+    engine = ctx.state.get("engine") or {}
+    host = engine.get("host")
+    if host is None:
+        from kdtree.hosts import connect
+        host = connect(ctx.cfg.host)
+    if not engine.get("run_dir"):
+        engine = dict(engine, run_dir=str(ctx.run_dir))
+    target = engine_target(ctx.cfg, engine)
+    return watch(ctx.cfg, host, target, ctx.run_dir, history_for(ctx.cfg))
