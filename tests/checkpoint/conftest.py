@@ -1,26 +1,13 @@
 """Fixtures of the checkpoint tests: the tiny model/quant configs, its weights, and a written checkpoint."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from omegaconf import OmegaConf
 
 from kdtree.checkpoint.hf_config import target_config_json
 from kdtree.checkpoint.names import init_weights, target_tensor_shapes
 from kdtree.checkpoint.tiny import TINY_SHARD_BYTES
 from kdtree.checkpoint.writer import write_checkpoint
-from kdtree.config.schema import ModelConfig, QuantConfig
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def model_cfg(name: str = "tiny"):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / f"conf/model/{name}.yaml"))
-
-
-def quant_cfg(name: str = "fp32"):
-    return OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(ROOT / f"conf/quant/{name}.yaml"))
+from tests.checkpoint.configs import model_cfg, quant_cfg
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from kdtree.config.schema import ModelConfig
 from kdtree.errors import CheckpointError, ConfigError
 from kdtree.tokenizer import ByteTokenizer, TiktokenTokenizer, load_tokenizer
-from tests.checkpoint.conftest import model_cfg
+from tests.checkpoint.configs import model_cfg
 
 TEXTS = ["2+2=", "hello world, it's me", "café naïve — ünïcödé", "中文和日本語のテキスト", "emoji 🙂🚀\n\ttabs  ", ""]
 

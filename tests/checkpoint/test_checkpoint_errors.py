@@ -9,7 +9,7 @@ import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.errors import CheckpointError
-from tests.checkpoint.conftest import quant_cfg
+from tests.checkpoint.configs import quant_cfg
 
 NAME = "model.layers.2.mlp.experts.5.up_proj.weight"
 

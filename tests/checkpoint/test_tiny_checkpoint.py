@@ -13,7 +13,7 @@ import pytest
 from kdtree.checkpoint.loader import load_checkpoint, load_drafter
 from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-from tests.checkpoint.conftest import ROOT, model_cfg, quant_cfg
+from tests.checkpoint.configs import ROOT, int4_available, model_cfg, quant_cfg
 
 
 def tree_bytes(d: Path) -> dict:
@@ -63,7 +63,7 @@ def test_cache_dir_from_environment(tmp_path, cfg, fp32, monkeypatch):
 
 
 def test_racing_processes_both_get_the_complete_checkpoint(tmp_path):
-    code = ("import sys; from tests.checkpoint.conftest import model_cfg, quant_cfg;"
+    code = ("import sys; from tests.checkpoint.configs import model_cfg, quant_cfg;"
             "from kdtree.checkpoint.tiny import ensure_tiny_checkpoint;"
             "print(ensure_tiny_checkpoint(model_cfg(), quant_cfg(), sys.argv[1]))")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -78,18 +78,7 @@ def test_racing_processes_both_get_the_complete_checkpoint(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [d.name]
 
 
-def _int4_available() -> bool:
-    try:
-        from kdtree.checkpoint.tiny import _quantizer
-        from kdtree.quant.int4 import Int4Weight  # noqa: F401
-
-        _quantizer()
-        return True
-    except ImportError:
-        return False
-
-
-@pytest.mark.skipif(not _int4_available(), reason="kdtree.quant.int4 quantize_checkpoint/Int4Weight not importable")
+@pytest.mark.skipif(not int4_available(), reason="kdtree.quant.int4 quantize_checkpoint/Int4Weight not importable")
 def test_int4_tiny_checkpoint_loads_packed_experts(tmp_path, cfg):
     from kdtree.quant.int4 import Int4Weight
 
