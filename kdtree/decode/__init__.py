@@ -1,0 +1,29 @@
+"""Decoding loops: greedy AR (kdtree/decode/ar.py) and chain/DDTree speculative (kdtree/decode/ddtree.py).
+
+`generate(...)` picks the loop from tree.kind; every kind returns the same tokens (the lossless invariant).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+from kdtree.decode.result import GenerationResult
+from kdtree.errors import ConfigError
+
+
+def generate(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new_tokens: int,
+             eos_id: Optional[int] = None, stop_ids: Iterable[int] = ()) -> GenerationResult:
+    """Greedy generation with tree_cfg.kind = ar | chain | ddtree (drafter unused, may be None, for ar)."""
+    kind = str(tree_cfg.kind)
+    if kind == "ar":
+        from kdtree.decode.ar import generate_ar
+        return generate_ar(model, prompt_ids, max_new_tokens, eos_id=eos_id, stop_ids=stop_ids)
+    if kind in ("chain", "ddtree"):
+        if drafter is None:
+            raise ConfigError(f"tree.kind={kind} needs the DFlash drafter but none is loaded; "
+                              f"add <checkpoint>/drafter/ or use tree=ar")
+        from kdtree.decode.ddtree import generate_ddtree
+        return generate_ddtree(model, drafter, tree_cfg, prompt_ids, max_new_tokens, eos_id=eos_id, stop_ids=stop_ids)
+    raise ConfigError(f"tree.kind={kind} is unknown; use tree=ar, tree=chain or tree=ddtree")
+
+
+__all__ = ["GenerationResult", "generate"]

@@ -107,8 +107,7 @@ class DFlashDrafter:
     @classmethod
     def from_target(cls, model, weights: Mapping[str, Any]) -> "DFlashDrafter":
         """Drafter sharing `model`'s (a K2Model) embeddings, lm_head and ops."""
-        return cls(model.cfg, weights, model.ops, model.weights["model.embed_tokens.weight"],
-                   model.weights["lm_head.weight"])
+        return cls(model.cfg, weights, model.ops, model.embed_tokens, model.lm_head_w)
 
     def new_cache(self, max_len: int) -> DrafterCache:
         return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from kdtree.backends import get_ops
 from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.config.schema import ModelConfig
-from kdtree.errors import CheckpointError
+from kdtree.errors import CheckpointError, KdtreeError
 from kdtree.model.drafter import DFlashDrafter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,8 +94,13 @@ def torch_reference(cfg, W, embed, lm_head, hid, bonus):
     return (rms(x, t["norm.weight"])[1:] @ torch.tensor(lm_head, dtype=torch.float64).T).numpy()
 
 
-def test_forward_matches_torch_transcription(cfg, drafter_w, target_w):
-    dr = make(cfg, drafter_w, target_w)
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_forward_matches_torch_transcription(cfg, drafter_w, target_w, backend):
+    try:
+        ops = get_ops(backend)
+    except KdtreeError as e:
+        pytest.skip(f"backend={backend} unavailable ({e})")
+    dr = DFlashDrafter(cfg, drafter_w, ops, target_w["model.embed_tokens.weight"], target_w["lm_head.weight"])
     hid = hiddens(cfg, 11)
     cache = dr.new_cache(64)
     dr.extend(cache, hid)

@@ -1,0 +1,136 @@
+"""Greedy speculative decoding with a DFlash block drafter: DDTree (a best-first tree) and chain (width 1).
+
+Per round (docs/engine-contracts.md, DESIGN.md §5):
+  draft      drafter block forward after the committed context -> logits of the next depth tokens
+  tree_build per-depth top-`width` log-probs -> best-first tree of `budget` nodes (ops.tree_build)
+  verify     ONE target forward over [bonus, nodes] at positions start + depth, ancestor-only visibility
+  accept     greedy walk: follow the child equal to the target's argmax (ops.tree_accept) -> path, bonus
+  commit     keep the latent-cache rows of bonus + path; their hidden states extend the drafter context
+Every committed token is the target's own argmax given the committed prefix, so with batch-invariant ops
+the output equals generate_ar's token for token (stop rules identical to AR).
+
+Run: .venv/bin/python -m pytest -q tests/decode/test_ddtree_loop.py tests/decode/test_lossless.py
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from kdtree.decode.result import GenerationResult
+from kdtree.decode.tree import draft_topk
+from kdtree.errors import ConfigError
+
+
+def tree_shape(tree_cfg, block_size: int) -> Tuple[int, int, int]:
+    """(width, depth, budget) of a chain/ddtree config, validated against the drafter's block size."""
+    kind = str(tree_cfg.kind)
+    depth = int(tree_cfg.depth)
+    if kind not in ("chain", "ddtree"):
+        raise ConfigError(f"tree.kind={kind} is not a speculative kind; use tree=chain or tree=ddtree (or generate_ar)")
+    if not 1 <= depth <= block_size - 1:
+        raise ConfigError(f"tree.depth={depth} outside 1..{block_size - 1} (drafter block_size={block_size}); "
+                          f"set tree.depth<={block_size - 1}")
+    if kind == "chain":
+        return 1, depth, depth
+    width, budget = int(tree_cfg.width), int(tree_cfg.budget)
+    if width < 1:
+        raise ConfigError(f"tree.width={width} must be >= 1; set tree.width=1..8")
+    if budget < 1:
+        raise ConfigError(f"tree.budget={budget} must be >= 1 node; set tree.budget>=tree.depth, e.g. 32")
+    return width, depth, budget
+
+
+def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_id: Optional[int] = None, stop_ids: Iterable[int] = ()) -> GenerationResult:
+    """Greedy chain/DDTree decoding of `model` (K2Model) drafted by `drafter` (DFlashDrafter interface:
+    block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens), draft(cache, bonus)).
+
+    acceptance_lengths holds len(path) + 1 per verify round (before any max_new_tokens / eos cut).
+    """
+    t_start = time.perf_counter()
+    width, depth, budget = tree_shape(tree_cfg, int(drafter.block_size))
+    prompt = np.asarray(list(prompt_ids), np.int32)
+    if prompt.size == 0:
+        raise ConfigError("prompt is empty (0 tokens); give at least one token")
+    stops = set(int(s) for s in stop_ids)
+    layers = tuple(int(i) for i in drafter.target_layer_ids)
+    ops = model.ops
+    res = GenerationResult(tokens=[])
+    st = res.stage_seconds
+    if max_new_tokens <= 0:
+        res.seconds = time.perf_counter() - t_start
+        return res
+
+    def emit(tokens) -> bool:
+        """Append committed tokens with AR's stop rules; True when generation is over."""
+        for t in tokens:
+            t = int(t)
+            if eos_id is not None and t == eos_id:
+                res.finish_reason = "eos"
+                return True
+            if t in stops:
+                res.finish_reason = "stop"
+                return True
+            res.tokens.append(t)
+            if len(res.tokens) >= max_new_tokens:
+                res.finish_reason = "length"
+                return True
+        return False
+
+    P = len(prompt)
+    # latent rows before a verify: P + len(tokens) - 1 <= P + max_new - 2; the block adds 1 + budget
+    cache = model.new_cache(P + max_new_tokens + budget)
+    dcache = drafter.new_cache(P + max_new_tokens)
+
+    t0 = time.perf_counter()
+    logits, hid = model.forward(prompt, np.arange(P, dtype=np.int32), cache, hidden_layers=layers)
+    res.target_forwards = 1
+    bonus = int(np.argmax(logits[-1]))
+    st["prefill"] += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    drafter.extend(dcache, hid)
+    st["draft"] += time.perf_counter() - t0
+    done = emit([bonus])
+
+    while not done:
+        start = cache.length                       # position of the bonus (root of this round's tree)
+        t0 = time.perf_counter()
+        dlogits = drafter.draft(dcache, bonus)     # [B-1, V]
+        res.draft_forwards += 1
+        t1 = time.perf_counter()
+        st["draft"] += t1 - t0
+        logp, ids = draft_topk(np.asarray(dlogits[:depth]), width)                            # [depth, width]
+        tree = ops.tree_build(logp, ids, budget)
+        t2 = time.perf_counter()
+        st["tree_build"] += t2 - t1
+
+        block = np.concatenate([[bonus], np.asarray(tree.tokens)]).astype(np.int32)           # [N+1]
+        positions = (start + np.concatenate([[0], np.asarray(tree.depths)])).astype(np.int32)   # [N+1]
+        logits, hid = model.forward(block, positions, cache, visibility=tree.visibility, hidden_layers=layers)
+        res.target_forwards += 1
+        t3 = time.perf_counter()
+        st["verify"] += t3 - t2
+
+        argmax = np.argmax(logits, axis=-1).astype(np.int32)                                    # [N+1]
+        path, new_bonus = ops.tree_accept(np.asarray(tree.parents, np.int32),
+                                          np.asarray(tree.tokens, np.int32), argmax)
+        path = np.asarray(path, np.int64)
+        res.acceptance_lengths.append(int(path.size) + 1)
+        t4 = time.perf_counter()
+        st["accept"] += t4 - t3
+
+        rows = np.concatenate([[0], path + 1])     # block rows of root + accepted path
+        cache.keep(start, start + rows)
+        committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
+        done = emit(committed)
+        bonus = int(new_bonus)
+        t5 = time.perf_counter()
+        st["commit"] += t5 - t4
+        if not done:                               # the drafter's next context: root + path hidden states
+            drafter.extend(dcache, {i: h[rows] for i, h in hid.items()})
+            st["draft"] += time.perf_counter() - t5
+
+    res.seconds = time.perf_counter() - t_start
+    return res
