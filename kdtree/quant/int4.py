@@ -4,7 +4,7 @@ On disk, per quantized Linear module `<m>`:
   `<m>.weight_packed` int32 [out, ceil(in/8)]   nibble k%8 of word k//8 holds q+8 (first element in the lowest nibble)
   `<m>.weight_scale`  bf16  [out, in/group]     symmetric, no zero point: w ~= q * scale, q in -7..7
   `<m>.weight_shape`  int32|int64 [2]           = [out, in]
-Words whose top nibble is >= 8 are negative int32, so every unpack goes through a uint32 view (logical shifts).
+Words whose top nibble is >= 8 are negative int32, so unpacking reads them as unsigned (never arithmetic shifts).
 
 Edge cases (decided here, tested in tests/quant):
 * `in` not a multiple of 8: supported exactly as compressed-tensors' `pack_to_int32` does it: the last word is padded
@@ -16,8 +16,9 @@ Edge cases (decided here, tested in tests/quant):
   is stored; |w - q*scale| <= scale/2 for every element.
 
 In memory an `Int4Weight` keeps the packed words and float32 scales (exact copies of the bf16 values); it never keeps
-a dequantized copy. `matvec`/`linear` compute per group (integer q times x, summed over the group, then times the
-group's scale, then summed over groups) row by row, so a row's result never depends on the other rows in the call.
+a dequantized copy. `matvec`/`linear` compute per group (integer q times x summed over the group in order, times the
+group's scale, summed over groups in order) with elementwise accumulations only, so an output element never depends
+on the other rows of x or of the weight (batch- and row-invariant, bit for bit).
 """
 from __future__ import annotations
 
@@ -71,17 +72,22 @@ def pack_int4(q: np.ndarray) -> np.ndarray:
 
 
 def unpack_int4(packed: np.ndarray, in_features: int) -> np.ndarray:
-    """int32[out, ceil(in/8)] -> int8[out, in_features] (logical shifts; padding nibbles are dropped)."""
+    """int32[out, ceil(in/8)] -> int8[out, in_features]; padding nibbles are dropped.
+
+    Works on the unsigned little-endian bytes of each word (low nibble = even element, high = odd), so the sign bit
+    of a negative word is just bit 3 of its top nibble: the same as logical shifts on a uint32 view.
+    """
     packed = np.ascontiguousarray(packed)
     if packed.dtype not in (np.int32, np.uint32) or packed.ndim != 2:
         raise ValueError(f"unpack_int4 expects int32[out, words], got {packed.dtype}{list(packed.shape)}")
     if packed.shape[1] != -(-in_features // PACK):
         raise ValueError(f"unpack_int4: {packed.shape[1]} words per row cannot hold in_features={in_features} "
                          f"(needs ceil({in_features}/8) = {-(-in_features // PACK)})")
-    u = packed.view(np.uint32)
-    shifts = (np.arange(PACK, dtype=np.uint32) * np.uint32(4))             # [8]
-    nib = (u[:, :, None] >> shifts) & np.uint32(0xF)                        # [out, words, 8]
-    q = nib.reshape(u.shape[0], -1)[:, :in_features].astype(np.int8) - np.int8(OFFSET)
+    b = packed.astype("<i4", copy=False).view(np.uint8)                    # [out, 4*words], little-endian bytes
+    nib = np.empty((b.shape[0], b.shape[1] * 2), np.uint8)                 # byte j holds elements 2j (low), 2j+1
+    np.bitwise_and(b, 0xF, out=nib[:, 0::2])
+    np.right_shift(b, 4, out=nib[:, 1::2])
+    q = nib[:, :in_features].view(np.int8) - np.int8(OFFSET)
     return q
 
 
@@ -190,18 +196,27 @@ class Int4Weight:
         return dequantize(self.packed, self.scale, self.shape)
 
     def linear(self, x: np.ndarray) -> np.ndarray:
-        """x f32[T, in] -> f32[T, out]; every row is computed exactly as matvec computes it."""
+        """x f32[T, in] -> f32[T, out] (W4A16 reference).
+
+        y[t, o] = sum over groups j (in order) of scale[o, j] * (sum over k in group j (in order) of q[o, k] x[t, k]).
+        Both sums are explicit elementwise accumulations, so every output element sees the same float32 operations
+        in the same order whatever T, out or the other rows are: bit-identical under batching and row slicing.
+        """
         x = np.asarray(x, dtype=np.float32)
         out, n = self.shape
         if x.ndim != 2 or x.shape[1] != n:
             raise ValueError(f"Int4Weight[{out}, {n}].linear expects x [T, {n}], got {list(x.shape)}")
-        G, g = n // self.group_size, self.group_size
-        q = unpack_int4(self.packed, n).reshape(out, G, g)                  # int8 [out, G, g], transient
-        y = np.empty((x.shape[0], out), np.float32)
-        for t in range(x.shape[0]):
-            xg = x[t].reshape(G, g)                                          # [G, g]
-            part = (q * xg).sum(axis=2, dtype=np.float32)                   # [out, G]: integer q times x per group
-            y[t] = (part * self.scale).sum(axis=1, dtype=np.float32)        # [out]: scaled, summed over groups
+        T, G, g = x.shape[0], n // self.group_size, self.group_size
+        q = unpack_int4(self.packed, n).reshape(out, G, g).transpose(2, 1, 0).astype(np.float32)  # [g, G, out]
+        xk = x.reshape(T, G, g).transpose(2, 0, 1)[:, :, :, None]                        # [g, T, G, 1]
+        part = q[0] * xk[0]                                                              # [T, G, out]
+        term = np.empty_like(part)
+        for k in range(1, g):
+            part += np.multiply(q[k], xk[k], out=term)                                   # within-group dot, in order
+        part *= self.scale.T[None]                                                       # [T, G, out] x scale[o, j]
+        y = part[:, 0].copy()                                                            # [T, out]
+        for j in range(1, G):
+            y += part[:, j]                                                              # groups, in order
         return y
 
     def matvec(self, x: np.ndarray) -> np.ndarray:
