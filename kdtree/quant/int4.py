@@ -28,28 +28,12 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
+from kdtree.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401  (bf16 as uint16 bits, RNE)
 from kdtree.errors import CheckpointError, ConfigError
 
 PACK = 8          # 4-bit values per int32 word
 QMAX = 7          # symmetric grid -7..7 (nibble 1..15; nibble 0 = -8 is never produced by the quantizer)
 OFFSET = 8        # stored nibble = q + 8
-
-
-# ---------------------------------------------------------------------------------------------- bf16 bit patterns
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round-to-nearest-even; NaN stays NaN, overflow rounds to inf."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = (bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16        # RNE on the dropped 16 bits
-    out = rounded.astype(np.uint16)
-    nan = np.isnan(np.asarray(x, dtype=np.float32))
-    if nan.any():
-        out[nan] = 0x7FC0                                                    # quiet NaN (rounding could carry)
-    return out
-
-
-def bf16_to_f32(u: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16/int16) -> float32, exact."""
-    return (np.asarray(u).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------- pack / unpack
