@@ -10,6 +10,7 @@ Data flow in three hops: conf/ + kdtree/config (what to run) -> kdtree/pipeline 
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -45,13 +46,30 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
-def quote_numeric_choices(argv):
-    """`tp=8` -> `tp='8'`: Hydra parses 8 as an int, but config group choices must be strings."""
+FREE_TEXT_KEYS = {"prompt"}  # values taken verbatim: `prompt='2+2='` must not need Hydra's quoting rules
+
+
+def _hydra_quote(value: str) -> str:
+    """Single-quote for Hydra's grammar: backslashes are escapes only before a quote or the closing quote."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)
+    return f"'{body}'"
+
+
+def quote_for_hydra(argv):
+    """Make the commands of the design work as typed in a shell.
+
+    `tp=8` -> `tp='8'` (Hydra parses 8 as an int, but config group choices are names), and free-text
+    values (`prompt=2+2=` after the shell removed its quotes) are quoted so Hydra takes them verbatim.
+    """
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if sep and key.lstrip("+~") in GROUPS and value and all(v.isdigit() for v in value.split(",")):
+        bare = key.lstrip("+~")
+        if sep and bare in GROUPS and value and all(v.isdigit() for v in value.split(",")):
             value = ",".join(f"'{v}'" for v in value.split(","))
+        elif sep and bare in FREE_TEXT_KEYS and not (len(value) >= 2 and value[0] == value[-1] and value[0] in "'\""):
+            value = _hydra_quote(value)
         out.append(f"{key}{sep}{value}" if sep else arg)
     return out
 
@@ -62,7 +80,7 @@ def main() -> None:
         check_group_overrides(sys.argv[1:], CONF_DIR, GROUPS)
     except KdtreeError as e:
         _fail(str(e))
-    sys.argv[1:] = quote_numeric_choices(sys.argv[1:])
+    sys.argv[1:] = quote_for_hydra(sys.argv[1:])
     _main()
 
 

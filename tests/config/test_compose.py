@@ -128,3 +128,20 @@ def test_cfg_job_prints_the_production_config(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = OmegaConf.create(r.stdout)
     assert cfg.model.hidden_size == 7168 and cfg.tp.size == 8 and cfg.quant.method == "int4_w4a16"
+
+
+@pytest.mark.parametrize("prompt", ["2+2=", "it's a \"test\" \\ ok", "end\\", "a\\'b", "x=[1,2]; y={a: b}", "tp=8"])
+def test_prompts_reach_the_config_verbatim(prompt):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kdtree.run import quote_for_hydra
+
+    (arg,) = quote_for_hydra([f"prompt={prompt}"])
+    assert OverridesParser.create().parse_override(arg).value() == prompt
+
+
+def test_numeric_group_choices_are_quoted_for_hydra():
+    from kdtree.run import quote_for_hydra
+
+    assert quote_for_hydra(["tp=8", "tp=1,8", "tree.depth=4", "model=k26"]) == \
+        ["tp='8'", "tp='1','8'", "tree.depth=4", "model=k26"]
