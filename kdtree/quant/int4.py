@@ -16,9 +16,9 @@ Edge cases (decided here, tested in tests/quant):
   is stored; |w - q*scale| <= scale/2 for every element.
 
 In memory an `Int4Weight` keeps the packed words and float32 scales (exact copies of the bf16 values); it never keeps
-a dequantized copy. `matvec`/`linear` compute per group (integer q times x summed over the group in order, times the
-group's scale, summed over groups in order) with elementwise accumulations only, so an output element never depends
-on the other rows of x or of the weight (batch- and row-invariant, bit for bit).
+a dequantized copy. `matvec`/`linear` compute per group (integer q times x summed over the group, times the group's
+scale, summed over groups); an output element never depends on the other rows of x or of the weight (batch- and
+row-invariant, bit for bit).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from kdtree.errors import CheckpointError, ConfigError
 PACK = 8          # 4-bit values per int32 word
 QMAX = 7          # symmetric grid -7..7 (nibble 1..15; nibble 0 = -8 is never produced by the quantizer)
 OFFSET = 8        # stored nibble = q + 8
+_CHUNK_ELEMS = 4 * 2 ** 20   # float32 elements of the [t, out, G, g] product temp in Int4Weight.linear (16 MiB)
 
 
 # ---------------------------------------------------------------------------------------------- pack / unpack
@@ -182,25 +183,23 @@ class Int4Weight:
     def linear(self, x: np.ndarray) -> np.ndarray:
         """x f32[T, in] -> f32[T, out] (W4A16 reference).
 
-        y[t, o] = sum over groups j (in order) of scale[o, j] * (sum over k in group j (in order) of q[o, k] x[t, k]).
-        Both sums are explicit elementwise accumulations, so every output element sees the same float32 operations
-        in the same order whatever T, out or the other rows are: bit-identical under batching and row slicing.
+        y[t, o] = sum over groups j of scale[o, j] * (sum over k in group j of q[o, k] x[t, k]). Both sums reduce
+        a contiguous last axis of fixed length (g, then G), which numpy does with the same pairwise routine for
+        every output element whatever T or out: bit-identical under batching and row slicing (tested).
         """
         x = np.asarray(x, dtype=np.float32)
         out, n = self.shape
         if x.ndim != 2 or x.shape[1] != n:
             raise ValueError(f"Int4Weight[{out}, {n}].linear expects x [T, {n}], got {list(x.shape)}")
         T, G, g = x.shape[0], n // self.group_size, self.group_size
-        q = unpack_int4(self.packed, n).reshape(out, G, g).transpose(2, 1, 0).astype(np.float32)  # [g, G, out]
-        xk = x.reshape(T, G, g).transpose(2, 0, 1)[:, :, :, None]                        # [g, T, G, 1]
-        part = q[0] * xk[0]                                                              # [T, G, out]
-        term = np.empty_like(part)
-        for k in range(1, g):
-            part += np.multiply(q[k], xk[k], out=term)                                   # within-group dot, in order
-        part *= self.scale.T[None]                                                       # [T, G, out] x scale[o, j]
-        y = part[:, 0].copy()                                                            # [T, out]
-        for j in range(1, G):
-            y += part[:, j]                                                              # groups, in order
+        q = unpack_int4(self.packed, n).astype(np.float32).reshape(out, G, g)      # [out, G, g], transient
+        y = np.empty((T, out), np.float32)
+        step = max(1, _CHUNK_ELEMS // max(out * n, 1))                             # rows per chunk: bounded temp
+        for t0 in range(0, T, step):
+            xg = x[t0:t0 + step].reshape(-1, 1, G, g)                              # [t, 1, G, g]
+            part = (q * xg).sum(axis=-1)                                           # [t, out, G]: group dots
+            part *= self.scale                                                     # x scale[o, j]
+            y[t0:t0 + step] = part.sum(axis=-1)                                    # [t, out]: over groups
         return y
 
     def matvec(self, x: np.ndarray) -> np.ndarray:

@@ -181,6 +181,11 @@ def test_matvec_is_row_and_batch_invariant():
     assert np.array_equal(full, np.stack([W.matvec(v) for v in x]))      # T rows == T separate GEMVs, bitwise
     assert np.array_equal(W.rows(slice(9, 30)).linear(x), full[:, 9:30])  # a row never depends on other rows
     assert np.array_equal(W.linear(x[3:4]), full[3:4])
+    for i in (0, 17, 63):                                                # single-row weights: degenerate shapes
+        assert np.array_equal(W.rows(slice(i, i + 1)).linear(x), full[:, i:i + 1])
+    one_group = W.cols(slice(32, 64))                                    # in == group_size
+    ref = one_group.linear(x[:, 32:64])
+    assert np.array_equal(one_group.rows(slice(5, 6)).linear(x[2:3, 32:64]), ref[2:3, 5:6])
 
 
 def test_rows_and_cols_slices_for_tensor_parallel():
