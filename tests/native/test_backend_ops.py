@@ -366,3 +366,35 @@ def test_cuda_library_without_device_fails_cleanly():
 def test_registered_backends():
     from kdtree.backends import get_ops
     assert isinstance(get_ops("cpu"), native.NativeOps) and get_ops("cpu").name == "cpu"
+
+
+_ISA_SCRIPT = """
+import sys, numpy as np
+from kdtree.backends import native
+from kdtree.quant import int4
+rng = np.random.default_rng(4)
+ops = native.NativeOps("cpu")
+out = {}
+for n_in, group in [(96, 32), (40, 8), (256, 128)]:
+    packed, scale, shape = int4.quantize_weight(rng.standard_normal((7, n_in), dtype=np.float32), group)
+    w = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, group)
+    x = rng.standard_normal((3, n_in), dtype=np.float32)
+    out[f"w4_{n_in}_T1"] = ops.linear(x[:1], w)
+    out[f"w4_{n_in}_T3"] = ops.linear(x, w)
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_avx2_and_portable_paths_agree_bitwise(tmp_path):
+    """KDTREE_CPU_GENERIC=1 forces the portable C loops: they must give the AVX2 path's bits exactly."""
+    import os
+    import subprocess
+    import sys
+    files = {}
+    for generic in ("0", "1"):
+        files[generic] = tmp_path / f"isa{generic}.npz"
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(files[generic])], check=True,
+                       env={**os.environ, "KDTREE_CPU_GENERIC": generic})
+    a, b = np.load(files["0"]), np.load(files["1"])
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)

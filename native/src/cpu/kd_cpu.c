@@ -67,25 +67,106 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   return KD_OK;
 }
 
-/* One output of W4A16: identical products and order to kd_dot_f32 on the dequantized row. */
-KD_CLONES static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int64_t n_in,
-                                 int64_t words_per_group) {
-  float acc[KD_LANES] = {0};
-  int64_t full = n_in / 8, w = 0;
-  for (; w < full; w++) {
-    uint32_t u = wr[w];
-    float s = sr[w / words_per_group];
-    float *a = acc + ((w & 1) << 3); /* k = 8w + j -> lane k % 16 */
-    const float *xk = x + 8 * w;
-    for (int j = 0; j < 8; j++) a[j] += kd_int4_weight(u, j, s) * xk[j];
+/* Dequantize one packed row: w[k] = q_k * scale_(k / group), exactly numpy's q.astype(float32) * scale. */
+static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
+  int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
+  for (int64_t wi = 0; wi < n_words; wi++) {
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, sr[g]);
+    if (--left == 0) g++, left = words_per_group;
   }
-  if (w * 8 < n_in) { /* partial last word: elements past n_in are padding */
-    uint32_t u = wr[w];
-    float s = sr[w / words_per_group];
-    float *a = acc + ((w & 1) << 3);
-    for (int j = 0; 8 * w + j < n_in; j++) a[j] += kd_int4_weight(u, j, s) * x[8 * w + j];
+}
+
+/* One output of W4A16, fused: the same products (q * s) * x and the same lanes (k % 16) as kd_dot_f32 on the
+ * dequantized row, so both paths agree bit for bit. Portable version; an AVX2 version of the same operations follows. */
+static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float *x, int64_t n_in,
+                               int64_t words_per_group) {
+  float acc[KD_LANES] = {0};
+  int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
+  for (int64_t wi = 0; wi < n_words; wi++) {
+    float *a = acc + ((wi & 1) << 3); /* k = 8 wi + j -> lane k % 16 */
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] += kd_int4_weight(wr[wi], j, sr[g]) * x[8 * wi + j];
+    if (--left == 0) g++, left = words_per_group;
   }
   return kd_lanes_sum(acc);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+/* 8 dequantized weights of one word: (float)(nibble - 8) * scale, as kd_int4_weight. */
+__attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, float s) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  __m256i q = _mm256_sub_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)u), shifts),
+                                                _mm256_set1_epi32(15)),
+                               _mm256_set1_epi32(8));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s));
+}
+
+__attribute__((target("avx2"))) static float kd_dot_w4_avx2(const uint32_t *wr, const float *sr, const float *x,
+                                                             int64_t n_in, int64_t words_per_group) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); /* lanes 0..7 (even words), 8..15 (odd words) */
+  int64_t full = n_in / 8, wi = 0;
+  if (words_per_group % 2 == 0) { /* a word pair never straddles a group */
+    for (; wi + 2 <= full; wi += 2) {
+      float s = sr[wi / words_per_group];
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], s), _mm256_loadu_ps(x + 8 * wi)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], s), _mm256_loadu_ps(x + 8 * wi + 8)));
+    }
+  } else {
+    for (; wi + 2 <= full; wi += 2) {
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], sr[wi / words_per_group]), _mm256_loadu_ps(x + 8 * wi)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], sr[(wi + 1) / words_per_group]),
+                                           _mm256_loadu_ps(x + 8 * wi + 8)));
+    }
+  }
+  float a[KD_LANES];
+  _mm256_storeu_ps(a, lo);
+  _mm256_storeu_ps(a + 8, hi);
+  for (; 8 * wi < n_in; wi++) { /* last odd word and/or partial word */
+    float *al = a + ((wi & 1) << 3);
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++)
+      al[j] += kd_int4_weight(wr[wi], j, sr[wi / words_per_group]) * x[8 * wi + j];
+  }
+  return kd_lanes_sum(a);
+}
+
+__attribute__((target("avx2"))) static void kd_dequant_row_avx2(const uint32_t *wr, const float *sr, float *w,
+                                                                int64_t n_in, int64_t words_per_group) {
+  int64_t full = n_in / 8, wi = 0;
+  for (; wi < full; wi++) _mm256_storeu_ps(w + 8 * wi, kd_w8_avx2(wr[wi], sr[wi / words_per_group]));
+  for (int j = 0; 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, sr[wi / words_per_group]);
+}
+#endif
+
+/* KDTREE_CPU_GENERIC=1 forces the portable loops (the tests compare both paths bit for bit). */
+static int kd_use_avx2(void) {
+  static int use = -1;
+  if (use < 0) {
+    const char *env = getenv("KDTREE_CPU_GENERIC");
+#if defined(__x86_64__) && defined(__GNUC__)
+    use = !(env && env[0] == '1') && __builtin_cpu_supports("avx2");
+#else
+    (void)env;
+    use = 0;
+#endif
+  }
+  return use;
+}
+
+static void kd_dequant(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) {
+    kd_dequant_row_avx2(wr, sr, w, n_in, words_per_group);
+    return;
+  }
+#endif
+  kd_dequant_row(wr, sr, w, n_in, words_per_group);
+}
+
+static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int64_t n_in, int64_t words_per_group) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) return kd_dot_w4_avx2(wr, sr, x, n_in, words_per_group);
+#endif
+  return kd_dot_w4_generic(wr, sr, x, n_in, words_per_group);
 }
 
 int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
@@ -101,10 +182,19 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   KD_CHECK_PTR("kd_linear_w4a16", scales);
   KD_CHECK_PTR("kd_linear_w4a16", out);
   int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group;
-  for (int64_t o = 0; o < n_out; o++)
-    for (int64_t t = 0; t < T; t++)
-      out[t * n_out + o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x + t * n_in,
-                                     n_in, group / 8);
+  if (T == 1) { /* GEMV: decode fused into the dot product */
+    for (int64_t o = 0; o < n_out; o++)
+      out[o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x, n_in, group / 8);
+    return KD_OK;
+  }
+  /* T > 1: decode each row once (L1-resident), then the f32 dot per row: same products, same lanes */
+  float *w = (float *)malloc(sizeof(float) * (size_t)(n_in ? n_in : 1));
+  if (!w) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t o = 0; o < n_out; o++) {
+    kd_dequant((const uint32_t *)packed + o * n_words, scales + o * n_groups, w, n_in, group / 8);
+    for (int64_t t = 0; t < T; t++) out[t * n_out + o] = kd_dot_f32(w, x + t * n_in, n_in);
+  }
+  free(w);
   return KD_OK;
 }
 
@@ -162,11 +252,11 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
   KD_CHECK_PTR("kd_mla_attention", out);
   int64_t S = n_prefix + T, E = L + R, words = (T + 63) / 64;
   int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
-  float *p = (float *)malloc(sizeof(float) * (size_t)S);
+  float *p = (float *)malloc(sizeof(float) * (size_t)(S * H)); /* [H, n] weights of one query row */
   if (!keys || !p) {
     free(keys);
     free(p);
-    return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld)", (long long)S);
+    return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld, H=%lld)", (long long)S, (long long)H);
   }
   for (int64_t t = 0; t < T; t++) {
     /* this query's visible keys, ascending position: the whole cache, then its visible block rows */
@@ -174,22 +264,26 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     for (int64_t j = 0; j < n_prefix; j++) keys[n++] = j;
     for (int64_t k = 0; k < T; k++)
       if (visibility ? kd_visible(visibility + t * words, k) : k <= t) keys[n++] = n_prefix + k;
+    const float *qt = q + t * H * E;
+    float *ot = out + t * H * L;
+    memset(ot, 0, sizeof(float) * (size_t)(H * L));
+    if (n == 0) continue;
+    /* key-major loops keep a key row in cache across the heads; each (t, h) still sees exactly the sequence
+     * dot -> max -> exp -> sum -> weighted sum in key order, so the result does not depend on H or T */
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t h = 0; h < H; h++) p[h * n + i] = kd_dot_f32(qt + h * E, kv + keys[i] * E, E) * scale;
     for (int64_t h = 0; h < H; h++) {
-      const float *qh = q + (t * H + h) * E;
-      float *o = out + (t * H + h) * L;
-      memset(o, 0, sizeof(float) * (size_t)L);
-      if (n == 0) continue;
-      float m = -INFINITY, sum = 0.0f;
+      float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
+      for (int64_t i = 0; i < n; i++)
+        if (ph[i] > m) m = ph[i];
       for (int64_t i = 0; i < n; i++) {
-        p[i] = kd_dot_f32(qh, kv + keys[i] * E, E) * scale;
-        if (p[i] > m) m = p[i];
+        ph[i] = expf(ph[i] - m);
+        sum += ph[i];
       }
-      for (int64_t i = 0; i < n; i++) {
-        p[i] = expf(p[i] - m);
-        sum += p[i];
-      }
-      for (int64_t i = 0; i < n; i++) kd_axpy(o, p[i] / sum, kv + keys[i] * E, L);
+      for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
     }
+    for (int64_t i = 0; i < n; i++)
+      for (int64_t h = 0; h < H; h++) kd_axpy(ot + h * L, p[h * n + i], kv + keys[i] * E, L);
   }
   free(keys);
   free(p);
