@@ -19,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 

@@ -22,7 +22,6 @@ row-invariant, bit for bit).
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Dict, Tuple
 

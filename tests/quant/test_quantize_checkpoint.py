@@ -9,7 +9,7 @@ from kdtree.checkpoint import names
 from kdtree.checkpoint.safetensors_io import read_file
 from kdtree.errors import CheckpointError, ConfigError
 from kdtree.quant.checkpoint import quantize_checkpoint
-from kdtree.quant.int4 import Int4Weight, bf16_to_f32, module_is_quantized, quantization_config_json
+from kdtree.quant.int4 import Int4Weight, module_is_quantized, quantization_config_json
 
 
 @pytest.fixture(scope="module")
