@@ -44,7 +44,7 @@ def with_env_cwd(argv: Sequence[object], cwd: Optional[str] = None, env: Optiona
 
 
 # Alive = /proc/PID exists and is not a zombie (a container's PID 1 may never reap the detached engine).
-_ALIVE_SH = 's=$(cat /proc/{pid}/stat 2>/dev/null) || exit 1; s=${{s##*) }}; case "$s" in Z*|X*) exit 1;; esac; exit 0'
+ALIVE_SH = 's=$(cat /proc/{pid}/stat 2>/dev/null) || exit 1; s=${{s##*) }}; case "$s" in Z*|X*) exit 1;; esac; exit 0'
 
 
 class Host:
@@ -158,7 +158,7 @@ class Host:
         return int(out)
 
     def is_alive(self, pid: int) -> bool:
-        return self.shell(_ALIVE_SH.format(pid=int(pid))).ok
+        return self.shell(ALIVE_SH.format(pid=int(pid))).ok
 
     def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True) -> bool:
         """Send `sig` to the process group of `pid` (group=True) or to pid alone; False if nothing received it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -23,9 +24,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kdtree.errors import PipelineError
+from kdtree.hosts.base import ALIVE_SH
 
 PIDFILE, LOGFILE, EXITFILE, CONFIG, PIPELINE = "engine.pid", "engine.log", "engine.exit", "config.yaml", "pipeline.json"
 EXIT_OK, EXIT_FAILED, EXIT_TERMINATED = 0, 1, 143
@@ -198,33 +200,51 @@ def engine_running(engine: EngineHandle) -> bool:
     return read_exit(engine) is None and engine.host.is_alive(engine.pid)
 
 
-def tail_log(engine: EngineHandle, out=sys.stdout) -> None:
+def tail_log(engine: EngineHandle, out=None) -> None:
+    """Print what the engine wrote to its log since the last call."""
     chunk = engine.host.read_file(engine.log, engine.log_offset)
     if chunk:
         engine.log_offset += len(chunk)
-        if out is not None:
+        out = out if out is not None else sys.stdout
+        out.write(chunk.decode(errors="replace"))
+        out.flush()
+
+
+def poll_engine(engine: EngineHandle, tail: bool = True) -> Tuple[bool, Optional[int], bytes]:
+    """(alive, exit code or None, new log bytes) — one round trip on an ssh host, no process on a local one."""
+    host = engine.host
+    if host.kind == "local":
+        chunk = host.read_file(engine.log, engine.log_offset) if tail else b""
+        return host.is_alive(engine.pid), read_exit(engine), chunk
+    q = shlex.quote
+    script = (f"if ( {ALIVE_SH.format(pid=int(engine.pid))} ); then a=1; else a=0; fi; "
+              f"e=$(cat {q(engine.run_dir + '/' + EXITFILE)} 2>/dev/null); printf '%s %s\\n' \"$a\" \"${{e:--}}\"; "
+              + (f"tail -c +{engine.log_offset + 1} {q(engine.log)} 2>/dev/null; " if tail else "") + "true")
+    out = host.shell(script).stdout
+    head, _, rest = out.partition("\n")
+    alive, _, code = head.partition(" ")
+    return alive == "1", int(code) if code.lstrip("-").isdigit() else None, rest.encode()
+
+
+def wait_engine(engine: EngineHandle, tail: bool = True, out=None, timeout_s: Optional[float] = None) -> Optional[int]:
+    """Wait until the engine exits (tailing its log); its exit code, or None if it died without one."""
+    out = out if out is not None else sys.stdout
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        alive, code, chunk = poll_engine(engine, tail)
+        if chunk:
+            engine.log_offset += len(chunk)
             out.write(chunk.decode(errors="replace"))
             out.flush()
-
-
-def wait_engine(engine: EngineHandle, tail: bool = True, out=sys.stdout, timeout_s: Optional[float] = None) -> Optional[int]:
-    """Wait until the engine exits (tailing its log); its exit code, or None if it died without one."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while engine.host.is_alive(engine.pid) and (deadline is None or time.monotonic() < deadline):
-        if tail:
-            tail_log(engine, out)
-        if read_exit(engine) is not None:
+        if code is not None or not alive or (deadline is not None and time.monotonic() >= deadline):
             break
         time.sleep(POLL_S)
-    # the exit file is written just before the process ends: give it a moment to land
-    for _ in range(10):
+    if code is None and not alive:  # it wrote engine.exit just before ending: read once more
         code = read_exit(engine)
-        if code is not None or engine.host.is_alive(engine.pid):
-            break
-        time.sleep(0.1)
     if tail:
+        time.sleep(0.05)
         tail_log(engine, out)
-    return read_exit(engine)
+    return code
 
 
 def stop_engine(host, pid: int, grace_s: float = 10.0, poll_s: float = 0.2) -> str:

@@ -208,8 +208,9 @@ class _Run:
         return self.finish_engine()
 
 
-def run_pipeline(cfg, run_dir, out=sys.stdout) -> int:
+def run_pipeline(cfg, run_dir, out=None) -> int:
     """Plan and run cfg.pipeline in run_dir; the process exit code (0 ok, 1 stage failed, 2 bad plan, 130 Ctrl-C)."""
+    out = out if out is not None else sys.stdout  # looked up now: tests and callers may have replaced it
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(run_dir / EVENTS_FILE, where="controller", console=out)
