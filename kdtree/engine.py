@@ -66,20 +66,37 @@ class Engine:
             status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
         ckpt = resolve_checkpoint(cfg)
         ops = get_ops(cfg.backend)
-        weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
-                                         threads=cfg.load.threads, strategy=cfg.load.strategy,
-                                         throttle_mb_s=cfg.load.throttle_mb_s)
-        model = K2Model(cfg.model, weights, ops)
-        drafter = None
-        if cfg.tree.kind != "ar":
-            dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, threads=cfg.load.threads)
-            stats.bytes_read += dstats.bytes_read
-            drafter = DFlashDrafter.from_target(model, dweights)
-        tokenizer = load_tokenizer(cfg.model, ckpt)
+        if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
+            from kdtree.parallel.launch import launch_tp
+            model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
+        else:
+            weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
+                                             threads=cfg.load.threads, strategy=cfg.load.strategy,
+                                             throttle_mb_s=cfg.load.throttle_mb_s)
+            model = K2Model(cfg.model, weights, ops)
+        try:
+            drafter = None
+            if cfg.tree.kind != "ar":
+                dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, threads=cfg.load.threads)
+                stats.bytes_read += dstats.bytes_read
+                drafter = DFlashDrafter.from_target(model, dweights)
+            tokenizer = load_tokenizer(cfg.model, ckpt)
+        except BaseException:
+            if hasattr(model, "close"):
+                model.close()
+            raise
         seconds = time.perf_counter() - t0
         report = LoadReport(str(ckpt), int(stats.bytes_read), seconds,
                             stats.bytes_read / 1e6 / max(seconds, 1e-9))
+        if hasattr(model, "bytes_read_per_rank"):
+            report.extra["tp_bytes_read_per_rank"] = list(model.bytes_read_per_rank)
         return cls(cfg, tokenizer, model, drafter, ckpt, report)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (tp > 1); a no-op for tp=1. Idempotent."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
                  stop_ids: Sequence[int] = ()) -> GenerationResult:

@@ -1,0 +1,170 @@
+"""Rank 0's view of a tensor-parallel K2 target: the K2Model interface, every target op mirrored on all ranks.
+
+    model = launch_tp(cfg, checkpoint, ops)          # kdtree/parallel/launch.py
+    cache = model.new_cache(64)                      # a latent cache on every rank (same id)
+    logits, hid = model.forward(tokens, positions, cache, visibility, hidden_layers)   # all ranks run it
+    cache.keep(start, rows); cache.truncate(n)       # mirrored on every rank
+    model.embed / final_norm / lm_head / logits      # rank 0 only (replicated weights; drafter, accept)
+    model.close()                                    # shutdown to every worker, reap them, leave the group
+
+kdtree/decode (AR, DDTree) and the drafter run unchanged on rank 0. Each command is first applied (or checked)
+on rank 0, so an invalid argument raises here before any worker sees it; a failure on a worker or in a
+collective marks the model broken (TPError on every later call; restart the engine).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Iterable, List, Optional
+
+import numpy as np
+
+from kdtree.errors import ConfigError, KdtreeError
+
+
+class TPError(KdtreeError):
+    """A tensor-parallel rank failed: which rank, and its one-line reason."""
+
+
+class TPCache:
+    """Rank 0's latent cache (`local`, a LatentCache) plus the id of its copies on ranks 1..N-1."""
+
+    def __init__(self, model: "TPModel", cid: int, local):
+        self.model, self.id, self.local = model, cid, local
+
+    @property
+    def length(self) -> int:
+        return self.local.length
+
+    @property
+    def max_len(self) -> int:
+        return self.local.max_len
+
+    @property
+    def kv(self):
+        return self.local.kv
+
+    def truncate(self, n: int) -> None:
+        with self.model._lock:
+            self.local.truncate(n)
+            self.model._send("truncate", self.id, int(n))
+
+    def keep(self, start: int, rows: Iterable[int]) -> None:
+        rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
+        with self.model._lock:
+            self.local.keep(start, rows)
+            self.model._send("keep", self.id, int(start), rows)
+
+
+class TPModel:
+    """K2Model interface over rank 0's shard (`local`, a K2Model with the ordered all-reduce) and the workers."""
+
+    def __init__(self, local, workers: List, tp: int, bytes_read_per_rank: List[int]):
+        self.local, self.workers, self.tp = local, workers, tp   # workers: launch._Worker of ranks 1..N-1
+        self.bytes_read_per_rank = bytes_read_per_rank
+        self._lock = threading.RLock()
+        self._next_cache = 0
+        self._dropped: List[int] = []          # ids of collected caches, freed on the workers with the next command
+        self._broken: Optional[str] = None
+        self._closed = False
+
+    # -- replicated pieces: rank 0 only -----------------------------------------------------------------
+    cfg = property(lambda self: self.local.cfg)
+    ops = property(lambda self: self.local.ops)
+    embed_tokens = property(lambda self: self.local.embed_tokens)
+    lm_head_w = property(lambda self: self.local.lm_head_w)
+
+    def embed(self, tokens):
+        return self.local.embed(tokens)
+
+    def final_norm(self, h):
+        return self.local.final_norm(h)
+
+    def lm_head(self, h):
+        return self.local.lm_head(h)
+
+    def logits(self, h):
+        return self.local.logits(h)
+
+    # -- mirrored on every rank ------------------------------------------------------------------------
+    def new_cache(self, max_len: int) -> TPCache:
+        with self._lock:
+            local = self.local.new_cache(max_len)          # raises ConfigError here first
+            cid = self._next_cache
+            self._next_cache += 1
+            self._send("new_cache", cid, int(max_len))
+            cache = TPCache(self, cid, local)
+        weakref.finalize(cache, self._dropped.append, cid)
+        return cache
+
+    def forward(self, tokens, positions, cache: TPCache, visibility=None, hidden_layers=()):
+        """K2Model.forward on every rank; rank 0's logits f32[T, V] and hiddens {layer: f32[T, D]}."""
+        tokens = np.asarray(tokens, np.int32)
+        positions = np.asarray(positions, np.int32)
+        hidden_layers = tuple(int(i) for i in hidden_layers)
+        T = tokens.shape[0]
+        # the checks K2Model.forward makes, made before any rank starts (a rank raising alone would hang the rest)
+        if tokens.ndim != 1 or positions.shape != (T,):
+            raise ValueError(f"positions shape {positions.shape} != tokens shape ({T},)")
+        if cache.length + T > cache.max_len:
+            raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
+                              f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
+        if visibility is not None:
+            visibility = np.asarray(visibility, np.uint64)
+            if visibility.shape != (T, (T + 63) // 64):
+                raise ValueError(f"visibility shape {visibility.shape} != ({T}, {(T + 63) // 64})")
+        with self._lock:
+            self._send("forward", cache.id, tokens, positions, visibility, hidden_layers)
+            try:
+                return self.local.forward(tokens, positions, cache.local, visibility=visibility,
+                                          hidden_layers=hidden_layers)
+            except Exception as e:
+                raise self._fail(f"forward on rank 0: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    # -- plumbing --------------------------------------------------------------------------------------
+    def _send(self, op: str, *args) -> None:
+        if self._closed:
+            raise TPError(f"tensor-parallel model (tp={self.tp}) is closed; build a new engine")
+        if self._broken:
+            raise TPError(f"tensor-parallel model (tp={self.tp}) is broken ({self._broken}); restart the engine")
+        dropped, self._dropped[:] = list(self._dropped), []
+        for w in self.workers:
+            try:
+                w.conn.send((op, args, dropped))
+            except OSError as e:
+                raise self._fail(f"sending {op} to rank {w.rank}: {e}")
+
+    def _fail(self, what: str) -> TPError:
+        """Mark broken; the error names the first worker that reported or exited, else `what`."""
+        reason = what
+        for w in self.workers:
+            msg = w.last_words()
+            if msg:
+                reason = f"rank {w.rank}: {msg}"
+                break
+        self._broken = reason
+        return TPError(f"tensor-parallel model (tp={self.tp}) failed: {reason}; restart the engine")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Shut the workers down (shutdown, then SIGKILL after timeout_s) and leave the process group. Idempotent."""
+        acquired = self._lock.acquire(timeout=timeout_s)  # a forward stuck in a collective must not block close
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            for w in self.workers:
+                try:
+                    w.conn.send(("shutdown", (), []))
+                except OSError:
+                    pass
+            for w in self.workers:
+                w.stop(timeout_s)
+            from kdtree.parallel.launch import leave_group
+            leave_group()
+        finally:
+            if acquired:
+                self._lock.release()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,125 @@
+"""A tensor-parallel rank 1..N-1: join the group, load this rank's slices, then run rank 0's commands.
+
+Started by kdtree/parallel/launch.py (never by hand):
+    python -m kdtree.parallel.worker RANK WORLD FD PARENT_PID
+
+FD is this rank's end of a socketpair with rank 0 (a multiprocessing Connection carrying pickled tuples):
+    rank 0 -> worker  ("setup", {...}) once, then (op, args, dropped_cache_ids) per command:
+                      forward(cache_id, tokens, positions, visibility, hidden_layers), new_cache(cache_id, max_len),
+                      keep(cache_id, start, rows), truncate(cache_id, n), shutdown()
+    worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds}) after loading,
+                      ("error", "one line") before exiting 1 on any failure
+The worker exits when rank 0 dies: PR_SET_PDEATHSIG (SIGKILL when the launching thread's process goes), EOF on
+the socket while idle, and a peer-closed / timed-out collective in a forward. SIGINT is ignored (a terminal's
+Ctrl-C reaches the whole process group; rank 0 decides).
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the socket EOF and collective timeouts still end us
+        pass
+    if os.getppid() != parent_pid:     # rank 0 died before prctl took effect
+        os._exit(1)
+
+
+def _serve(conn: Connection, rank: int, world: int) -> None:
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+
+    from kdtree.backends import get_ops
+    from kdtree.checkpoint.loader import load_checkpoint
+    from kdtree.model.k2 import K2Model
+    from kdtree.parallel.comm import init_group, ordered_all_reduce
+    from kdtree.parallel.sharding import shard_fn
+
+    op, setup = conn.recv()
+    assert op == "setup", op
+    cfg = OmegaConf.create(setup["cfg"])
+    torch.set_num_threads(1)  # torch only gathers and adds the partials here
+    import torch.distributed as dist
+
+    store = dist.TCPStore(setup["master_addr"], setup["master_port"], world, False,
+                          timeout=datetime.timedelta(seconds=setup["timeout_s"]))
+    conn.send(("joined",))
+    init_group(store, rank, world, setup["dist_backend"], setup["timeout_s"])
+
+    t0 = time.monotonic()
+    ops = get_ops(cfg.backend)
+    weights, stats = load_checkpoint(setup["checkpoint"], cfg.model, cfg.quant, shard=shard_fn(cfg.model, rank, world),
+                                     threads=cfg.load.threads, strategy=cfg.load.strategy,
+                                     throttle_mb_s=cfg.load.throttle_mb_s)
+    model = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(world, setup["dist_backend"]))
+    del weights
+    # rank 0 alone turns the last hidden state into logits (accept, drafter); skip lm_head's GEMV here
+    model.logits = lambda h: np.empty((h.shape[0], 0), np.float32)
+    conn.send(("ready", {"bytes_read": int(stats.bytes_read), "seconds": time.monotonic() - t0}))
+
+    caches = {}
+    while True:
+        try:
+            op, args, dropped = conn.recv()
+        except EOFError:               # rank 0 is gone
+            return
+        for cid in dropped:
+            caches.pop(cid, None)
+        if op == "forward":
+            cid, tokens, positions, visibility, hidden_layers = args
+            model.forward(tokens, positions, caches[cid], visibility=visibility, hidden_layers=hidden_layers)
+        elif op == "new_cache":
+            cid, max_len = args
+            caches[cid] = model.new_cache(max_len)
+        elif op == "keep":
+            cid, start, rows = args
+            caches[cid].keep(start, rows)
+        elif op == "truncate":
+            cid, n = args
+            caches[cid].truncate(n)
+        elif op == "shutdown":
+            return
+        else:
+            raise ValueError(f"unknown command {op!r} from rank 0")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank, world, fd, parent = (int(a) for a in argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent)
+    conn = Connection(fd)
+    try:
+        _serve(conn, rank, world)
+    except BaseException as e:  # report one line to rank 0, then exit non-zero
+        msg = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        try:
+            conn.send(("error", msg))
+        except OSError:
+            pass
+        print(f"kdtree tp rank {rank}/{world}: {msg}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
