@@ -156,3 +156,15 @@ def test_module_is_quantized_follows_targets_and_ignore(tiny_cfg, make_quant_cfg
     assert module_is_quantized("model.layers.1.mlp.experts.0.down_proj", only)
     assert not module_is_quantized("model.layers.1.mlp.experts.7.down_proj", only)
     assert not module_is_quantized("model.layers.1.mlp.experts.0.up_proj", only)
+
+
+def test_single_file_checkpoint_stays_single_file(tmp_path, tiny_cfg, make_quant_cfg):
+    from kdtree.checkpoint.hf_config import target_config_json
+    from kdtree.checkpoint.writer import write_checkpoint
+
+    src = write_checkpoint(tmp_path / "one", names.init_weights(names.target_tensor_shapes(tiny_cfg), seed=2),
+                           target_config_json(tiny_cfg), max_shard_bytes=0)   # model.safetensors, no index
+    quantize_checkpoint(src, tmp_path / "q", make_quant_cfg("int4_w4a16"))
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(tmp_path / "q" / "model.safetensors"), framework="np") as f:
+        assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight_packed").get_dtype() == "I32"
