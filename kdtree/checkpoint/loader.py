@@ -8,9 +8,9 @@ expected by names.py present with its shape and a dtype we can load, nothing une
 header sane. Then the reads (strategy="eager"): every tensor gets its final numpy buffer (np.empty);
 the byte ranges of all tensors are sorted by file offset, merged where adjacent and cut into chunks of
 `chunk_mb` (32 MiB); `threads` threads each issue one `os.preadv` per chunk that scatters the bytes
-straight into the final buffers (bf16/fp16 land in a staging buffer and are widened to float32 by the
-thread that completes the tensor). strategy="mmap" maps the files instead: float32/int tensors become
-read-only views (pages are read when first touched), others are converted copies.
+straight into the final buffers (bf16/fp16 land in the first half of their float32 buffer and are
+widened in place by the thread that completes the tensor). strategy="mmap" maps the files instead:
+float32/int tensors become read-only views (pages are read when first touched), others are converted.
 
 `shard(name, shape) -> tuple of slices | None` selects part of a tensor (tensor parallelism): row
 slices are one contiguous byte range, column slices one pread per row; only those bytes are read.
@@ -167,26 +167,66 @@ def _runs(info: TensorInfo, sl: Optional[Tuple[Tuple[int, int], ...]]) -> Tuple[
 
 # ---------------------------------------------------------------- reading
 
+_WIDEN_BLOCK = 1 << 18             # elements per in-place widening step (1 MiB of float32: stays in cache)
+
+
 @dataclass
 class _Job:
+    """One on-disk tensor (or slice of it) to materialise.
+
+    Tensors stored F32/I32/... are read straight into their final buffer. BF16/F16 ones get a float32
+    final buffer too: their raw 2-byte values are read into its first half and widened in place, back
+    to front in cache-sized blocks (block [a, b) reads bytes [2a, 2b) and writes [4a, 4b); everything it
+    overwrites is already widened), so no second full-size array is ever allocated.
+    """
     want: _Want
     info: TensorInfo
-    buf: np.ndarray                 # storage dtype, output shape; final array unless it needs widening
+    shape: Tuple[int, ...]          # output shape (the slice's)
     pieces: int = 0
     result: Optional[np.ndarray] = None
 
+    def __post_init__(self):
+        self.widen = self.info.dtype in ("BF16", "F16") and self.want.part != "scale"  # INT4 scales stay raw
+        self.count = math.prod(self.shape)
+        self.nbytes = self.count * self.info.storage.itemsize    # bytes read from the file
+        self.buf: Optional[np.ndarray] = None
+
+    def target(self) -> memoryview:
+        """Allocate the final buffer; the bytes the file's data is read into."""
+        self.buf = np.empty(self.shape, np.float32 if self.widen else self.info.storage)
+        return memoryview(self.buf.reshape(-1).view(np.uint8))[: self.nbytes]
+
     def finish(self) -> None:
-        if self.info.dtype == "BF16":
-            self.result = bf16_to_f32(self.buf)
-        elif self.info.dtype == "F16":
-            self.result = self.buf.astype(np.float32)
+        """After the reads: widen in place (eager)."""
+        if self.widen and self.count:
+            flat = self.buf.reshape(-1)
+            bits = flat.view(np.uint32)
+            src = flat.view(np.uint16 if self.info.dtype == "BF16" else np.float16)[: self.count]
+            last = (self.count - 1) // _WIDEN_BLOCK * _WIDEN_BLOCK
+            for a in range(last, -1, -_WIDEN_BLOCK):
+                b = min(self.count, a + _WIDEN_BLOCK)
+                if self.info.dtype == "BF16":
+                    tmp = src[a:b].astype(np.uint32)          # a copy, taken before [a, b) is written
+                    np.left_shift(tmp, 16, out=tmp)
+                    bits[a:b] = tmp
+                else:
+                    flat[a:b] = src[a:b].astype(np.float32)
+        self.result = self.buf
+
+    def from_view(self, view: np.ndarray) -> None:
+        """mmap: `view` is the tensor (or slice) in the mapping; copy only what needs converting."""
+        if self.info.dtype == "BF16" and self.widen:
+            self.result = bf16_to_f32(view)
+        elif self.widen:
+            self.result = view.astype(np.float32)
         else:
-            self.result = self.buf
+            self.result = view if view.flags.c_contiguous else np.ascontiguousarray(view)
 
 
 @dataclass
 class _Call:                        # one preadv: contiguous file bytes scattered into views
     offset: int
+    end: int
     views: List[memoryview]
     jobs: List[int]
 
@@ -232,7 +272,7 @@ def _preadv_full(fd: int, views: List[memoryview], offset: int, path: Path, tens
 
 def _plan(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
     """runs: (file, offset, nbytes, job) -> work units of at most `chunk` bytes, file-contiguous calls merged."""
-    views = {j: memoryview(job.buf.reshape(-1)).cast("B") for j, job in enumerate(jobs) if job.buf.nbytes}
+    views = {j: job.target() for j, job in enumerate(jobs)}
     pos: Dict[int, int] = {}
     pieces = []
     for f, off, n, j in runs:  # runs of one job come in output order: consecutive destination bytes
@@ -250,22 +290,24 @@ def _plan(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -
             u = _Unit(f)
             units.append(u)
         c = u.calls[-1] if u.calls else None
-        if c is not None and c.offset + sum(len(v) for v in c.views) == off and len(c.views) < _IOV_MAX:
+        if c is not None and c.end == off and len(c.views) < _IOV_MAX:
             c.views.append(view)
             c.jobs.append(j)
+            c.end += n
         else:
-            u.calls.append(_Call(off, [view], [j]))
+            u.calls.append(_Call(off, off + n, [view], [j]))
         u.nbytes += n
     return units
 
 
 def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: int,
                 throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
-                shard_stats: List[Dict]) -> int:
+                shard_stats: List[Dict], assembler: "_Assembler") -> int:
     units = _plan(jobs, runs, chunk)
-    for j in jobs:
-        if j.pieces == 0:
-            j.finish()
+    for job in jobs:
+        if job.pieces == 0:
+            job.finish()
+            assembler.done(job)
     left_per_file = [0] * len(files)
     for u in units:
         left_per_file[u.file] += 1
@@ -295,8 +337,9 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
                     jobs[j].pieces -= 1
                     if jobs[j].pieces == 0:
                         done.append(j)
-        for j in done:
-            jobs[j].finish()  # widening bf16 -> f32 happens in the reading threads
+        for j in done:  # widening and INT4 assembly happen in the reading threads, beside other reads
+            jobs[j].finish()
+            assembler.done(jobs[j])
         return u
 
     bytes_done = shards_done = 0
@@ -326,10 +369,11 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
 
 
 def _read_mmap(files: List[Path], jobs: List[_Job], slices: List, progress: Optional[ProgressFn], total: int,
-               shard_stats: List[Dict]) -> int:
+               shard_stats: List[Dict], assembler: "_Assembler") -> int:
     by_file: Dict[int, List[int]] = {}
+    file_no = {p: i for i, p in enumerate(files)}
     for j, job in enumerate(jobs):
-        by_file.setdefault(files.index(job.info.path), []).append(j)
+        by_file.setdefault(file_no[job.info.path], []).append(j)
     done = 0
     if progress:
         progress(0, total, 0, len(by_file))
@@ -343,9 +387,9 @@ def _read_mmap(files: List[Path], jobs: List[_Job], slices: List, progress: Opti
             count = int(np.prod(job.info.shape, dtype=np.int64))
             full = np.frombuffer(mm, job.info.storage, count, job.info.start).reshape(job.info.shape)
             view = full if sl is None else full[tuple(slice(a, b) for a, b in sl)]
-            job.buf = view if view.flags.c_contiguous else np.ascontiguousarray(view)
-            job.finish()
-            nbytes += job.buf.nbytes
+            job.from_view(view)
+            assembler.done(job)
+            nbytes += job.nbytes
         done += nbytes
         shard_stats[f].update(t0=t0, t1=time.monotonic(), bytes=nbytes)
         if progress:
@@ -377,6 +421,7 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
     # slices per on-disk tensor (INT4 modules are asked once, by their logical name and shape)
     module_slices: Dict[str, Optional[Tuple[Tuple[int, int], ...]]] = {}
     files = [h.path for h in idx.files]
+    file_no = {p: i for i, p in enumerate(files)}
     jobs: List[_Job] = []
     slices: List = []
     runs: List[Tuple[int, int, int, int]] = []
@@ -391,23 +436,23 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
                                                         shard(f"{w.module}.weight", logical)) if shard else None)
             sl = _int4_part_slices(w, module_slices[w.module], linear[w.module], group)
         out_shape, offsets, run = _runs(info, sl)
-        jobs.append(_Job(w, info, np.empty(out_shape, info.storage)))
+        jobs.append(_Job(w, info, out_shape))
         slices.append(sl)
-        f = files.index(info.path)
+        f = file_no[info.path]
         runs.extend((f, off, run, len(jobs) - 1) for off in offsets)
 
+    assembler = _Assembler(module_slices, linear, group)
     shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
-    total = sum(len(jobs[j].buf.reshape(-1)) * jobs[j].info.storage.itemsize for j in range(len(jobs)))
+    total = sum(job.nbytes for job in jobs)
     if strategy == "eager":
         chunk = int(chunk_mb * 2 ** 20)
         if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
             chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
         throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
-        nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats)
+        nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats, assembler)
     else:
-        nread = _read_mmap(files, jobs, slices, progress, total, shard_stats)
-
-    weights = _assemble(jobs, module_slices, linear, group)
+        nread = _read_mmap(files, jobs, slices, progress, total, shard_stats, assembler)
+    weights = assembler.weights(jobs)
     seconds = time.monotonic() - t_start
     per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
                             s["bytes"] / MB / max(s["t1"] - s["t0"], 1e-9) if s["bytes"] else 0.0)
@@ -430,19 +475,37 @@ def _int4_part_slices(w: _Want, sl, logical: Tuple[int, int], group: int):
     return ((r0, r1), (c0 // per, math.ceil(c1 / per)))
 
 
-def _assemble(jobs: List[_Job], module_slices, linear, group: int) -> Dict[str, object]:
-    weights: Dict[str, object] = {}
-    parts: Dict[str, Dict[str, _Job]] = {}
-    for job in jobs:
-        if job.want.module is None:
-            weights[job.want.disk] = job.result
-        else:
-            parts.setdefault(job.want.module, {})[job.want.part] = job
-            if len(parts[job.want.module]) == 3:
-                weights[f"{job.want.module}.weight"] = _int4(job.want.module, parts.pop(job.want.module),
-                                                             module_slices[job.want.module],
-                                                             linear[job.want.module], group)
-    return weights
+class _Assembler:
+    """Finished jobs -> weights. An INT4 module becomes an Int4Weight as soon as its 3 parts are read."""
+
+    def __init__(self, module_slices, linear, group: int):
+        self.module_slices, self.linear, self.group = module_slices, linear, group
+        self.lock = threading.Lock()
+        self.parts: Dict[str, Dict[str, _Job]] = {}
+        self.int4: Dict[str, object] = {}
+
+    def done(self, job: _Job) -> None:
+        m = job.want.module
+        if m is None:
+            return
+        with self.lock:
+            parts = self.parts.setdefault(m, {})
+            parts[job.want.part] = job
+            if len(parts) < 3:
+                return
+            del self.parts[m]
+        self.int4[m] = _int4(m, parts, self.module_slices[m], self.linear[m], self.group)
+
+    def weights(self, jobs: List[_Job]) -> Dict[str, object]:
+        """name -> tensor in names.py order (INT4 modules as `<module>.weight`)."""
+        out: Dict[str, object] = {}
+        for job in jobs:
+            m = job.want.module
+            if m is None:
+                out[job.want.disk] = job.result
+            elif job.want.part == "packed":
+                out[f"{m}.weight"] = self.int4[m]
+        return out
 
 
 def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: int):

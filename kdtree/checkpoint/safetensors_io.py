@@ -10,6 +10,7 @@ Files written here load in the `safetensors` package (checked in tests/checkpoin
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ class FileHeader:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """uint16 bf16 bits -> float32 (exact)."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = bits.astype(np.uint32)
+    np.left_shift(wide, 16, out=wide)  # in place: one allocation per tensor
+    return wide.view(np.float32)
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -112,7 +115,7 @@ def read_header(path) -> FileHeader:
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dtype!r} (known: "
                                   f"{', '.join(DTYPES)}); re-download or regenerate this shard")
-        want = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        want = math.prod(shape) * DTYPES[dtype].itemsize
         if begin < 0 or end < begin or end - begin != want:
             raise CheckpointError(f"{path}: corrupt safetensors header, tensor '{name}' data_offsets "
                                   f"[{begin}, {end}] hold {end - begin} bytes but {dtype}{list(shape)} needs "

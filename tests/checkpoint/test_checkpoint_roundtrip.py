@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from kdtree.checkpoint import loader
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
 
@@ -49,10 +50,12 @@ def test_round_trip_mmap_equals_eager(write, cfg, fp32, weights):
 
 
 @pytest.mark.parametrize("disk", ["BF16", "F16"])
-@pytest.mark.parametrize("strategy", ["eager", "mmap"])
-def test_half_precision_on_disk_loads_as_float32(write, cfg, fp32, weights, disk, strategy):
+@pytest.mark.parametrize("strategy,widen_block", [("eager", 1 << 18), ("eager", 1000), ("mmap", 0)])
+def test_half_precision_on_disk_loads_as_float32(write, cfg, fp32, weights, disk, strategy, widen_block,
+                                                 monkeypatch):
+    monkeypatch.setattr(loader, "_WIDEN_BLOCK", widen_block or loader._WIDEN_BLOCK)  # 1000: many in-place blocks
     d = write(dtypes={k: disk for k in weights})
-    loaded, stats = load_checkpoint(d, cfg, fp32, strategy=strategy)
+    loaded, stats = load_checkpoint(d, cfg, fp32, strategy=strategy, chunk_mb=0.1)
     assert stats.bytes_read == sum(w.nbytes for w in weights.values()) // 2
     for k, w in weights.items():
         want = bf16_to_f32(f32_to_bf16(w)) if disk == "BF16" else w.astype(np.float16).astype(np.float32)

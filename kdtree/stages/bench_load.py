@@ -1,0 +1,215 @@
+"""bench_load: checkpoint-loader throughput next to `cat file > /dev/null` of the same shards (issue 9).
+
+    python -m kdtree.run pipeline=bench_load              # 2 GB; writes bench_load.json in the run dir
+
+Builds (once, cached under <cache>/bench_load/) a synthetic checkpoint of `gb` GB with the K2 layout
+and K2's formats: routed experts INT4 (weight_packed I32, weight_scale BF16, weight_shape), everything
+else BF16, random bytes (finite values; nobody runs it). Then, page cache hot (one cat first), it
+alternates `repeats` times: the loader (no progress), the loader with a ProgressReporter (for its
+overhead), and `cat <shards> > /dev/null`. Rates use the median time and the shards' file bytes;
+MB = 10^6 bytes. strategy=mmap only maps the files (pages are read on first touch), so its rate is
+not a read rate.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from kdtree.checkpoint import names
+from kdtree.checkpoint.hf_config import target_config_json
+from kdtree.checkpoint.index import CONFIG_FILE
+from kdtree.checkpoint.loader import load_checkpoint
+from kdtree.checkpoint.progress import ProgressReporter
+from kdtree.checkpoint.tiny import cache_root
+from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.config.schema import ModelConfig, QuantConfig
+
+SIDE = "controller"
+PARAMS = {"gb": float, "repeats": int, "threads": int, "strategy": str, "shards": int}
+FORMAT_VERSION = 1
+_BLOCK = 128 * 2 ** 20          # one random block; every tensor is a view of part of it (no RAM per tensor)
+
+# A wide K2: real head dims, 64 experts; for small `gb` the widths are divided by 2, 4, ... (smallest divisor
+# that leaves room for a few layers), then MoE layers are added until the checkpoint holds `gb` GB.
+_DIMS = dict(name="bench_load", vocab_size=8192, hidden_size=4096, intermediate_size=4096,
+             moe_intermediate_size=1024, first_k_dense_replace=1, moe_layer_freq=1, num_attention_heads=32,
+             num_key_value_heads=32, n_routed_experts=64, num_experts_per_tok=8, n_shared_experts=1,
+             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+             max_position_embeddings=4096, bos_token_id=8188, eos_token_id=8189, mask_token_id=8190,
+             pad_token_id=8191)
+_SCALED = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+           "num_key_value_heads", "q_lora_rank", "kv_lora_rank")
+_QUANT = dict(method="int4_w4a16", group_size=32,
+              ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"])
+
+
+def _model(div: int, layers: int):
+    dims = dict(_DIMS, num_hidden_layers=layers, **{k: _DIMS[k] // div for k in _SCALED})
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), dims)
+
+
+def _size(cfg) -> int:
+    return sum(_disk_bytes(n, s, cfg) for n, s in names.target_tensor_shapes(cfg).items())
+
+
+def bench_configs(gb: float):
+    """(model_cfg, quant_cfg) of a K2-layout checkpoint of about `gb` GB in INT4 experts + BF16 rest."""
+    quant = OmegaConf.merge(OmegaConf.structured(QuantConfig), _QUANT)
+    div = 1
+    while div < 16 and _size(_model(div, 4)) > gb * 1e9:
+        div *= 2
+    per_layer = _size(_model(div, 3)) - _size(_model(div, 2))
+    layers = max(2, 2 + round((gb * 1e9 - _size(_model(div, 2))) / per_layer))
+    return _model(div, layers), quant
+
+
+def _quantized(name: str) -> bool:
+    return ".mlp.experts." in name and name.endswith("_proj.weight")
+
+
+def _disk_bytes(name: str, shape, cfg) -> int:
+    if _quantized(name):
+        o, i = shape
+        return o * i // 2 + o * (i // 32) * 2 + 8
+    return int(np.prod(shape)) * 2
+
+
+def _tensors(cfg, block: np.ndarray) -> tuple:
+    """name -> array view of `block` (uint16 for BF16, int32 packed), and name -> on-disk dtype."""
+    out: Dict[str, np.ndarray] = {}
+    dtypes: Dict[str, str] = {}
+    pos = 0
+
+    def take(nbytes: int) -> np.ndarray:
+        nonlocal pos
+        assert nbytes <= block.nbytes, f"a {nbytes}-byte tensor is bigger than the random block"
+        if pos + nbytes > block.nbytes:
+            pos = 0
+        pos += nbytes
+        return block[pos - nbytes: pos]
+
+    for name, shape in names.target_tensor_shapes(cfg).items():
+        if _quantized(name):
+            m, (o, i) = name[: -len(".weight")], shape
+            out[f"{m}.weight_packed"] = take(o * i // 2).view(np.int32).reshape(o, i // 8)
+            scale = take(o * (i // 32) * 2).view(np.uint16).reshape(o, i // 32)
+            out[f"{m}.weight_scale"] = scale
+            out[f"{m}.weight_shape"] = np.array([o, i], np.int32)
+            dtypes[f"{m}.weight_scale"] = "BF16"
+        else:
+            out[name] = take(int(np.prod(shape)) * 2).view(np.uint16).reshape(shape)
+            dtypes[name] = "BF16"
+    return out, dtypes
+
+
+def ensure_bench_checkpoint(gb: float, shards: int, cache_dir: str = "") -> tuple:
+    """(path, model_cfg, quant_cfg) of the synthetic checkpoint, built once (temp dir + atomic rename)."""
+    from kdtree.quant.int4 import quantization_config_json
+
+    model, quant = bench_configs(gb)
+    key = json.dumps({"v": FORMAT_VERSION, "dims": OmegaConf.to_container(model), "shards": shards}, sort_keys=True)
+    root = cache_root(cache_dir) / "bench_load"
+    final = root / f"{gb:g}gb-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (final / CONFIG_FILE).exists():
+        return final, model, quant
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    rng = np.random.default_rng(0)
+    # finite bf16 everywhere: exponent bits kept below all-ones (scales in [2^-16, 2^-1))
+    block = rng.integers(0, 2 ** 16, _BLOCK // 2, dtype=np.uint16) & np.uint16(0xBF7F)
+    block = block.view(np.uint8)
+    tensors, dtypes = _tensors(model, block)
+    conf = target_config_json(model)
+    conf["quantization_config"] = quantization_config_json(quant)
+    total = sum(a.nbytes for a in tensors.values())
+    try:
+        write_checkpoint(tmp, tensors, conf, max(1, total // max(1, shards) + 1), dtypes=dtypes)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / CONFIG_FILE).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final, model, quant
+
+
+def _cat(files: List[Path]) -> float:
+    t0 = time.perf_counter()
+    with open(os.devnull, "wb") as null:
+        subprocess.run(["cat", *map(str, files)], stdout=null, check=True)
+    return time.perf_counter() - t0
+
+
+def _load(path, model, quant, threads: int, strategy: str, progress=None) -> tuple:
+    t0 = time.perf_counter()
+    weights, stats = load_checkpoint(path, model, quant, threads=threads, strategy=strategy, progress=progress)
+    seconds = time.perf_counter() - t0
+    del weights
+    gc.collect()
+    return seconds, stats
+
+
+def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, strategy: str = "eager",
+        shards: int = 8) -> dict:
+    cfg = ctx.cfg
+    cache_dir = str(OmegaConf.select(cfg, "cache_dir", default="") or "") if cfg is not None else ""
+    if threads is None:
+        threads = int(OmegaConf.select(cfg, "load.threads", default=4) or 4) if cfg is not None else 4
+    t_build = time.perf_counter()
+    path, model, quant = ensure_bench_checkpoint(float(gb), int(shards), cache_dir)
+    build_s = time.perf_counter() - t_build
+    files = sorted(path.glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
+    _cat(files)                                   # hot cache: every measurement below reads from memory
+    loader_s: List[float] = []
+    progress_s: List[float] = []
+    cat_s: List[float] = []
+    stats = None
+    for _ in range(max(1, int(repeats))):         # alternate, so drift on a shared machine hits all alike
+        s, stats = _load(path, model, quant, threads, strategy)
+        loader_s.append(s)
+        reporter = ProgressReporter(io.StringIO(), tty=False, interval_s=1.0)
+        progress_s.append(_load(path, model, quant, threads, strategy, progress=reporter)[0])
+        cat_s.append(_cat(files))
+    loader, with_progress, plain = (statistics.median(x) for x in (loader_s, progress_s, cat_s))
+    out = {
+        "bytes": nbytes,
+        "gb": gb,
+        "loader_mb_s": nbytes / 1e6 / loader,
+        "plain_read_mb_s": nbytes / 1e6 / plain,
+        "ratio": plain / loader,                  # loader rate / cat rate
+        "progress_overhead": with_progress / loader - 1.0,
+        "loader_s": loader_s,
+        "loader_with_progress_s": progress_s,
+        "plain_read_s": cat_s,
+        "threads": threads,
+        "strategy": strategy,
+        "repeats": len(loader_s),
+        "shards": len(files),
+        "tensors": stats.tensors if stats else 0,
+        "checkpoint": str(path),
+        "build_s": build_s,
+        "cpus": os.cpu_count(),
+    }
+    Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(ctx.run_dir) / "bench_load.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"bench_load {nbytes / 1e9:.2f} GB in {len(files)} shards, {threads} threads, {strategy}: "
+          f"loader {out['loader_mb_s']:.0f} MB/s, cat {out['plain_read_mb_s']:.0f} MB/s, "
+          f"ratio {out['ratio']:.2f}, progress overhead {100 * out['progress_overhead']:+.1f}%")
+    ctx.emit("bench_load", **{k: out[k] for k in ("bytes", "loader_mb_s", "plain_read_mb_s", "ratio",
+                                                    "progress_overhead")})
+    return {k: out[k] for k in ("bytes", "loader_mb_s", "plain_read_mb_s", "ratio", "progress_overhead")}
