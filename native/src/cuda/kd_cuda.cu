@@ -248,6 +248,14 @@ extern "C" int kd_silu_mul(const float *gate, const float *up, float *out, int64
 #define KD_ATT_CHUNK 64
 #define KD_ATT_MAX_DIMS 8   /* L <= KD_ATT_THREADS * KD_ATT_MAX_DIMS = 1024 */
 
+/* Word w of query t's visibility row, bits past key T-1 cleared (padding is not part of the mask). */
+__device__ __forceinline__ uint64_t kd_vis_word(const uint64_t *vis, int64_t t, int64_t w, int64_t T) {
+  const int64_t words = (T + 63) / 64;
+  uint64_t bits = vis[t * words + w];
+  if (w == words - 1 && (T & 63)) bits &= ((uint64_t)1 << (T & 63)) - 1;
+  return bits;
+}
+
 __global__ void kd_mla_attention_kernel(const float *__restrict__ q, const float *__restrict__ kv,
                                         const uint64_t *__restrict__ vis, float *__restrict__ out, int64_t T,
                                         int64_t H, int64_t L, int64_t R, int64_t P, float scale) {
@@ -259,7 +267,7 @@ __global__ void kd_mla_attention_kernel(const float *__restrict__ q, const float
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = KD_ATT_THREADS / 32;
   int64_t nblock = 0; /* visible block keys of this query */
   if (vis) {
-    for (int64_t w = 0; w < words; w++) nblock += __popcll(vis[t * words + w]);
+    for (int64_t w = 0; w < words; w++) nblock += __popcll(kd_vis_word(vis, t, w, T));
   } else {
     nblock = t + 1;
   }
@@ -271,7 +279,7 @@ __global__ void kd_mla_attention_kernel(const float *__restrict__ q, const float
     stat[1] = 0.0f;
   }
   int64_t cur_word = 0;    /* thread 0's cursor over the visibility row */
-  uint64_t cur_bits = vis ? vis[t * words] : 0;
+  uint64_t cur_bits = vis ? kd_vis_word(vis, t, 0, T) : 0;
   int64_t causal_next = 0; /* thread 0's cursor for the causal case */
   for (int64_t c0 = 0; c0 < n; c0 += KD_ATT_CHUNK) {
     const int m = (int)(n - c0 < KD_ATT_CHUNK ? n - c0 : KD_ATT_CHUNK);
@@ -283,7 +291,7 @@ __global__ void kd_mla_attention_kernel(const float *__restrict__ q, const float
         } else if (!vis) {
           keypos[i] = P + causal_next++;
         } else {
-          while (cur_bits == 0) cur_bits = vis[t * words + ++cur_word];
+          while (cur_bits == 0) cur_bits = kd_vis_word(vis, t, ++cur_word, T);
           keypos[i] = P + cur_word * 64 + __ffsll((long long)cur_bits) - 1;
           cur_bits &= cur_bits - 1;
         }
@@ -323,6 +331,7 @@ __global__ void kd_mla_attention_kernel(const float *__restrict__ q, const float
     }
     __syncthreads();
   }
+  __syncthreads(); /* n == 0: no chunk ran, stat[] was written by thread 0 only */
   float *o = out + (t * H + h) * L;
   const float total = stat[1];
   for (int k = 0; k < KD_ATT_MAX_DIMS; k++) {
