@@ -14,8 +14,10 @@ float32/int tensors become read-only views (pages are read when first touched), 
 
 `shard(name, shape) -> tuple of slices | None` selects part of a tensor (tensor parallelism): row
 slices are one contiguous byte range, column slices one pread per row; only those bytes are read.
-INT4 modules are offered to `shard` once, as `<module>.weight` with the logical [out, in] shape; the
-slice is mapped onto weight_packed (8 values per int32) and weight_scale (one per group).
+A Linear stored as `<m>.weight_packed/_scale/_shape` loads as an Int4Weight whatever the quant config
+says (config.json's quantization_config must still agree with quant=); one stored as `<m>.weight` loads
+as float32. INT4 modules are offered to `shard` once, as `<module>.weight` with the logical [out, in]
+shape; the slice is mapped onto weight_packed (8 values per int32) and weight_scale (one per group).
 
 Rates are MB/s with MB = 10^6 bytes.
 """
@@ -107,9 +109,10 @@ def _validate(idx: CheckpointIndex, wants: List[_Want], label: str) -> None:
     n_layers = idx.config.get("num_hidden_layers")
 
     def tolerated(name: str) -> bool:  # MTP layers after the last decoder layer are not used
-        if not extra_layers or n_layers is None or not name.startswith("model.layers."):
+        parts = name.split(".")
+        if not extra_layers or n_layers is None or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
             return False
-        return int(name.split(".")[2]) >= int(n_layers)
+        return int(parts[2]) >= int(n_layers)
 
     unexpected = [t for t in idx.tensors.values() if t.name not in wanted and not tolerated(t.name)]
     if unexpected:

@@ -101,7 +101,8 @@ def read_header(path) -> FileHeader:
         if not isinstance(header, dict):
             raise ValueError("not a JSON object")
     except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e}); re-download or regenerate this shard") from None
+        raise CheckpointError(f"{path}: corrupt safetensors header ({e}); "
+                              f"re-download or regenerate this shard") from None
     data_start = 8 + n
     metadata = header.pop("__metadata__", None) or {}
     tensors = []

@@ -29,7 +29,10 @@ def test_byte_decode_of_a_broken_sequence_replaces():
     assert tok.vocab_size == 260 and tok.token_bytes(258) == b""
 
 
-def write_bpe(path, merges=(b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", "é".encode(), "中文".encode(), b"34", b"12", b"123")):
+MERGES = (b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", "é".encode(), "中文".encode(), b"34", b"12", b"123")
+
+
+def write_bpe(path, merges=MERGES):
     tokens = [bytes([i]) for i in range(256)] + list(merges)
     path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
     return len(tokens)
