@@ -24,7 +24,7 @@ import numpy as np
 
 from kdtree.backends.base import Ops
 from kdtree.decode.tree import Tree as _Tree
-from kdtree.errors import NativeError
+from kdtree.errors import ConfigError, NativeError
 
 ABI_VERSION = 1
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
@@ -378,20 +378,16 @@ class NativeOps(Ops):
     def __init__(self, kind: str = "cpu", path: str = ""):
         self.lib = load_library(kind, path)
         self.name = kind
-        self._int4_cache: Dict[int, Tuple[Any, Tuple]] = {}
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         x = np.ascontiguousarray(x, np.float32)
         if isinstance(w, np.ndarray):
             return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
-        hit = self._int4_cache.get(id(w))
-        if hit is None or hit[0] is not w:  # keep w alive so its id is not reused while cached
-            parts = _int4_parts(w)
-            if parts is None:
-                raise NativeError(f"linear: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
-                                  f"Int4Weight")
-            hit = self._int4_cache[id(w)] = (w, parts)
-        packed, scale, n_in, group = hit[1]
+        parts = _int4_parts(w)
+        if parts is None:
+            raise NativeError(f"linear: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
+                              f"Int4Weight")
+        packed, scale, n_in, group = parts
         return self.lib.linear_w4a16(x, packed, scale, n_in, group)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -415,9 +411,18 @@ class NativeOps(Ops):
 
 
 def _factory(kind: str):
+    """backend=cpu|cuda from config: a missing library or (cuda) a missing device is a ConfigError (one line)."""
     def make(backend_cfg: Any) -> Ops:
         path = "" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "library", "") or "")
-        return NativeOps(kind, path)
+        try:
+            ops = NativeOps(kind, path)
+        except NativeError as e:
+            raise ConfigError(f"backend={kind} (backend.library={path or '<default>'}): {e}; or use "
+                              f"backend=numpy") from None
+        if kind == "cuda" and ops.lib.device_count == 0:
+            raise ConfigError(f"backend=cuda: no CUDA device ({ops.lib.device_reason}); use backend=cpu or "
+                              f"backend=numpy")
+        return ops
     return make
 
 

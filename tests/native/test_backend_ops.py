@@ -398,3 +398,16 @@ def test_avx2_and_portable_paths_agree_bitwise(tmp_path):
     a, b = np.load(files["0"]), np.load(files["1"])
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_config_errors_are_one_line():
+    from kdtree.backends import get_ops
+    from kdtree.config.schema import BackendConfig
+    from kdtree.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"backend=cpu \(backend.library=/nonexistent.so\).*make native") as e:
+        get_ops(BackendConfig(name="cpu", library="/nonexistent.so"))
+    assert "\n" not in str(e.value)
+    if native.cuda_device_count() == 0:
+        with pytest.raises(ConfigError, match="backend=cuda.*use backend=.*numpy") as e:
+            get_ops("cuda")
+        assert "\n" not in str(e.value)
