@@ -59,6 +59,7 @@ class Watcher:
         self._prev_log_size: Optional[int] = None
         self._prev_t: Optional[float] = None
         self._gpu_absent = False
+        self._connected = False
         self._checkpoint_total: Optional[int] = None
         self._last_status: Optional[Dict[str, Any]] = None
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
@@ -95,6 +96,13 @@ class Watcher:
             jobs["log"] = lambda: P.probe_unit(self.host, t.unit, to, user=t.unit_user)
         elif t.log:
             jobs["log"] = lambda: P.probe_log_file(self.host, t.log, to)
+        if not self._connected:
+            # one connection before the parallel probes: concurrent first connects of an ssh host race
+            try:
+                self.host.shell("true", timeout=to)
+                self._connected = True
+            except Exception:
+                pass                    # the probes below record the failure, each with its own error
         results: Dict[str, P.ProbeResult] = {}
         threads = [threading.Thread(target=lambda k=k, f=f: results.__setitem__(k, f()), daemon=True)
                    for k, f in jobs.items()]
@@ -124,7 +132,7 @@ class Watcher:
 
     # -- one sample ------------------------------------------------------------------------------------
     def sample(self, judge: Judge, t_start: float) -> Dict[str, Any]:
-        t_probe = time.monotonic()
+        t_probe, started_at = time.monotonic(), time.time()
         probes = self._probes()
         now = time.monotonic()
         elapsed = now - t_start
@@ -141,7 +149,7 @@ class Watcher:
 
         eta = self._eta(probes, snap, t_probe)
         line = self._line(elapsed, j, probes, snap, eta, now)
-        sample = {"t": round(elapsed, 3), "at": time.time(), "verdict": j.verdict, "reason": j.reason,
+        sample = {"t": round(elapsed, 3), "started_at": started_at, "at": time.time(), "verdict": j.verdict, "reason": j.reason,
                   "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
                   "probes": {k: v.to_dict() for k, v in probes.items()}}
         sample["probes"].get("status", {}).get("data", {}).pop("status", None)   # kept once below, smaller

@@ -1,0 +1,71 @@
+"""Verdict rules on probe results as the probes return them (no server needed)."""
+from __future__ import annotations
+
+from kdtree.monitor.probes import ProbeResult
+from kdtree.monitor.verdict import Judge, moved_signals, progress_signals
+
+
+def loading(bytes_done, cpu_s=1.0, rchar=10 << 20, alive=True, state="S", http=503):
+    return {
+        "completion": ProbeResult("completion", True, 0.01, data={"http": http, "port": "open", "answered": http == 200,
+                                                                 "text": "4" if http == 200 else None}),
+        "status": ProbeResult("status", True, 0.01, data={"source": "http", "status": {
+            "phase": "loading", "bytes_done": bytes_done, "bytes_total": 100, "shards_done": 0}}),
+        "process": ProbeResult("process", True, 0.01, data={"pid": 7, "alive": alive, "state": state, "cpu_s": cpu_s,
+                                                            "rchar": rchar, "read_bytes": 0, "io_readable": True}),
+    }
+
+
+def test_moving_bytes_is_progressing_and_silence_is_stalled_after_the_window():
+    j = Judge(stall_window_s=10, deadline_s=600, now=0.0)
+    assert j.judge(loading(10), 0.0).verdict == "PROGRESSING"
+    v = j.judge(loading(20), 1.0)
+    assert v.verdict == "PROGRESSING" and "status.bytes_done" in v.moved
+    for t in range(2, 11):                       # frozen: nothing moves for 9 s of a 10 s window
+        v = j.judge(loading(20), float(t))
+        assert v.verdict == "PROGRESSING" and not v.moved and not v.terminal
+    v = j.judge(loading(20), 11.0)
+    assert v.verdict == "STALLED" and v.terminal and "nothing moved for 10 s" in v.reason
+
+
+def test_the_monitors_own_probes_do_not_count_as_progress():
+    """Answering the probes costs the server a few ms of CPU: below the floor, so a hung load still stalls."""
+    assert moved_signals({"process.cpu_s": 1.0}, {"process.cpu_s": 1.01}, dt=1.0) == []
+    assert moved_signals({"process.cpu_s": 1.0}, {"process.cpu_s": 1.5}, dt=1.0) == ["process.cpu_s"]
+    assert moved_signals({"process.rchar": 0}, {"process.rchar": 4096}, dt=1.0) == []
+
+
+def test_machine_wide_disk_reads_do_not_hide_a_frozen_process():
+    probes = loading(20)
+    probes["disk"] = ProbeResult("disk", True, 0.01, data={"devices": {"sda": {"read_bytes": 1 << 30}}})
+    assert "disk.read_bytes" not in progress_signals(probes)       # the process is known: its own reads count
+    del probes["process"]
+    assert "disk.read_bytes" in progress_signals(probes)
+
+
+def test_gone_or_zombie_process_is_crashed_and_ready_wins():
+    j = Judge(10, 600, 0.0)
+    v = j.judge(loading(10, alive=False, state="gone"), 0.0)
+    assert v.verdict == "CRASHED" and v.terminal and "pid 7 is gone" in v.reason
+    v = Judge(10, 600, 0.0).judge(loading(10, alive=False, state="Z"), 0.0)
+    assert v.verdict == "CRASHED" and "not reaped" in v.reason
+    v = Judge(10, 600, 0.0).judge(loading(100, http=200), 0.0)
+    assert v.verdict == "READY" and v.terminal
+
+
+def test_unreachable_host_is_called_after_the_window_not_on_one_blip():
+    down = {n: ProbeResult(n, False, 5.0, unreachable=True, error="ssh: connection refused") for n in ("completion", "disk")}
+    j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    v = j.judge(down, 0.0)
+    assert v.verdict == "UNREACHABLE" and not v.terminal
+    assert j.judge(loading(10), 1.0).verdict == "PROGRESSING"       # back: the clock restarts
+    assert not j.judge(down, 2.0).terminal
+    v = j.judge(down, 5.5)
+    assert v.verdict == "UNREACHABLE" and v.terminal
+
+
+def test_deadline_extends_while_progress_moves():
+    j = Judge(stall_window_s=5, deadline_s=3, now=0.0)
+    for t in range(0, 20):                       # bytes move every second: never a failure
+        v = j.judge(loading(t), float(t))
+        assert v.verdict == "PROGRESSING", (t, v)

@@ -1,0 +1,199 @@
+"""The server as users meet it: a real engine process started by `python -m kdtree.run`, real HTTP (curl, the
+openai client, 16 concurrent clients), SIGTERM draining."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from served_engine import alive, start_served, stop
+
+
+def post(url: str, body, path="/v1/completions", raw: bytes = None, headers=None, timeout=60):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url: str, path: str, headers=None):
+    req = urllib.request.Request(url + path, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_curl_post_returns_choices_text(served):
+    body = json.dumps({"model": "tiny", "prompt": "2+2=", "max_tokens": 4, "temperature": 0})
+    out = subprocess.run(["curl", "-sS", "-H", "Content-Type: application/json", "-d", body,
+                          served.url + "/v1/completions"], capture_output=True, text=True, timeout=60)
+    resp = json.loads(out.stdout)
+    assert resp["object"] == "text_completion" and resp["model"] == "tiny"
+    assert isinstance(resp["choices"][0]["text"], str)
+    assert resp["usage"]["prompt_tokens"] == 4
+    assert resp["choices"][0]["finish_reason"] in ("length", "eos", "stop")
+    # the same prompt as token ids is the same request
+    code, by_ids = post(served.url, {"prompt": [50, 43, 50, 61], "max_tokens": 4})
+    assert code == 200 and by_ids["choices"][0]["text"] == resp["choices"][0]["text"]
+
+
+def test_openai_client_completion_stream_and_models(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
+    text = r.choices[0].text
+    assert r.usage.completion_tokens == len(text.encode("utf-8", "surrogatepass")) or r.usage.completion_tokens <= 6
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices[0].finish_reason in ("length", "eos", "stop")
+    with pytest.raises(openai.BadRequestError, match="only greedy"):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0.8)
+
+
+BAD = [
+    # (raw body, HTTP status, words of the message, param)
+    (b'{"model": "tiny", "prompt": "2+2=", ', 400, "not valid JSON", None),
+    (json.dumps({"model": "tiny", "max_tokens": 4}).encode(), 400, "missing required field 'prompt'", "prompt"),
+    (json.dumps({"prompt": "2+2=", "max_tokens": -1}).encode(), 400, "max_tokens must be an integer >= 0", "max_tokens"),
+    (json.dumps({"prompt": "x" * 2100, "max_tokens": 4}).encode(), 400, "maximum context length is 2048", "prompt"),
+    (json.dumps({"model": "gpt-4", "prompt": "2+2="}).encode(), 404, "'gpt-4' is not served here", "model"),
+    (json.dumps({"prompt": "2+2=", "temperature": 0.7}).encode(), 400, "only greedy decoding", "temperature"),
+    (json.dumps({"prompt": "2+2=", "stop": 5}).encode(), 400, "stop must be a string or a list", "stop"),
+    (json.dumps({"prompt": [1, 99999]}).encode(), 400, "token id 99999", "prompt"),
+    (json.dumps({"prompt": ""}).encode(), 400, "prompt is empty", "prompt"),
+]
+
+
+@pytest.mark.parametrize("raw,code,words,param", BAD, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD)])
+def test_invalid_request_is_4xx_and_the_next_request_succeeds(served, raw, code, words, param):
+    got, body = post(served.url, None, raw=raw)
+    assert got == code, body
+    assert words in body["error"]["message"] and body["error"]["param"] == param
+    assert body["error"]["type"] == "invalid_request_error"
+    ok, resp = post(served.url, {"prompt": "2+2=", "max_tokens": 2})
+    assert ok == 200 and resp["choices"][0]["text"] is not None
+
+
+def test_unknown_path_and_wrong_method_are_json_4xx(served):
+    code, text = get(served.url, "/v1/chat/nothing")
+    assert code == 404 and "no endpoint" in json.loads(text)["error"]["message"]
+    code, text = get(served.url, "/v1/completions")
+    assert code == 405 and "takes POST" in json.loads(text)["error"]["message"]
+
+
+def test_sixteen_clients_get_the_single_client_greedy_answers(served):
+    prompts = [f"client prompt {i}: " for i in range(8)]
+    single = {}
+    for p in prompts:                                   # one client, one request at a time
+        code, r = post(served.url, {"prompt": p, "max_tokens": 4, "temperature": 0})
+        assert code == 200
+        single[p] = r["choices"][0]["text"]
+
+    def client(c: int):
+        out = []
+        for j in range(8):
+            p = prompts[(c + j) % 8]
+            code, r = post(served.url, {"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0}, timeout=120)
+            out.append((p, code, r["choices"][0]["text"] if code == 200 else r))
+        return out
+
+    with ThreadPoolExecutor(16) as pool:
+        results = [x for batch in pool.map(client, range(16)) for x in batch]
+    assert len(results) == 128
+    assert all(code == 200 for _, code, _ in results), [r for r in results if r[1] != 200][:3]
+    assert all(text == single[p] for p, _, text in results)
+
+
+def test_operator_endpoints(served):
+    code, text = get(served.url, "/health")
+    assert code == 200 and json.loads(text)["phase"] == "ready"
+    assert get(served.url, "/ready")[0] == 200
+    st = json.loads(get(served.url, "/status")[1])
+    assert st["phase"] == "ready" and st["bytes_done"] == st["bytes_total"] > 0
+    assert set(st["warmup_seconds"]) == {"prefill_1", "prefill_16", "prefill_128", "verify_tree_4"}
+    assert "seconds" in st["phases"]["loading"] and "seconds" in st["phases"]["warmup"]
+    post(served.url, {"prompt": "metrics", "max_tokens": 3})
+    code, metrics = get(served.url, "/metrics")
+    assert code == 200
+    lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert int(lines['kdtree_requests_total{code="200",endpoint="/v1/completions"}']) >= 1
+    assert int(lines["kdtree_generated_tokens_total"]) >= 3
+    assert int(lines["kdtree_acceptance_length_count"]) >= 1
+    assert float(lines['kdtree_stage_seconds_total{stage="verify"}']) > 0
+    assert float(lines['kdtree_phase_seconds{phase="loading"}']) > 0
+    assert lines['kdtree_phase{phase="ready"}'] == "1"
+
+
+def test_sigterm_drains_the_request_in_flight_and_exits_0(served):
+    """Last in this module: it stops the shared server."""
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(served.url, {"prompt": "drain me", "max_tokens": 40})))
+    t.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:                  # wait until the worker has it
+        st = json.loads(get(served.url, "/status")[1])
+        if st["in_flight"] or st["queue_depth"]:
+            break
+        time.sleep(0.01)
+    assert stop(served.pid, signal.SIGTERM, timeout=60), "the engine did not exit after SIGTERM"
+    t.join(60)
+    code, body = result["r"]
+    assert code == 200 and body["usage"]["completion_tokens"] >= 1
+    assert (served.run_dir / "engine.exit").read_text().strip() == "0"
+    assert served.status()["phase"] == "stopped"
+    assert "draining" in served.status()["phases"]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=2).close()
+
+
+def test_sd_notify_and_api_key(tmp_path_factory, kdtree_cache, tmp_path):
+    """Under systemd (NOTIFY_SOCKET): STATUS + EXTEND_TIMEOUT_USEC while loading, READY=1 when serving."""
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.2)
+    messages = []
+    done = threading.Event()
+
+    def listen():
+        while not done.is_set():
+            try:
+                messages.append(sock.recv(4096).decode())
+            except socket.timeout:
+                continue
+
+    th = threading.Thread(target=listen, daemon=True)
+    th.start()
+    s = start_served(tmp_path_factory, kdtree_cache, "serve.api_key=s3cret", extra_env={"NOTIFY_SOCKET": str(sock_path)})
+    try:
+        code, body = post(s.url, {"prompt": "2+2=", "max_tokens": 2})
+        assert code == 401 and "Bearer" in body["error"]["message"]
+        code, body = post(s.url, {"prompt": "2+2=", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"})
+        assert code == 200
+        assert get(s.url, "/health")[0] == 200             # operator endpoints stay open for monitors
+    finally:
+        stop(s.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        done.set()
+        th.join(2)
+        sock.close()
+    text = "\n".join(messages)
+    assert "STATUS=loading" in text and "EXTEND_TIMEOUT_USEC=" in text
+    assert any("READY=1" in m for m in messages) and "STOPPING=1" in text
+    ready_at = next(i for i, m in enumerate(messages) if "READY=1" in m)
+    assert all("READY=1" not in m for m in messages[:ready_at]) and "STATUS=ready" in messages[ready_at]
