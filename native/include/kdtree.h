@@ -50,9 +50,10 @@ int kd_synchronize(void *stream);
  * double), ordered by (score desc, push counter asc). Start with (depth 1, rank 0); pop a node, append it;
  * push its next sibling (rank+1 < width) then its first child (depth < n_depth). Stop after `budget` pops.
  *   logp f32[n_depth, width] (each row sorted descending), ids i32[n_depth, width]
- *   out: tokens/parents/depths i32[cap], n_nodes = min(budget, n_depth*width) <= cap;
- *   visibility u64[n_nodes+1, (n_nodes+1+63)/64] over [root, nodes] (row 0 = root sees itself; row i+1 =
- *   node i sees the root, its ancestors and itself), or NULL to skip it. parents: -1 = root.
+ *   budget <= cap; out: tokens/parents/depths i32[cap], *n_nodes = min(budget, nodes of the full tree
+ *   width + width^2 + ... + width^n_depth); visibility (capacity (cap+1)*ceil((cap+1)/64) u64, or NULL to skip)
+ *   receives u64[n_nodes+1, ceil((n_nodes+1)/64)] over [root, nodes] (row 0 = root sees itself; row i+1 = node i
+ *   sees the root, its ancestors and itself). parents: -1 = root; parents precede children.
  */
 int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
                   int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,

@@ -4,7 +4,8 @@ Every op x several shapes x every available backend ("cpu"; "cuda" is marked gpu
 against the numpy reference: kdtree/decode/tree.py for the tree ops, kdtree.backends.numpy_ops for the dense
 ops, kdtree.quant.int4.dequantize for W4A16. Integer outputs are bit-exact; float outputs are within a per-op
 tolerance (justified where it is computed); every output buffer is surrounded by sentinel guard regions that
-must survive the call. Case ids re-run one case: pytest 'tests/native/test_backend_ops.py::test_op[cpu-mla_attention(T=5,H=3,L=32,R=8,P=12,vis=tree)]'
+must survive the call. A case id re-runs one case:
+    pytest 'tests/native/test_backend_ops.py::test_op[mla_attention(T=5,H=3,L=32,R=8,P=12,vis_kind=tree)-cpu]'
 
     .venv/bin/python -m pytest -q tests/native/test_backend_ops.py
 """
