@@ -177,7 +177,7 @@ class _Run:
             return
         grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
         how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
-        self.events.emit("engine_stop", pid=self.engine.pid, why=why, result=how)
+        self.events.emit("engine_stop", pid=self.engine.pid, why=why, outcome=how)
         ep.tail_log(self.engine, self.out)
         ep.fetch_back(self.engine)
         self.engine = None

@@ -69,5 +69,5 @@ def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0) -> dict:
     print(f"stop: engine {pid} of {target} on {host.label}: {result}", flush=True)
     if (target / EVENTS_FILE).exists() and target.resolve() != Path(ctx.run_dir).resolve():
         EventLog(target / EVENTS_FILE, where="stop", console=None).emit(
-            "engine_stop", pid=pid, result=result, by=str(ctx.run_dir))
+            "engine_stop", pid=pid, outcome=result, by=str(ctx.run_dir))
     return {"run_dir": str(target), "pid": pid, "host": host.label, "result": result}

@@ -161,5 +161,20 @@ def test_ctrl_c_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache):
         proc.kill()
     assert proc.returncode == 130, out
     assert not Path(f"/proc/{pid}/cmdline").exists() or not open(f"/proc/{pid}/cmdline").read()
-    assert [e["result"] for e in read_events(run_dir) if e["kind"] == "engine_stop"] == ["terminated"]
+    assert [e["outcome"] for e in read_events(run_dir) if e["kind"] == "engine_stop"] == ["terminated"]
     assert (run_dir / "engine.exit").read_text().strip() == "143"
+
+
+def test_remote_run_dir_on_another_filesystem_is_copied_there_and_back(sshd, compose_cfg, run_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    from kdtree.pipeline import engine_process as ep
+
+    remote = tmp_path / "remote-run"  # what a host without the controller's filesystem would use
+    monkeypatch.setattr(ep, "_host_run_dir", lambda host, local: (str(remote), False))
+    code = run_pipeline(compose_cfg("pipeline=generate", "max_new_tokens=2", *_ssh_overrides(sshd)), run_dir)
+    assert code == 0
+    assert (remote / "config.yaml").exists() and (remote / "result.json").exists()
+    assert json.loads((run_dir / "result.json").read_text()) == json.loads((remote / "result.json").read_text())
+    assert (run_dir / "engine.log").read_text() == (remote / "engine.log").read_text()
+    assert [e["stage"] for e in _kinds(run_dir, kind="stage_end", where="engine")] == ["load", "generate"]
+    assert "target forwards" in capsys.readouterr().out

@@ -1,0 +1,89 @@
+"""pipeline=plan: bytes per rank, latent KV bytes per token, shard files per rank, load time — from the config alone."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdtree.stages.plan import computed_layout, computed_tensors, make_plan, split_axis, _plain
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_k26_tp8_int4_prints_its_table_without_a_checkpoint(tmp_path, kdtree_cache):
+    run_dir = tmp_path / "plan"
+    env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "kdtree.run", "pipeline=plan", "model=k26", "tp=8",
+                        "quant=int4_w4a16", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "model=k26 quant=int4_w4a16 tp=8   from computed layout (5 GB shards, non-quantized tensors bf16)" in out
+    assert "KV cache per token         137.2 KiB   latent fp32, (512+64) x 61 layers x 4 B" in out
+    assert sum(1 for line in out.splitlines() if line.strip().startswith(tuple(f"{r}  " for r in range(8)))) >= 8
+    assert "2000 MB/s" in out and "240 MB/s" in out
+    p = json.loads((run_dir / "plan.json").read_text())
+    assert p["kv_cache"]["bytes_per_token"] == (512 + 64) * 61 * 4
+    assert p["per_rank_bytes"] == pytest.approx(p["sharded_bytes"] / 8 + p["replicated_bytes"])
+    assert 550e9 < p["total_bytes"] < 600e9  # K2.6 INT4: ~550-600 GB
+    # replicated = embed + lm_head (bf16) + latent projections, norms, router gates: a few GB, far below a rank's share
+    assert 2 * 163840 * 7168 * 2 < p["replicated_bytes"] < 10e9
+    assert p["load_time_s"]["240"] == pytest.approx(p["node_read_bytes"] / 240e6)
+
+
+@pytest.mark.parametrize("tensor,axis", [
+    ("model.layers.3.self_attn.q_b_proj.weight", "rows"),
+    ("model.layers.3.self_attn.kv_b_proj.weight", "rows"),
+    ("model.layers.3.self_attn.o_proj.weight", "cols"),
+    ("model.layers.3.self_attn.q_a_proj.weight", None),
+    ("model.layers.3.self_attn.kv_a_proj_with_mqa.weight", None),
+    ("model.layers.3.self_attn.kv_a_layernorm.weight", None),
+    ("model.layers.0.mlp.gate_proj.weight", "rows"),
+    ("model.layers.0.mlp.down_proj.weight", "cols"),
+    ("model.layers.3.mlp.shared_experts.up_proj.weight", "rows"),
+    ("model.layers.3.mlp.experts.17.gate_proj.weight_packed", "rows"),
+    ("model.layers.3.mlp.experts.17.down_proj.weight_scale", "cols"),
+    ("model.layers.3.mlp.experts.17.down_proj.weight_shape", None),
+    ("model.layers.3.mlp.gate.weight", None),
+    ("model.layers.3.mlp.gate.e_score_correction_bias", None),
+    ("model.embed_tokens.weight", None),
+    ("lm_head.weight", None),
+    ("model.norm.weight", None),
+])
+def test_sharding_rules(tensor, axis):
+    assert split_axis(tensor) == axis
+
+
+def test_per_rank_bytes_follow_tp(compose_cfg):
+    p1, p2 = make_plan(compose_cfg("tp='1'")), make_plan(compose_cfg("tp='2'"))
+    assert p1["replicated_bytes"] == p2["replicated_bytes"] and p1["sharded_bytes"] == p2["sharded_bytes"]
+    assert p2["per_rank_bytes"] == p1["sharded_bytes"] / 2 + p1["replicated_bytes"]
+    assert len(p2["ranks"]) == 2
+
+
+def test_reads_the_shard_files_from_the_checkpoint_index_when_present(compose_cfg):
+    from kdtree.checkpoint.index import open_checkpoint
+    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+
+    cfg = compose_cfg()
+    ckpt = ensure_tiny_checkpoint(cfg.model, cfg.quant, cfg.cache_dir)
+    p = make_plan(cfg)
+    idx = open_checkpoint(ckpt)
+    assert p["source"] == f"checkpoint index {ckpt}"
+    assert p["ranks"][0]["files"] == sorted(f.path.name for f in idx.files) and len(idx.files) > 1
+    assert p["total_bytes"] == idx.data_bytes
+    # the computed layout (no checkpoint) predicts the very same bytes for the fp32 tiny model
+    computed = dict(computed_tensors(_plain(cfg.model), _plain(cfg.quant), 4))
+    assert sum(computed.values()) == idx.data_bytes
+    assert set(computed) == set(idx.tensors)
+
+
+def test_computed_layout_fills_shards_in_file_order():
+    layout, n = computed_layout([("a", 4), ("b", 4), ("c", 3), ("d", 9)], shard_bytes=8)
+    assert n == 3
+    assert [f for _, f, _ in layout] == ["model-00001-of-00003.safetensors"] * 2 + [
+        "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
