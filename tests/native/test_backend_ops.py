@@ -412,3 +412,25 @@ def test_config_errors_are_one_line():
         with pytest.raises(ConfigError, match="backend=cuda.*use backend=.*numpy") as e:
             get_ops("cuda")
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(native.cuda_device_count() == 0, reason="no CUDA device")
+def test_cuda_on_torch_memory_and_stream():
+    """The documented torch path: device pointers from data_ptr() and torch's current stream."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    lib = native.load_library("cuda")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 200), dtype=np.float32)
+    w = rng.standard_normal((17, 200), dtype=np.float32)
+    xt, wt = torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda()
+    out = torch.empty((3, 17), device="cuda", dtype=torch.float32)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        lib.check(lib.c.kd_linear_f32(lib.ptr("float *", xt.data_ptr()), lib.ptr("float *", wt.data_ptr()),
+                                      lib.ptr("float *", out.data_ptr()), 3, 200, 17,
+                                      lib.stream(torch.cuda.current_stream().cuda_stream)), "kd_linear_f32")
+    stream.synchronize()
+    np.testing.assert_array_equal(out.cpu().numpy(), native.NativeOps("cuda").linear(x, w))
