@@ -242,14 +242,18 @@ def probe_gpu(host, timeout_s: float) -> ProbeResult:
 
 def probe_log_file(host, path: str, timeout_s: float) -> ProbeResult:
     q = shlex.quote(path)
-    script = f"stat -c '%s %Y' {q} 2>/dev/null || {{ echo MISSING; exit 0; }}; tail -n 1 {q}"
+    script = f"stat -c '%s %Y' {q} 2>/dev/null || {{ echo MISSING; exit 0; }}; tail -n 5 {q}"
 
     def parse(r):
-        first, _, last = r.stdout.partition("\n")
+        first, _, tail = r.stdout.partition("\n")
         if first.startswith("MISSING"):
             return {"exists": False}
         size, mtime = first.split()
-        return {"exists": True, "size": int(size), "mtime": float(mtime), "last_line": last.strip()[-200:]}
+        lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+        # the line that explains a crash is rarely the very last one ("engine exit code=1")
+        telling = [ln for ln in lines if any(w in ln.lower() for w in ("error", "fail", "traceback", "killed"))]
+        return {"exists": True, "size": int(size), "mtime": float(mtime),
+                "last_line": (telling or lines or [""])[-1][-200:]}
 
     return _run(host, "log", script, timeout_s, parse)
 

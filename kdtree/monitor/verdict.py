@@ -145,7 +145,9 @@ class Judge:
         if proc is not None and proc.ok and not proc.data.get("alive"):
             state = proc.data.get("state")
             what = "is gone" if state == "gone" else f"exited (state {state}, not reaped)"
-            return f"engine pid {proc.data.get('pid')} {what}"
+            log = probes.get("log")
+            last = log.data.get("last_line") if log is not None and log.ok else ""
+            return f"engine pid {proc.data.get('pid')} {what}" + (f"; log: {last}" if last else "")
         log = probes.get("log")
         if log is not None and log.ok and log.data.get("active") in ("failed", "inactive"):
             return (f"unit {log.data.get('active')} ({log.data.get('sub')}, result {log.data.get('result')}): "

@@ -192,7 +192,11 @@ class Watcher:
                 s["rate_mb_s"] = eta["rate_mb_s"] or 0.0
                 s["eta_s"] = eta["eta_s"]
             src = probes["status"].data.get("source")
-            parts.append(describe(s) + (" (status.json; /status not answering)" if src == "file" else ""))
+            if src == "file":
+                src_note = " (status.json; /status not answering)" if self.target.url else " (status.json)"
+            else:
+                src_note = ""
+            parts.append(describe(s) + src_note)
         elif eta is not None:
             parts.append(f"read {_mb(eta['bytes_done'])}/{_mb(eta['bytes_total'])}"
                          + (f" {eta['rate_mb_s']:.1f} MB/s" if eta["rate_mb_s"] else "")

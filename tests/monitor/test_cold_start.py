@@ -130,13 +130,16 @@ def test_killed_engine_is_crashed_at_the_next_sample(tmp_path, kdtree_cache):
     # the sample in flight at the kill, or the next one (<= one interval later), says CRASHED within 2 s
     crashed = next(s for s in health["samples"] if s["at"] > t_kill)
     assert crashed["verdict"] == "CRASHED" and crashed is health["samples"][-1]
+    assert "; log: " in crashed["reason"]
     assert crashed["at"] - max(crashed["started_at"], t_kill) <= 2.0
 
 
 def start_stand_in(tmp_path: Path, port: int, seconds: float, go: Path = None):
     blob = tmp_path / "weights.bin"
     if not blob.exists():
-        blob.write_bytes(os.urandom(4 << 20))
+        blob.write_bytes(os.urandom(16 << 20))
+        (tmp_path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 16 << 20}, "weight_map": {}}))
     log = tmp_path / "server.log"
     proc = subprocess.Popen([sys.executable, str(HERE / "slow_start_server.py"), "--port", str(port),
                              "--read", str(blob), "--seconds", str(seconds), "--log", str(log)]
@@ -156,7 +159,7 @@ def test_watch_any_openai_server_and_compare_with_its_history(tmp_path, kdtree_c
             watch = subprocess.Popen([sys.executable, "-m", "kdtree.run", "pipeline=watch",
                                       f"health.url=http://127.0.0.1:{port}", f"health.pid={server.pid}",
                                       f"health.log={log}", "health.interval_s=0.5", "health.stall_window_s=10",
-                                      f"hydra.run.dir={run_dir}"],
+                                      f"model.path={tmp_path}", f"hydra.run.dir={run_dir}"],
                                      cwd=REPO, env=_env(kdtree_cache, tmp_path), stdout=out, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 60
             while not (run_dir / "health.jsonl").exists() and time.monotonic() < deadline:
@@ -175,6 +178,8 @@ def test_watch_any_openai_server_and_compare_with_its_history(tmp_path, kdtree_c
         assert any("port refused" in s["line"] and "log +" in s["line"] and "read" in s["line"]
                    for s in health["samples"])
         assert health["phases"]["port_closed"] > 2.0
+        # ETA from the process's reads against the checkpoint index's total_size (model.path)
+        assert any("/16.8 MB" in s["line"] and "ETA" in s["line"] for s in health["samples"])
     assert "matches the 1 earlier cold start" in stdout, stdout[-2000:]
 
 
