@@ -2,15 +2,20 @@
 for first-touch allocations, lazy imports or (backend=cuda) kernel selection; seconds per shape land in
 status.json (`warmup_seconds`) and events.jsonl.
 
-Shapes: prefill at a few prompt lengths, then decode rounds. With a drafter, a decode round verifies a
-tree of tree.budget nodes (the tree builder fills the budget), so a short generation covers the verify
-shape; without one (tree=ar) it is the 1-token decode step. CUDA graph capture belongs here for
-backend=cuda (engine.capture_graphs, when the engine has it); the numpy/cpu backends have nothing to capture.
+Shapes: prefill at a few prompt lengths (engine.generate); one target forward over every verify block size
+1..tree.budget+1 (root + nodes; engine.model.forward on a short cached prefix, rolled back with
+LatentCache.truncate); one short generation (drafter + tree build + accept, or the AR step). CUDA graph
+capture belongs here for backend=cuda (engine.capture_graphs, when the engine has it); the numpy/cpu
+backends have nothing to capture.
 """
 from __future__ import annotations
 
 import time
 from typing import List, Tuple
+
+import numpy as np
+
+from kdtree.errors import PipelineError
 
 SIDE = "host"
 PARAMS = {}
@@ -18,38 +23,66 @@ PREFILL_LENGTHS = (1, 16, 128)     # tokens; capped by the context
 
 
 def warmup_shapes(cfg, engine) -> List[Tuple[str, int, int]]:
-    """(name, prompt tokens, new tokens) per shape."""
-    room = int(engine.max_context) - int(cfg.tree.budget) - 2 - 8
+    """(name, tokens, new tokens) per shape; new tokens = 0 marks a bare verify forward of `tokens` rows."""
+    has_tree = getattr(engine, "drafter", None) is not None and cfg.tree.kind != "ar"
+    budget = int(cfg.tree.budget) if has_tree else 0
+    room = int(engine.max_context) - budget - 2 - 8
     shapes = [(f"prefill_{n}", n, 1) for n in PREFILL_LENGTHS if n <= room]
-    if getattr(engine, "drafter", None) is not None and cfg.tree.kind != "ar":
-        steps = int(cfg.tree.depth) + 2             # at least one full verify round after the prefill
-        shapes.append((f"verify_tree_{int(cfg.tree.budget)}", 4, steps))
+    # bare forwards drive the model directly: only where one process holds the whole model (tp=1)
+    if int(cfg.tp.size) == 1 and hasattr(getattr(engine, "model", None), "new_cache"):
+        shapes += [(f"verify_{t}", t, 0) for t in range(1, budget + 2)]      # root + 0..budget nodes
+    if has_tree:
+        shapes.append((f"decode_tree_{budget}", 4, int(cfg.tree.depth) + 2))  # at least one full round
     else:
         shapes.append(("decode_1", 4, 4))
     return shapes
 
 
+class _VerifyBlock:
+    """Target forwards of `rows` tokens after a cached prefix (the verify block's shape), rolled back each time."""
+
+    def __init__(self, engine, prefix: List[int]):
+        self.model, self.n = engine.model, len(prefix)
+        self.prefix = prefix
+        self.cache = self.model.new_cache(self.n + int(engine.cfg.tree.budget) + 2)
+        self.model.forward(np.asarray(prefix, np.int32), np.arange(self.n, dtype=np.int32), self.cache)
+
+    def __call__(self, rows: int) -> None:
+        toks = np.asarray((self.prefix * (rows // self.n + 1))[:rows], np.int32)   # tokens [rows]
+        self.model.forward(toks, np.arange(self.n, self.n + rows, dtype=np.int32), self.cache)
+        self.cache.truncate(self.n)
+
+
 def run(ctx) -> dict:
     engine = ctx.state.get("model_engine")
     if engine is None:
-        from kdtree.errors import PipelineError
         raise PipelineError("stage warmup: no engine in this process; put `{stage: load, on: host}` before warmup")
     shapes = warmup_shapes(ctx.cfg, engine)
     base = list(engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ")) or [0]
     seconds = {}
+    verify = None
     if ctx.status is not None:
         ctx.status.update(phase="warmup", warmup_total=len(shapes), warmup_done=0, warmup_seconds={})
     t_all = time.perf_counter()
-    for i, (name, n_prompt, n_new) in enumerate(shapes):
-        prompt = (base * (n_prompt // len(base) + 1))[:n_prompt]
+    for i, (name, n_tokens, n_new) in enumerate(shapes):
         if ctx.status is not None:
             ctx.status.update(warmup_shape=name)
+        if not n_new and verify is None:
+            verify = _VerifyBlock(engine, base[:8])
         t0 = time.perf_counter()
-        engine.generate(prompt, n_new)
+        if n_new:
+            engine.generate((base * (n_tokens // len(base) + 1))[:n_tokens], n_new)
+        else:
+            verify(n_tokens)
         seconds[name] = round(time.perf_counter() - t0, 4)
-        ctx.emit("warmup_shape", shape=name, prompt_tokens=n_prompt, new_tokens=n_new, seconds=seconds[name])
+        if n_new:                                  # verify sizes are many: one event for all of them below
+            ctx.emit("warmup_shape", shape=name, prompt_tokens=n_tokens, new_tokens=n_new, seconds=seconds[name])
         if ctx.status is not None:
             ctx.status.update(warmup_done=i + 1, warmup_seconds=dict(seconds))
+    vs = {k: v for k, v in seconds.items() if k.startswith("verify_")}
+    if vs:
+        ctx.emit("warmup_verify", sizes=f"1..{len(vs)}", seconds=round(sum(vs.values()), 4),
+                 slowest=max(vs, key=vs.get))
     graphs = "skipped"
     if ctx.cfg.backend.name == "cuda" and hasattr(engine, "capture_graphs"):
         t0 = time.perf_counter()
