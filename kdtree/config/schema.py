@@ -174,6 +174,13 @@ class PlanConfig:
 
 
 @dataclass
+class BenchConfig:
+    prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
+    max_new_tokens: int = 48  # per prompt
+    repeats: int = 1  # AR and tree runs alternate; the fastest of the repeats is kept
+
+
+@dataclass
 class StopConfig:
     run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
     timeout_s: float = 10.0  # SIGTERM, wait this long, then SIGKILL the engine's process group
@@ -197,6 +204,7 @@ class RootConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     extra: Optional[Any] = None
 
 

@@ -1,0 +1,80 @@
+"""The bench pipeline and its sweep report: a real Hydra multirun of real engine processes, aggregated by
+kdtree.report into a table and a plot; one row rerun from its provenance reproduces its tokens exactly."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _kdtree(*args, cwd=REPO, env_extra=None, timeout=300):
+    env = dict(os.environ, **(env_extra or {}))
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, kdtree_cache):
+    d = tmp_path_factory.mktemp("sweep")
+    prompts = d / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main(", "2+2="]}))
+    _kdtree("-m", "kdtree.run", "-m", "pipeline=bench", "tree.width=1,2", "tree.depth=2", "tree.budget=4",
+            "bench.max_new_tokens=6", f"bench.prompts={prompts}", f"cache_dir={kdtree_cache}",
+            f"hydra.sweep.dir={d / 'multirun'}", "load.progress=false")
+    return d / "multirun"
+
+
+def test_sweep_writes_one_bench_json_per_run_with_ratios_and_provenance(sweep):
+    rows = sorted(sweep.glob("*/bench.json"))
+    assert len(rows) == 2
+    for f in rows:
+        b = json.loads(f.read_text())
+        for key in ("tokens_per_s", "speedup_vs_ar", "target_forwards_per_token", "mean_acceptance_length",
+                    "acceptance_histogram", "stage_seconds"):
+            assert key in b, key
+        assert b["outputs_equal_ar"] is True
+        assert b["speedup_vs_ar"] == pytest.approx(b["tokens_per_s"] / b["ar_tokens_per_s"])
+        p = b["provenance"]
+        assert p["git_commit"] and p["versions"]["numpy"] and p["cpu"] and p["seeds"]["model"] == 0
+        assert any(o.startswith("tree.width=") for o in p["overrides"])
+        assert p["config"]["tree"]["width"] == b["tree"]["width"]
+
+
+def test_report_has_table_plot_best_row_and_ar_chain_ddtree_side_by_side(sweep):
+    r = _kdtree("-m", "kdtree.report", str(sweep))
+    assert "best:" in r.stdout
+    md = (sweep / "report.md").read_text()
+    assert "**best**" in md and "| ar |" in md and "| chain |" in md and "| ddtree |" in md
+    with open(sweep / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [row["kind"] for row in table] == ["ar", "chain", "ddtree"]
+    assert sum(row["best"] == "True" for row in table) == 1
+    best = max(table[1:], key=lambda row: float(row["speedup_vs_ar"]))
+    assert best["best"] == "True"
+    assert (sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_on_an_empty_dir_says_what_to_run(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kdtree.report", str(tmp_path)], capture_output=True, text=True,
+                       cwd=REPO, timeout=60)
+    assert r.returncode != 0 and "no bench.json" in (r.stdout + r.stderr)
+
+
+def test_a_row_rerun_from_its_provenance_reproduces_tokens_and_acceptance(sweep, tmp_path):
+    row = json.loads(sorted(sweep.glob("*/bench.json"))[-1].read_text())
+    overrides = row["provenance"]["overrides"]
+    _kdtree("-m", "kdtree.run", *overrides, f"hydra.run.dir={tmp_path / 'rerun'}")
+    again = json.loads((tmp_path / "rerun" / "bench.json").read_text())
+    assert [p["tokens"] for p in again["result"]["per_prompt"]] == [p["tokens"] for p in row["result"]["per_prompt"]]
+    assert [p["acceptance_lengths"] for p in again["result"]["per_prompt"]] == \
+        [p["acceptance_lengths"] for p in row["result"]["per_prompt"]]
+    assert OmegaConf.create(again["provenance"]["config"]).tree == OmegaConf.create(row["provenance"]["config"]).tree
