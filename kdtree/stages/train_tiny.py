@@ -1,0 +1,64 @@
+"""train_tiny: train the tiny K2 target on stdlib text and distil its DFlash drafter (torch, CPU).
+
+    python -m kdtree.run pipeline=train_tiny                     # writes <run_dir>/tiny
+    python -m kdtree.train.run target|greedy|drafter|export ...  # the same, phase by phase
+
+Phases: target byte LM -> the target's greedy continuations of train prompts -> drafter distillation
+-> HF-layout checkpoint (+ drafter/, training.json, TRAINING.md) in `out` (empty = <run_dir>/tiny)
+-> optional numpy-engine acceptance on held-out prompts (eval_prompts > 0). The committed
+kdtree/assets/tiny was made by this code (its TRAINING.md has the exact commands).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+SIDE = "controller"
+PARAMS = {"target_steps": int, "drafter_steps": int, "batch": int, "seq_len": int, "target_lr": float,
+          "drafter_lr": float, "n_prompts": int, "n_new": int, "seed": int, "threads": int, "out": str,
+          "eval_prompts": int, "eval_new": int}
+
+
+def run(ctx, target_steps: int = 600, drafter_steps: int = 1500, batch: int = 16, seq_len: int = 256,
+        target_lr: float = 3e-3, drafter_lr: float = 2e-3, n_prompts: int = 768, n_new: int = 96, seed: int = 0,
+        threads: int = 2, out: str = "", eval_prompts: int = 0, eval_new: int = 96) -> dict:
+    import torch
+
+    from kdtree.train import loop
+    from kdtree.train.data import Corpus
+    from kdtree.train.export import write_assets
+
+    torch.set_num_threads(threads)
+    cfg = ctx.cfg.model
+    out_dir = Path(out).expanduser() if out else Path(ctx.run_dir) / "tiny"
+
+    def log(msg: str) -> None:
+        print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+    corpus = Corpus()
+    t = loop.train_target(cfg, corpus, target_steps, batch, seq_len, target_lr, seed=seed, log=log,
+                          eval_every=max(1, target_steps // 10))
+    ctx.emit("target_trained", steps=t["steps"], heldout_loss=t["history"][-1]["heldout_loss"])
+    lens = [16, 32, 64, 128]
+    tr = loop.greedy_set(t["model"], corpus, n_prompts, lens, n_new, seed, "train", log=log)
+    ho = loop.greedy_set(t["model"], corpus, min(64, max(2, n_prompts // 8)), [32, 96], n_new, seed + 1, "heldout",
+                         log=log)
+    d = loop.train_drafter(cfg, t["model"], tr, drafter_steps, min(batch, min(s["tokens"].shape[0] for s in tr)),
+                           lr=drafter_lr, seed=seed, log=log, eval_sets=ho,
+                           eval_every=max(1, drafter_steps // 10))
+    info = {"target": {"steps_done": t["steps"], "history": t["history"], "last_expert_load": t["last_expert_load"],
+                       "corpus": corpus.provenance()},
+            "drafter": {"steps_done": d["steps"], "history": d["history"]},
+            "params": dict(target_steps=target_steps, drafter_steps=drafter_steps, batch=batch, seq_len=seq_len,
+                           target_lr=target_lr, drafter_lr=drafter_lr, n_prompts=n_prompts, n_new=n_new, seed=seed)}
+    write_assets(cfg, t["model"].export(), d["model"].export(), out_dir, info)
+    summary = {"out": str(out_dir), "target_heldout_loss": t["history"][-1]["heldout_loss"],
+               "drafter_chain_acceptance": d["history"][-1].get("chain_acceptance")}
+    if eval_prompts > 0:
+        from kdtree.train.evaluate import evaluate, heldout_prompts, load_engine
+        model, drafter = load_engine(out_dir, cfg)
+        ev = evaluate(model, drafter, heldout_prompts(eval_prompts, 64, seed), eval_new, log=log)
+        summary["acceptance"] = {f"{r['kind']}-w{r['width']}-b{r['budget']}": r["mean_acceptance"] for r in ev["shapes"]}
+        summary["equal_to_ar"] = all(r["equal_to_ar"] for r in ev["shapes"])
+    ctx.emit("train_tiny_done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
+    return summary
