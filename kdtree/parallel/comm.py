@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from kdtree.errors import ConfigError
+
 
 def resolve_dist_backend(tp_cfg, backend_name: str) -> str:
     """tp.dist_backend (auto = nccl for backend=cuda, gloo otherwise) -> the torch.distributed backend."""
@@ -22,7 +24,6 @@ def resolve_dist_backend(tp_cfg, backend_name: str) -> str:
     if b == "auto":
         return "nccl" if backend_name == "cuda" else "gloo"
     if b not in ("gloo", "nccl"):
-        from kdtree.errors import ConfigError
         raise ConfigError(f"tp.dist_backend={b} is unknown; use auto, gloo or nccl")
     return b
 
@@ -36,6 +37,14 @@ def init_group(store, rank: int, world: int, dist_backend: str, timeout_s: float
         torch.cuda.set_device(0)  # each rank sees only its own GPU (launch sets CUDA_VISIBLE_DEVICES)
     dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def leave_group() -> None:
+    """Destroy this process's default group (no-op when it has none), so a new engine can join another."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def ordered_all_reduce(world: int, dist_backend: str) -> Callable[[np.ndarray], np.ndarray]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from kdtree.errors import ConfigError
+from kdtree.parallel.comm import leave_group
 from kdtree.parallel.model import TPError, TPModel
 
 DEFAULT_TIMEOUT_S = 300.0     # collectives and rendezvous; a rank silent this long is treated as dead
@@ -115,13 +116,6 @@ def _await(workers: List[_Worker], want: str, timeout_s: Optional[float]) -> Lis
     return [got[w.rank] for w in workers]
 
 
-def leave_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     """Start ranks 1..N-1, load rank 0's slices here -> (TPModel, rank 0's LoadStats with bytes_read of ALL ranks)."""
     import torch.distributed as dist
@@ -129,10 +123,10 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     from kdtree.checkpoint.loader import load_checkpoint
     from kdtree.config.validate import validate_tp
     from kdtree.model.k2 import K2Model
+    from omegaconf import OmegaConf
+
     from kdtree.parallel.comm import init_group, ordered_all_reduce, resolve_dist_backend
     from kdtree.parallel.sharding import shard_fn
-
-    from omegaconf import OmegaConf
 
     validate_tp(cfg)
     tp = int(cfg.tp.size)
@@ -170,8 +164,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         del weights
         ready = _await(workers, "ready", None)         # loading takes as long as it takes; a dead rank raises
         per_rank = [int(stats.bytes_read)] + [int(r["bytes_read"]) for r in ready]
-        model = TPModel(local, workers, tp, per_rank)
-        model._store = store                           # the rendezvous store lives as long as the group
+        model = TPModel(local, workers, tp, per_rank, store)
         _LIVE.add(model)
         total = sum(per_rank)
         return model, replace(stats, bytes_read=total, mb_s=total / 1e6 / max(stats.seconds, 1e-9))

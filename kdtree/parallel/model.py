@@ -20,6 +20,7 @@ from typing import Iterable, List, Optional
 import numpy as np
 
 from kdtree.errors import ConfigError, KdtreeError
+from kdtree.parallel.comm import leave_group
 
 
 class TPError(KdtreeError):
@@ -59,8 +60,9 @@ class TPCache:
 class TPModel:
     """K2Model interface over rank 0's shard (`local`, a K2Model with the ordered all-reduce) and the workers."""
 
-    def __init__(self, local, workers: List, tp: int, bytes_read_per_rank: List[int]):
+    def __init__(self, local, workers: List, tp: int, bytes_read_per_rank: List[int], store=None):
         self.local, self.workers, self.tp = local, workers, tp   # workers: launch._Worker of ranks 1..N-1
+        self._store = store                    # the rendezvous TCPStore lives as long as the group
         self.bytes_read_per_rank = bytes_read_per_rank
         self._lock = threading.RLock()
         self._next_cache = 0
@@ -127,7 +129,9 @@ class TPModel:
             raise TPError(f"tensor-parallel model (tp={self.tp}) is closed; build a new engine")
         if self._broken:
             raise TPError(f"tensor-parallel model (tp={self.tp}) is broken ({self._broken}); restart the engine")
-        dropped, self._dropped[:] = list(self._dropped), []
+        dropped = []
+        while self._dropped:                   # finalizers may append meanwhile: pop, never overwrite
+            dropped.append(self._dropped.pop())
         for w in self.workers:
             try:
                 w.conn.send((op, args, dropped))
@@ -159,8 +163,8 @@ class TPModel:
                     pass
             for w in self.workers:
                 w.stop(timeout_s)
-            from kdtree.parallel.launch import leave_group
             leave_group()
+            self._store = None
         finally:
             if acquired:
                 self._lock.release()
