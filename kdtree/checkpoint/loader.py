@@ -189,7 +189,7 @@ class _Job:
     result: Optional[np.ndarray] = None
 
     def __post_init__(self):
-        self.widen = self.info.dtype in ("BF16", "F16") and self.want.part != "scale"  # INT4 scales stay raw
+        self.widen = self.info.dtype in ("BF16", "F16")  # INT4 scales too: Int4Weight keeps float32 scales
         self.count = math.prod(self.shape)
         self.nbytes = self.count * self.info.storage.itemsize    # bytes read from the file
         self.out_dtype = np.dtype(np.float32) if self.widen else self.info.storage

@@ -116,7 +116,7 @@ def _scale_f32(scale) -> np.ndarray:
     scale = np.asarray(scale)
     if scale.dtype in (np.uint16, np.int16):
         return bf16_to_f32(scale)
-    return scale.astype(np.float32)
+    return scale.astype(np.float32, copy=False)   # float32 already (e.g. the loader widened it): no copy
 
 
 # ---------------------------------------------------------------------------------------------- the weight
