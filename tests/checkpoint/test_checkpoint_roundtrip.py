@@ -73,3 +73,21 @@ def test_single_file_layout_without_index(write, cfg, fp32, weights):
     assert (d / "model.safetensors").exists() and not (d / "model.safetensors.index.json").exists()
     loaded, stats = load_checkpoint(d, cfg, fp32)
     assert all(np.array_equal(loaded[k], w) for k, w in weights.items()) and len(stats.shards) == 1
+
+
+def test_bf16_shards_load_in_torch_and_torch_written_shards_load_here(write, cfg, fp32, weights, tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file as torch_load, save_file as torch_save
+
+    d = write(dtypes={k: "BF16" for k in weights}, max_shard_bytes=0)
+    theirs = torch_load(str(d / "model.safetensors"))
+    for k, w in weights.items():
+        assert theirs[k].dtype == torch.bfloat16
+        assert np.array_equal(theirs[k].float().numpy(), bf16_to_f32(f32_to_bf16(w))), k
+    # and the other way round: a shard written by the safetensors package (as HF checkpoints are)
+    other = tmp_path / "torch-written"
+    other.mkdir()
+    (other / "config.json").write_text((d / "config.json").read_text())
+    torch_save({k: v.clone() for k, v in theirs.items()}, str(other / "model.safetensors"), metadata={"format": "pt"})
+    loaded, _ = load_checkpoint(other, cfg, fp32)
+    assert all(np.array_equal(loaded[k], theirs[k].float().numpy()) for k in weights)
