@@ -126,6 +126,26 @@ def _fail_line(event: Dict[str, Any], spec: PipelineSpec) -> str:
             f"{event.get('error_type')}: {event.get('error')}")
 
 
+class _LogFollower(threading.Thread):
+    """Prints the engine's log live while controller stages (health_poll) run, so load progress, warm-up and
+    the demo appear as they happen. Local hosts only: a remote log is tailed by wait_engine's own polling."""
+
+    def __init__(self, engine: "ep.EngineHandle", out):
+        super().__init__(name="engine-log", daemon=True)
+        self.engine, self.out, self.halt = engine, out, threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(ep.POLL_S):
+            try:
+                ep.tail_log(self.engine, self.out)
+            except OSError:
+                return
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=5)
+
+
 class _Run:
     """One pipeline run: the spec, its context, the events, and the engine process if one was started."""
 
@@ -134,6 +154,7 @@ class _Run:
         self.ctx = StageContext(cfg=cfg, run_dir=run_dir, state={"results": {}}, emit=events.emit)
         self.host = None
         self.engine: Optional[ep.EngineHandle] = None
+        self.follower: Optional[_LogFollower] = None
 
     def error(self, line: str) -> None:
         print(f"error: {line}", file=sys.stderr, flush=True)
@@ -150,10 +171,19 @@ class _Run:
         ep.record_engine(self.cfg, self.engine, host_cfg, port)
         self.events.emit("engine_launch", pid=self.engine.pid, host=self.host.label, stages=self.engine.stages,
                          host_run_dir=self.engine.run_dir, log=self.engine.log)
+        if self.host.kind == "local":
+            self.follower = _LogFollower(self.engine, self.out)
+            self.follower.start()
+
+    def stop_following(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+            self.follower = None
 
     def finish_engine(self) -> int:
         """Wait for the engine (tailing its log), fetch its files, and turn its exit into ours."""
         engine = self.engine
+        self.stop_following()
         code = ep.wait_engine(engine, tail=True, out=self.out)
         ep.fetch_back(engine)
         self.engine = None
@@ -173,6 +203,7 @@ class _Run:
         return EXIT_STAGE_FAILED
 
     def stop_engine(self, why: str) -> None:
+        self.stop_following()
         if self.engine is None:
             return
         grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
@@ -202,6 +233,8 @@ class _Run:
         last_side = groups[-1][0]
         if last_side == "controller" and bool(_cfg_get(self.cfg, "serve.detach", False)):
             if ep.engine_running(self.engine):
+                self.stop_following()
+                ep.tail_log(self.engine, self.out)
                 self.events.emit("engine_detached", pid=self.engine.pid, host=self.engine.host.label,
                                  log=self.engine.log, stop=f"python -m kdtree.run pipeline=stop stop.run_dir={self.run_dir}")
                 return EXIT_OK

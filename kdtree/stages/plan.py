@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import types
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
@@ -29,20 +28,17 @@ GB, MB, KiB = 1e9, 1e6, 1024
 FLOAT_BYTES = {"fp32": 4, "bf16": 2}
 KV_DTYPE, KV_BYTES = "fp32", 4  # the latent cache is float32 in this engine
 
-_ROWS = re.compile(r"(self_attn\.(q_b_proj|kv_b_proj)|mlp\.(shared_experts\.|experts\.\d+\.)?(gate_proj|up_proj))$")
-_COLS = re.compile(r"(self_attn\.o_proj|mlp\.(shared_experts\.|experts\.\d+\.)?down_proj)$")
+def split_axis(tensor: str):
+    """The TP split of a stored tensor (kdtree.parallel.sharding's rules), None for a replicated one.
 
+    INT4 parts follow their logical weight: weight_packed/weight_scale split like `.weight`; weight_shape
+    ([out, in], 2 integers) is read whole by every rank."""
+    from kdtree.parallel.sharding import split_axis as logical_split
 
-def split_axis(tensor: str) -> Optional[str]:
-    """'rows' | 'cols' for a tensor split across TP ranks, None for a replicated one."""
     module, _, part = tensor.rpartition(".")
-    if part == "weight_shape":  # [out, in] of an INT4 module: 2 integers every rank keeps
+    if part == "weight_shape":
         return None
-    if _ROWS.search(module):
-        return "rows"
-    if _COLS.search(module):
-        return "cols"
-    return None
+    return logical_split(f"{module}.weight" if part in ("weight_packed", "weight_scale") else tensor)
 
 
 def _plain(node) -> types.SimpleNamespace:
@@ -65,13 +61,14 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
 
 def computed_tensors(model, quant, float_bytes: int) -> Iterator[Tuple[str, int]]:
     """(tensor name, bytes) in file order for a checkpoint of this config (INT4 modules as packed/scale/shape)."""
-    from kdtree.checkpoint.names import target_tensor_shapes
+    from kdtree.checkpoint.names import target_linear_shapes, target_tensor_shapes
     from kdtree.quant.int4 import module_is_quantized
 
     group = int(quant.group_size)
+    linear = target_linear_shapes(model)  # only Linear modules are quantized (not embeddings, not the router)
     for name, shape in target_tensor_shapes(model).items():
         module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and len(shape) == 2 and module_is_quantized(module, quant):
+        if module in linear and module_is_quantized(module, quant):
             out, inp = shape
             yield f"{module}.weight_packed", out * math.ceil(inp / 8) * 4       # int32 [out, in/8]
             yield f"{module}.weight_scale", out * math.ceil(inp / group) * 2    # bf16 [out, in/group]

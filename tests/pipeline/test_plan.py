@@ -55,7 +55,8 @@ def test_k26_tp8_int4_prints_its_table_without_a_checkpoint(tmp_path, kdtree_cac
     ("model.norm.weight", None),
 ])
 def test_sharding_rules(tensor, axis):
-    assert split_axis(tensor) == axis
+    got = split_axis(tensor)  # (axis, block) as kdtree.parallel.sharding splits the logical weight
+    assert (None if got is None else ("rows", "cols")[got[0]]) == axis
 
 
 def test_per_rank_bytes_follow_tp(compose_cfg):
@@ -87,3 +88,13 @@ def test_computed_layout_fills_shards_in_file_order():
     assert n == 3
     assert [f for _, f, _ in layout] == ["model-00001-of-00003.safetensors"] * 2 + [
         "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
+
+
+def test_plan_bytes_per_rank_equal_what_tp_ranks_read(compose_cfg):
+    """The plan's numbers are the TP loader's: no second copy of the split rules to drift."""
+    from kdtree.parallel.sharding import bytes_per_rank
+
+    for q, tp, fb in (("int4_w4a16", 8, 2), ("fp32", 4, 4)):
+        cfg = compose_cfg("model=k26" if q == "int4_w4a16" else "model=tiny", f"quant={q}", f"tp='{tp}'",
+                          "cache_dir=/nonexistent")
+        assert make_plan(cfg)["per_rank_bytes"] == bytes_per_rank(cfg.model, cfg.quant, tp, float_bytes=fb)
