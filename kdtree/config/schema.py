@@ -94,6 +94,7 @@ class TPConfig:
     dist_backend: str = "auto"
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    timeout_s: float = 300.0  # a collective that waits longer fails (a dead or hung rank), instead of hanging
 
 
 @dataclass
