@@ -21,6 +21,11 @@ class Ops(ABC):
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         """x f32[T, in], w f32[out, in] ndarray or a quantized weight with .matvec -> f32[T, out]."""
 
+    def linear_fast(self, x: np.ndarray, w: Any) -> np.ndarray:
+        """Like linear, for callers that do not need batch invariance (the DFlash drafter: the target verifies
+        every token it proposes): the backend's fastest deterministic path. Default: linear."""
+        return self.linear(x, w)
+
     @abstractmethod
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """x f32[T, D], w f32[D] -> x / sqrt(mean(x^2) + eps) * w, f32[T, D]."""

@@ -362,6 +362,9 @@ def _max_nodes(depth: int, width: int, budget: int) -> int:
     return int(min(budget, total))
 
 
+_F32 = np.dtype(np.float32)
+
+
 def _int4_parts(w: Any) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
     """(packed i32[out, in/8], scale f32[out, in/group], in_features, group) of a quantized weight
     (kdtree.quant.int4.Int4Weight: .packed, .scale, .shape, .group_size), else None."""
@@ -378,8 +381,26 @@ class NativeOps(Ops):
     def __init__(self, kind: str = "cpu", path: str = ""):
         self.lib = load_library(kind, path)
         self.name = kind
+        # backend=cpu hot path: host arrays straight to the C op through cached cffi handles; only the cheap
+        # checks the C op cannot make (dtype, contiguity, agreeing shapes) and anything unusual falls back to
+        # the fully checked NativeLibrary wrappers (same C op, same result)
+        self._host = kind == "cpu"
+        ffi = self.lib.ffi
+        self._c, self._null = self.lib.c, ffi.NULL
+        self._fb_raw, self._f32a = ffi._backend.from_buffer, ffi.typeof("float[]")   # skips ffi's str parsing
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
+        if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:
+            x = np.ascontiguousarray(x, _F32)
+            if x.ndim == 2 and x.shape[1] == w.shape[1]:
+                T, n_in = x.shape
+                out = np.empty((T, w.shape[0]), _F32)
+                fb, fa = self._fb_raw, self._f32a
+                rc = self._c.kd_linear_f32(fb(fa, x, False), fb(fa, w, False), fb(fa, out, False), T, n_in,
+                                           w.shape[0], self._null)
+                if rc:
+                    self.lib.check(rc, "kd_linear_f32")
+                return out
         x = np.ascontiguousarray(x, np.float32)
         if isinstance(w, np.ndarray):
             return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
@@ -391,9 +412,29 @@ class NativeOps(Ops):
         return self.lib.linear_w4a16(x, packed, scale, n_in, group)
 
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 1 and w.flags.c_contiguous:
+            x = np.ascontiguousarray(x, _F32)
+            if x.ndim == 2 and x.shape[1] == w.shape[0] and x.shape[1] > 0:
+                out = np.empty(x.shape, _F32)
+                fb, fa = self._fb_raw, self._f32a
+                rc = self._c.kd_rms_norm(fb(fa, x, False), fb(fa, w, False), fb(fa, out, False), x.shape[0],
+                                         x.shape[1], float(eps), self._null)
+                if rc:
+                    self.lib.check(rc, "kd_rms_norm")
+                return out
         return self.lib.rms_norm(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(w, np.float32), eps)
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self._host:
+            gate, up = np.ascontiguousarray(gate, _F32), np.ascontiguousarray(up, _F32)
+            if gate.ndim == 2 and gate.shape == up.shape:
+                out = np.empty(gate.shape, _F32)
+                fb, fa = self._fb_raw, self._f32a
+                rc = self._c.kd_silu_mul(fb(fa, gate, False), fb(fa, up, False), fb(fa, out, False), gate.shape[0],
+                                         gate.shape[1], self._null)
+                if rc:
+                    self.lib.check(rc, "kd_silu_mul")
+                return out
         return self.lib.silu_mul(np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32))
 
     def mla_attention(self, q, kv, n_prefix, visibility, scale, kv_lora):

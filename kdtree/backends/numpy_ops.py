@@ -1,9 +1,14 @@
 """Numpy reference backend: float32, written for clarity, the ground truth for every other backend.
 
-Batch invariance by construction: every op loops over rows and computes each row with the identical
-numpy call sequence whatever T is (a GEMV per row for linear layers; for attention, the row's visible
-keys gathered in ascending position order, then its own softmax and weighted sum). So the same row in
-a 1-row call and in a T-row call gives bit-identical results.
+Batch invariance by construction: every op computes each row with the identical floating-point sequence
+whatever T is, so the same row in a 1-row call and in a T-row call gives bit-identical results:
+  * linear: one GEMV per row, issued from C by a stacked matmul (`w @ x[t]` for every t, never one GEMM
+    over T rows; numpy's matmul calls BLAS once per stacked item, with the item's fixed shape);
+  * rms_norm, silu_mul: element-wise ufuncs and a per-row reduction along the contiguous last axis
+    (numpy reduces each row with the same pairwise routine whatever the number of rows);
+  * attention: per row, the row's visible keys in ascending position order, its own softmax and weighted sum.
+tests/backends/test_numpy_ops.py checks each op row by row against 1-row calls for many T.
+`linear_fast` (the drafter's path) is a plain GEMM: deterministic but NOT batch invariant.
 """
 from __future__ import annotations
 
@@ -36,12 +41,14 @@ class NumpyOps(Ops):
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         # x: [T, in] -> [T, out], one GEMV per row (never one GEMM over T rows)
-        x = np.asarray(x, np.float32)
+        x = np.ascontiguousarray(x, np.float32)
         if isinstance(w, np.ndarray):
-            out = np.empty((x.shape[0], w.shape[0]), np.float32)
-            for t in range(x.shape[0]):
-                out[t] = w @ x[t]
-            return out
+            T = x.shape[0]
+            if w.dtype != np.float32:
+                w = np.asarray(w, np.float32)
+            # stacked matmul [out, in] @ [T, in, 1]: numpy loops over the T items in C, each one the same
+            # GEMV `w @ x[t]` as a 1-row call (tests/backends/test_numpy_ops.py checks it bit for bit)
+            return np.matmul(w, x.reshape(T, -1, 1)).reshape(T, w.shape[0])
         if hasattr(w, "linear"):  # Int4Weight.linear: row t computed exactly as matvec(x[t]), unpacked once
             return np.asarray(w.linear(x), np.float32)
         out = np.empty((x.shape[0], w.shape[0]), np.float32)
@@ -49,23 +56,24 @@ class NumpyOps(Ops):
             out[t] = w.matvec(x[t])
         return out
 
+    def linear_fast(self, x: np.ndarray, w: Any) -> np.ndarray:
+        """One GEMM over all rows (the drafter's path): deterministic, NOT batch invariant."""
+        if isinstance(w, np.ndarray) and w.dtype == np.float32:
+            return np.asarray(x, np.float32) @ w.T
+        return self.linear(x, w)
+
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        # x: [T, D]
-        out = np.empty(x.shape, np.float32)
-        eps = np.float32(eps)
-        for t in range(x.shape[0]):
-            r = x[t]
-            out[t] = r * (np.float32(1.0) / np.sqrt(np.mean(r * r) + eps)) * w
-        return out
+        # x: [T, D]; per row r * (1 / sqrt(mean(r * r) + eps)) * w, the mean reduced along the last axis
+        x = np.ascontiguousarray(x, np.float32)
+        one = np.float32(1.0)
+        inv = one / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+        return x * inv * w
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-        # gate, up: [T, I]
-        out = np.empty(gate.shape, np.float32)
+        # gate, up: [T, I] -> gate / (1 + exp(-gate)) * up, element-wise
+        gate = np.ascontiguousarray(gate, np.float32)
         one = np.float32(1.0)
-        for t in range(gate.shape[0]):
-            g = gate[t]
-            out[t] = g / (one + np.exp(-g)) * up[t]
-        return out
+        return gate / (one + np.exp(-gate)) * up
 
     def mla_attention(self, q: np.ndarray, kv: np.ndarray, n_prefix: int, visibility: Optional[np.ndarray],
                       scale: float, kv_lora: int) -> np.ndarray:
@@ -76,13 +84,18 @@ class NumpyOps(Ops):
         prefix = np.arange(n_prefix)
         vis = unpack_visibility(visibility, T) if visibility is not None else None
         scale = np.float32(scale)
+        kv = np.ascontiguousarray(kv, np.float32)
         for t in range(T):
-            block = np.arange(t + 1) if vis is None else np.flatnonzero(vis[t])
-            keys = kv[np.concatenate([prefix, n_prefix + block])]   # [n, L+R], ascending positions
-            s = (q[t] @ keys.T) * scale                               # [H, n]
-            e = np.exp(s - s.max(axis=1, keepdims=True))
-            p = e / e.sum(axis=1, keepdims=True)
-            out[t] = p @ keys[:, :kv_lora]                            # [H, L]
+            if vis is None:
+                keys = kv[:n_prefix + t + 1]                          # causal: the rows themselves, no copy
+            else:
+                keys = kv[np.concatenate([prefix, n_prefix + np.flatnonzero(vis[t])])]  # [n, L+R], ascending
+            s = q[t] @ keys.T                                         # [H, n]
+            s *= scale
+            s -= s.max(axis=1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=1, keepdims=True)
+            np.matmul(s, keys[:, :kv_lora], out=out[t])               # [H, L]
         return out
 
     def tree_build(self, logp, ids, budget):

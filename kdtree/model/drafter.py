@@ -82,6 +82,9 @@ class DFlashDrafter:
                 raise ConfigError(f"model.drafter.target_layer_ids has {i}, outside 0..{int(cfg.num_hidden_layers) - 1} "
                                   f"(model={cfg.name}); use target layer indices")
         check_drafter_weights(cfg, weights, source="drafter weights")
+        # no batch invariance needed here (the target verifies every drafted token): the fastest
+        # deterministic linear of the backend (a plain GEMM on numpy)
+        self._linear = getattr(ops, "linear_fast", ops.linear)
         self.w = dict(weights)
         self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
         self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
@@ -117,8 +120,8 @@ class DFlashDrafter:
         """x f32[T, D] -> roped k, v f32[T, Hkv, hd] of layer i."""
         a = f"layers.{i}.self_attn"
         T = x.shape[0]
-        k = self.ops.linear(x, self.w[f"{a}.k_proj.weight"]).reshape(T, self.hkv, self.hd)
-        v = self.ops.linear(x, self.w[f"{a}.v_proj.weight"]).reshape(T, self.hkv, self.hd)
+        k = self._linear(x, self.w[f"{a}.k_proj.weight"]).reshape(T, self.hkv, self.hd)
+        v = self._linear(x, self.w[f"{a}.v_proj.weight"]).reshape(T, self.hkv, self.hd)
         k = self.ops.rms_norm(k.reshape(T * self.hkv, self.hd), self.w[f"{a}.k_norm.weight"], self.eps)
         cos, sin = rope_cos_sin(positions, self.hd, self.theta)
         k = apply_rope_half(k.reshape(T, self.hkv, self.hd), cos, sin)
@@ -134,7 +137,7 @@ class DFlashDrafter:
         if n + T > cache.max_len:
             raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
                               f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
-        ctx = self.ops.rms_norm(self.ops.linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
+        ctx = self.ops.rms_norm(self._linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
         pos = np.arange(n, n + T)
         for i in range(self.num_layers):
             k, v = self._kv(i, ctx, pos)
@@ -155,7 +158,7 @@ class DFlashDrafter:
         for i in range(self.num_layers):
             p, a = f"layers.{i}", f"layers.{i}.self_attn"
             h = self.ops.rms_norm(x, self.w[f"{p}.input_layernorm.weight"], self.eps)
-            q = self.ops.linear(h, self.w[f"{a}.q_proj.weight"])            # [B, Hq*hd]
+            q = self._linear(h, self.w[f"{a}.q_proj.weight"])            # [B, Hq*hd]
             q = self.ops.rms_norm(q.reshape(B * self.hq, self.hd), self.w[f"{a}.q_norm.weight"], self.eps)
             q = apply_rope_half(q.reshape(B, self.hq, self.hd), cos, sin)   # [B, Hq, hd]
             kb, vb = self._kv(i, h, pos)                                    # [B, Hkv, hd]
@@ -168,13 +171,13 @@ class DFlashDrafter:
             pr = np.exp(s)
             pr /= pr.sum(axis=-1, keepdims=True)
             o = np.einsum("hts,shd->thd", pr, v).reshape(B, self.hq * self.hd).astype(np.float32)
-            x = x + self.ops.linear(o, self.w[f"{a}.o_proj.weight"])
+            x = x + self._linear(o, self.w[f"{a}.o_proj.weight"])
             h = self.ops.rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
-            g = self.ops.linear(h, self.w[f"{p}.mlp.gate_proj.weight"])
-            u = self.ops.linear(h, self.w[f"{p}.mlp.up_proj.weight"])
-            x = x + self.ops.linear(self.ops.silu_mul(g, u), self.w[f"{p}.mlp.down_proj.weight"])
+            g = self._linear(h, self.w[f"{p}.mlp.gate_proj.weight"])
+            u = self._linear(h, self.w[f"{p}.mlp.up_proj.weight"])
+            x = x + self._linear(self.ops.silu_mul(g, u), self.w[f"{p}.mlp.down_proj.weight"])
         h = self.ops.rms_norm(x[1:], self.w["norm.weight"], self.eps)       # [B-1, D]
-        return self.ops.linear(h, self.lm_head)                             # [B-1, V]
+        return self._linear(h, self.lm_head)                             # [B-1, V]
 
 
 def check_drafter_weights(cfg, weights: Mapping[str, Any], source: str) -> None:

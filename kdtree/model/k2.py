@@ -8,6 +8,7 @@ the AR context gets bit-identical logits (see docs/engine-contracts.md, "Batch i
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -87,29 +88,38 @@ def _dense(w: Any, name: str) -> np.ndarray:
                           f"keep this module unquantized (add it to quant.ignore)")
 
 
-def route(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Sigmoid noaux_tc routing of one token.
+def route_rows(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Sigmoid noaux_tc routing of T tokens at once (each row independent of the others).
 
-    scores f32[E] (sigmoid of the gate logits), bias f32[E] -> (experts i64[k] in descending choice
-    order, weights f32[k]). Selection uses scores + bias (group-limited when n_group > 1; ties -> lower
+    scores f32[T, E] (sigmoid of the gate logits), bias f32[E] -> (experts i64[T, k] in descending choice
+    order, weights f32[T, k]). Selection uses scores + bias (group-limited when n_group > 1; ties -> lower
     index); the weights are the unbiased scores of the selected experts, normalised, times
-    routed_scaling_factor.
+    routed_scaling_factor. Every step is a per-row op along the last axis (stable argsort, a sum of the
+    row's k weights), so a row's result never depends on T.
     """
-    choice = scores + bias                                               # [E]
+    scores = np.asarray(scores, np.float32)
+    choice = scores + bias                                               # [T, E]
     k = cfg.num_experts_per_tok
     if cfg.n_group > 1:
-        groups = choice.reshape(cfg.n_group, -1)                         # [G, E/G]
-        group_scores = -np.sort(-groups, axis=1, kind="stable")[:, :2].sum(axis=1)
-        top_groups = np.argsort(-group_scores, kind="stable")[:cfg.topk_group]
-        group_mask = np.zeros(cfg.n_group, bool)
-        group_mask[top_groups] = True
-        choice = np.where(np.repeat(group_mask, groups.shape[1]), choice, np.float32(0.0))  # as HF: masked -> 0.0
-    experts = np.argsort(-choice, kind="stable")[:k]
-    weights = scores[experts]
+        T, E = choice.shape
+        groups = choice.reshape(T, cfg.n_group, -1)                      # [T, G, E/G]
+        group_scores = -np.sort(-groups, axis=2, kind="stable")[:, :, :2].sum(axis=2)   # [T, G]
+        top_groups = np.argsort(-group_scores, axis=1, kind="stable")[:, :cfg.topk_group]
+        group_mask = np.zeros((T, cfg.n_group), bool)
+        np.put_along_axis(group_mask, top_groups, True, axis=1)
+        choice = np.where(np.repeat(group_mask, groups.shape[2], axis=1), choice, np.float32(0.0))  # HF: 0.0
+    experts = np.argsort(-choice, axis=1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, experts, axis=1)
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum() + np.float32(1e-20))
+        weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
     weights = (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
     return experts, weights
+
+
+def route(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Sigmoid noaux_tc routing of one token: scores f32[E] -> (experts i64[k], weights f32[k]) (route_rows)."""
+    experts, weights = route_rows(cfg, np.asarray(scores, np.float32)[None, :], bias)
+    return experts[0], weights[0]
 
 
 class K2Model:
@@ -148,6 +158,12 @@ class K2Model:
             })
         self.rotary = RotaryTable(cfg)
         self.scale = softmax_scale(cfg)
+        # routing parameters as plain Python values: read per MoE layer per forward, and an OmegaConf lookup
+        # costs more than the routing arithmetic of a few rows
+        self._route_cfg = SimpleNamespace(
+            num_experts_per_tok=int(cfg.num_experts_per_tok), n_group=int(cfg.n_group),
+            topk_group=int(cfg.topk_group), norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=float(cfg.routed_scaling_factor))
 
     # -- pieces shared with the DFlash drafter ------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -217,12 +233,11 @@ class K2Model:
         kv[n_prefix:n_prefix + T, L:] = apply_rope(kv_a[:, L:], cos, sin)   # k_pe shared by all heads
         q_full = np.empty((T, a.heads, L + self.rope_dim), np.float32)      # q_full: [T, H, L+R]
         q_full[:, :, L:] = apply_rope(q[:, :, nope:], cos, sin)
-        for t in range(T):
-            q_full[t, :, :L] = np.matmul(q[t, :, None, :nope], a.w_uk)[:, 0]    # W_uk[h]^T q_nope[h]: [H, L]
+        # absorbed q and o: one batched matmul over (t, h); numpy runs each (t, h) item as its own small
+        # BLAS call of a fixed shape ([1, nope] @ [nope, L], [v, L] @ [L, 1]), so a row never depends on T
+        q_full[:, :, :L] = np.matmul(q[:, :, None, :nope], a.w_uk)[:, :, 0]  # W_uk[h]^T q_nope[h]: [T, H, L]
         o_lat = ops.mla_attention(q_full, kv[:n_prefix + T], n_prefix, visibility, self.scale, L)  # [T, H, L]
-        o = np.empty((T, a.heads * a.w_uv.shape[1]), np.float32)
-        for t in range(T):
-            o[t] = np.matmul(a.w_uv, o_lat[t, :, :, None]).reshape(-1)      # W_uv[h] o_lat[h]: [H*v]
+        o = np.matmul(a.w_uv, o_lat[:, :, :, None]).reshape(T, -1)         # W_uv[h] o_lat[h]: [T, H*v]
         out = ops.linear(o, a.o)                                            # [T, D]
         return self.all_reduce(out) if self.all_reduce else out
 
@@ -231,17 +246,30 @@ class K2Model:
         return ops.linear(ops.silu_mul(ops.linear(x, m.gate), ops.linear(x, m.up)), m.down)
 
     def _moe(self, moe: _Moe, x: np.ndarray) -> np.ndarray:
-        out = np.empty(x.shape, np.float32)
+        """Routed experts grouped by expert (one gate/up/down call over the rows routed to it), then per token
+        acc = 0 + w_1 y_1 + ... + w_k y_k (descending choice order) + shared: row-wise ops only, so a token's
+        output is the same whatever other tokens share the call."""
+        T, D = x.shape
         one = np.float32(1.0)
-        for t in range(x.shape[0]):
-            xt = x[t:t + 1]                                                 # [1, D]
-            logits = self.ops.linear(xt, moe.gate)[0]                       # [E]
-            scores = one / (one + np.exp(-logits))
-            experts, weights = route(self.cfg, scores, moe.bias)
-            acc = np.zeros(x.shape[1], np.float32)
-            for e, wk in zip(experts, weights):                             # descending choice order
-                acc = acc + wk * self._mlp(moe.experts[e], xt)[0]
-            if moe.shared is not None:
-                acc = acc + self._mlp(moe.shared, xt)[0]
-            out[t] = acc
-        return out
+        logits = self.ops.linear(x, moe.gate)                               # [T, E]
+        scores = one / (one + np.exp(-logits))
+        experts, weights = route_rows(self._route_cfg, scores, moe.bias)          # [T, k] each
+        k = experts.shape[1]
+        flat = experts.reshape(-1)                                          # slot t*k + j -> expert
+        y = np.empty((T * k, D), np.float32)                                # expert outputs per slot
+        if T == 1:
+            for j in range(k):
+                y[j] = self._mlp(moe.experts[int(flat[j])], x)[0]
+        else:
+            order = np.argsort(flat, kind="stable")                         # slots grouped by expert
+            sorted_e = flat[order]
+            bounds = np.flatnonzero(np.diff(sorted_e)) + 1
+            for slots in np.split(order, bounds):
+                y[slots] = self._mlp(moe.experts[int(flat[slots[0]])], x[slots // k])
+        y = y.reshape(T, k, D)
+        acc = np.zeros((T, D), np.float32)
+        for j in range(k):                                                  # descending choice order
+            acc = acc + weights[:, j:j + 1] * y[:, j]
+        if moe.shared is not None:
+            acc = acc + self._mlp(moe.shared, x)
+        return acc

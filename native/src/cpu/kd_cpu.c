@@ -53,20 +53,6 @@ KD_CLONES static float kd_dot_f32(const float *a, const float *b, int64_t n) {
   return kd_lanes_sum(acc);
 }
 
-int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
-                  void *stream) {
-  (void)stream;
-  kd_clear_error();
-  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_linear_f32: negative size");
-  if (T == 0 || n_out == 0) return KD_OK;
-  KD_CHECK_PTR("kd_linear_f32", x);
-  KD_CHECK_PTR("kd_linear_f32", w);
-  KD_CHECK_PTR("kd_linear_f32", out);
-  for (int64_t o = 0; o < n_out; o++) /* weight row stays in cache across the T rows */
-    for (int64_t t = 0; t < T; t++) out[t * n_out + o] = kd_dot_f32(w + o * n_in, x + t * n_in, n_in);
-  return KD_OK;
-}
-
 /* Dequantize one packed row: w[k] = q_k * scale_(k / group), exactly numpy's q.astype(float32) * scale. */
 static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
@@ -169,6 +155,128 @@ static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int6
   return kd_dot_w4_generic(wr, sr, x, n_in, words_per_group);
 }
 
+
+/* ---- multi-row dot kernels ------------------------------------------------------------------------------
+ * A [rows x outputs] block of dot products, each one EXACTLY kd_dot_f32(w_o, x_t): element k to lane k % 16 in
+ * ascending k (plain multiply then add, no FMA), the same tail, the same kd_lanes_sum. Blocking only decides
+ * which dots run side by side (more independent add chains, one weight load for four rows), never a dot's
+ * arithmetic, so a row's result stays independent of T (tests/native compare the AVX2 and portable paths). */
+static inline void kd_tail_sum(float *acc, const float *w, const float *x, int64_t k, int64_t n, float *res) {
+  for (int j = 0; k < n; k++, j++) acc[j] += w[k] * x[k];
+  *res = kd_lanes_sum(acc);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* one weight row against four x rows */
+__attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, const float *x0, const float *x1,
+                                                             const float *x2, const float *x3, int64_t n, float *r) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    __m256 wl = _mm256_loadu_ps(w + k), wh = _mm256_loadu_ps(w + k + 8);
+    l0 = _mm256_add_ps(l0, _mm256_mul_ps(wl, _mm256_loadu_ps(x0 + k)));
+    h0 = _mm256_add_ps(h0, _mm256_mul_ps(wh, _mm256_loadu_ps(x0 + k + 8)));
+    l1 = _mm256_add_ps(l1, _mm256_mul_ps(wl, _mm256_loadu_ps(x1 + k)));
+    h1 = _mm256_add_ps(h1, _mm256_mul_ps(wh, _mm256_loadu_ps(x1 + k + 8)));
+    l2 = _mm256_add_ps(l2, _mm256_mul_ps(wl, _mm256_loadu_ps(x2 + k)));
+    h2 = _mm256_add_ps(h2, _mm256_mul_ps(wh, _mm256_loadu_ps(x2 + k + 8)));
+    l3 = _mm256_add_ps(l3, _mm256_mul_ps(wl, _mm256_loadu_ps(x3 + k)));
+    h3 = _mm256_add_ps(h3, _mm256_mul_ps(wh, _mm256_loadu_ps(x3 + k + 8)));
+  }
+  float a[4][KD_LANES];
+  _mm256_storeu_ps(a[0], l0), _mm256_storeu_ps(a[0] + 8, h0);
+  _mm256_storeu_ps(a[1], l1), _mm256_storeu_ps(a[1] + 8, h1);
+  _mm256_storeu_ps(a[2], l2), _mm256_storeu_ps(a[2] + 8, h2);
+  _mm256_storeu_ps(a[3], l3), _mm256_storeu_ps(a[3] + 8, h3);
+  kd_tail_sum(a[0], w, x0, k, n, r);
+  kd_tail_sum(a[1], w, x1, k, n, r + 1);
+  kd_tail_sum(a[2], w, x2, k, n, r + 2);
+  kd_tail_sum(a[3], w, x3, k, n, r + 3);
+}
+
+/* four weight rows (stride n) against one x row */
+__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, const float *x, int64_t n, float *r) {
+  const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
+    l0 = _mm256_add_ps(l0, _mm256_mul_ps(_mm256_loadu_ps(w0 + k), xl));
+    h0 = _mm256_add_ps(h0, _mm256_mul_ps(_mm256_loadu_ps(w0 + k + 8), xh));
+    l1 = _mm256_add_ps(l1, _mm256_mul_ps(_mm256_loadu_ps(w1 + k), xl));
+    h1 = _mm256_add_ps(h1, _mm256_mul_ps(_mm256_loadu_ps(w1 + k + 8), xh));
+    l2 = _mm256_add_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(w2 + k), xl));
+    h2 = _mm256_add_ps(h2, _mm256_mul_ps(_mm256_loadu_ps(w2 + k + 8), xh));
+    l3 = _mm256_add_ps(l3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k), xl));
+    h3 = _mm256_add_ps(h3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k + 8), xh));
+  }
+  float a[4][KD_LANES];
+  _mm256_storeu_ps(a[0], l0), _mm256_storeu_ps(a[0] + 8, h0);
+  _mm256_storeu_ps(a[1], l1), _mm256_storeu_ps(a[1] + 8, h1);
+  _mm256_storeu_ps(a[2], l2), _mm256_storeu_ps(a[2] + 8, h2);
+  _mm256_storeu_ps(a[3], l3), _mm256_storeu_ps(a[3] + 8, h3);
+  kd_tail_sum(a[0], w0, x, k, n, r);
+  kd_tail_sum(a[1], w1, x, k, n, r + 1);
+  kd_tail_sum(a[2], w2, x, k, n, r + 2);
+  kd_tail_sum(a[3], w3, x, k, n, r + 3);
+}
+#endif
+
+static void kd_dot_1x4(const float *w, const float *x, int64_t n, float *r) { /* x rows t..t+3, stride n */
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) {
+    kd_dot_1x4_avx2(w, x, x + n, x + 2 * n, x + 3 * n, n, r);
+    return;
+  }
+#endif
+  for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w, x + i * n, n);
+}
+
+static void kd_dot_4x1(const float *w, const float *x, int64_t n, float *r) { /* w rows o..o+3, stride n */
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) {
+    kd_dot_4x1_avx2(w, x, n, r);
+    return;
+  }
+#endif
+  for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * n, x, n);
+}
+
+/* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
+ * load, then the leftover rows four weight rows at a time. */
+static void kd_linear_block(const float *x, const float *w, int no, float *out, int64_t T, int64_t n_in,
+                            int64_t n_out, int64_t o0) {
+  float r[4];
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4)
+    for (int i = 0; i < no; i++) {
+      kd_dot_1x4(w + i * n_in, x + t * n_in, n_in, r);
+      for (int j = 0; j < 4; j++) out[(t + j) * n_out + o0 + i] = r[j];
+    }
+  for (; t < T; t++) {
+    if (no == 4) {
+      kd_dot_4x1(w, x + t * n_in, n_in, r);
+      for (int i = 0; i < 4; i++) out[t * n_out + o0 + i] = r[i];
+    } else {
+      for (int i = 0; i < no; i++) out[t * n_out + o0 + i] = kd_dot_f32(w + i * n_in, x + t * n_in, n_in);
+    }
+  }
+}
+
+int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                  void *stream) {
+  (void)stream;
+  kd_clear_error();
+  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_linear_f32: negative size");
+  if (T == 0 || n_out == 0) return KD_OK;
+  KD_CHECK_PTR("kd_linear_f32", x);
+  KD_CHECK_PTR("kd_linear_f32", w);
+  KD_CHECK_PTR("kd_linear_f32", out);
+  for (int64_t o = 0; o < n_out; o += 4) /* four weight rows stay in L1 across the T rows */
+    kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
+  return KD_OK;
+}
+
 int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
                     int64_t n_in, int64_t n_out, int64_t group, void *stream) {
   (void)stream;
@@ -187,12 +295,15 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
       out[o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x, n_in, group / 8);
     return KD_OK;
   }
-  /* T > 1: decode each row once (L1-resident), then the f32 dot per row: same products, same lanes */
-  float *w = (float *)malloc(sizeof(float) * (size_t)(n_in ? n_in : 1));
+  /* T > 1: decode four rows at a time (L1-resident), then the f32 block kernel: same products, same lanes */
+  float *w = (float *)malloc(sizeof(float) * (size_t)(4 * (n_in ? n_in : 1)));
   if (!w) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
-  for (int64_t o = 0; o < n_out; o++) {
-    kd_dequant((const uint32_t *)packed + o * n_words, scales + o * n_groups, w, n_in, group / 8);
-    for (int64_t t = 0; t < T; t++) out[t * n_out + o] = kd_dot_f32(w, x + t * n_in, n_in);
+  for (int64_t o = 0; o < n_out; o += 4) {
+    int no = (int)(n_out - o < 4 ? n_out - o : 4);
+    for (int i = 0; i < no; i++)
+      kd_dequant((const uint32_t *)packed + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in,
+                 group / 8);
+    kd_linear_block(x, w, no, out, T, n_in, n_out, o);
   }
   free(w);
   return KD_OK;

@@ -1,0 +1,90 @@
+"""The multi-row CPU kernels (four x rows per weight load, four weight rows per x row) compute every output
+exactly as the one-row dot: a row's result is the same for every T and every position in the call, on the
+AVX2 path and on the portable path (KDTREE_CPU_GENERIC=1), for float32 and INT4 weights and odd sizes.
+
+Run: .venv/bin/python -m pytest -q tests/native/test_multirow_kernels.py
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kdtree.backends import native
+from kdtree.quant import int4
+
+pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+
+SIZES = [(1, 5), (7, 9), (16, 4), (40, 13), (96, 21), (130, 6), (256, 33)]   # (n_in, n_out)
+
+
+def _weights(rng, n_in, n_out):
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    out = [w]
+    if n_in % 8 == 0:
+        group = 8 if n_in % 32 else 32
+        packed, scale, shape = int4.quantize_weight(w, group)
+        out.append(int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, group))
+    return out
+
+
+@pytest.mark.parametrize("n_in,n_out", SIZES)
+def test_linear_row_independent_of_T_and_offset(n_in, n_out):
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(n_in * 100 + n_out)
+    x = rng.standard_normal((13, n_in), dtype=np.float32)
+    for w in _weights(rng, n_in, n_out):
+        one = np.stack([ops.linear(x[t:t + 1], w)[0] for t in range(13)])
+        if isinstance(w, np.ndarray):   # the one-row result is the plain fixed-order dot
+            ref = np.stack([[_lane_dot(w[o], x[t]) for o in range(n_out)] for t in range(13)])
+            np.testing.assert_array_equal(one, ref)
+        for T in range(2, 14):
+            for start in sorted({0, 13 - T, (13 - T) // 2}):
+                np.testing.assert_array_equal(ops.linear(x[start:start + T], w), one[start:start + T],
+                                              err_msg=f"T={T} start={start} {type(w).__name__}")
+
+
+def _lane_dot(a, b):
+    """kd_dot_f32 restated: element k to lane k % 16 (float32 multiply then add), pairwise lane combine."""
+    acc = np.zeros(16, np.float32)
+    for k in range(a.shape[0]):
+        acc[k % 16] = np.float32(acc[k % 16] + np.float32(a[k] * b[k]))
+    w = 8
+    while w >= 1:
+        acc[:w] = acc[:w] + acc[w:2 * w]
+        w //= 2
+    return acc[0]
+
+
+_SCRIPT = """
+import sys, numpy as np
+from kdtree.backends import native
+from kdtree.quant import int4
+ops = native.NativeOps("cpu")
+rng = np.random.default_rng(5)
+out = {}
+for n_in, n_out in %r:
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    x = rng.standard_normal((11, n_in), dtype=np.float32)
+    for T in (1, 3, 4, 5, 8, 11):
+        out[f"f32_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], w)
+        if n_in %% 8 == 0:
+            packed, scale, shape = int4.quantize_weight(w, 8)
+            out[f"w4_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 8))
+np.savez(sys.argv[1], **out)
+""" % (SIZES,)
+
+
+def test_avx2_and_portable_multirow_paths_agree_bitwise(tmp_path):
+    files = {}
+    for generic in ("0", "1"):
+        files[generic] = tmp_path / f"k{generic}.npz"
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(files[generic])], check=True,
+                       env={**os.environ, "KDTREE_CPU_GENERIC": generic})
+    a, b = np.load(files["0"]), np.load(files["1"])
+    assert a.files
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
