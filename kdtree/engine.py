@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from kdtree.decode.result import GenerationResult
 from kdtree.errors import ConfigError
@@ -98,9 +98,10 @@ class Engine:
         if close is not None:
             close()
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
-                 stop_ids: Sequence[int] = ()) -> GenerationResult:
-        """Greedy generation with the configured tree (ar | chain | ddtree); output is identical for all."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
+        """Greedy generation with the configured tree (ar | chain | ddtree); output is identical for all.
+        on_tokens(new_ids) is called after each commit with the tokens it added (the server's live stream)."""
         from kdtree.decode import generate
 
         if not prompt_ids:
@@ -110,7 +111,7 @@ class Engine:
             raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                               f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
         return generate(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens),
-                        eos_id=self.eos_id, stop_ids=tuple(stop_ids))
+                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
         """Text in, (text out, GenerationResult)."""

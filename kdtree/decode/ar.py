@@ -3,11 +3,13 @@
 One prefill forward over the prompt (counted as one target forward), then one forward per new token.
 Greedy = np.argmax (ties -> lowest id). Stops at eos_id (finish "eos") or a token in stop_ids (finish
 "stop"); the eos/stop token is not included in `tokens`. Otherwise stops after max_new_tokens ("length").
+`on_tokens(new_ids)`, when given, is called with each token as it is committed (live streaming); the
+concatenation of its calls equals `tokens`. An exception it raises ends the generation (cancellation).
 """
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -16,7 +18,8 @@ from kdtree.errors import ConfigError
 
 
 def generate_ar(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: Optional[int] = None,
-                stop_ids: Iterable[int] = ()) -> GenerationResult:
+                stop_ids: Iterable[int] = (),
+                on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
     t_start = time.perf_counter()
     prompt = np.asarray(list(prompt_ids), np.int32)
     if prompt.size == 0:
@@ -42,6 +45,8 @@ def generate_ar(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: O
             res.finish_reason = "stop"
             break
         res.tokens.append(nxt)
+        if on_tokens is not None:
+            on_tokens([nxt])
         if len(res.tokens) >= max_new_tokens:
             res.finish_reason = "length"
             break

@@ -14,7 +14,7 @@ Run: .venv/bin/python -m pytest -q tests/decode/test_ddtree_loop.py tests/decode
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -43,11 +43,15 @@ def tree_shape(tree_cfg, block_size: int) -> Tuple[int, int, int]:
 
 
 def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new_tokens: int,
-                    eos_id: Optional[int] = None, stop_ids: Iterable[int] = ()) -> GenerationResult:
+                    eos_id: Optional[int] = None, stop_ids: Iterable[int] = (),
+                    on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
     """Greedy chain/DDTree decoding of `model` (K2Model) drafted by `drafter` (DFlashDrafter interface:
     block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens), draft(cache, bonus)).
 
     acceptance_lengths holds len(path) + 1 per verify round (before any max_new_tokens / eos cut).
+    on_tokens(new_ids), when given, is called once per commit (the prefill's token, then each round's accepted
+    path + bonus) with the tokens that commit added to `tokens`, cut exactly as `tokens` is (max_new_tokens,
+    eos, stop ids); the concatenation of its calls equals `tokens`. An exception it raises ends the generation.
     """
     t_start = time.perf_counter()
     width, depth, budget = tree_shape(tree_cfg, int(drafter.block_size))
@@ -64,20 +68,27 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
         return res
 
     def emit(tokens) -> bool:
-        """Append committed tokens with AR's stop rules; True when generation is over."""
+        """Append committed tokens with AR's stop rules (and report them); True when generation is over."""
+        n0 = len(res.tokens)
+        over = False
         for t in tokens:
             t = int(t)
             if eos_id is not None and t == eos_id:
                 res.finish_reason = "eos"
-                return True
+                over = True
+                break
             if t in stops:
                 res.finish_reason = "stop"
-                return True
+                over = True
+                break
             res.tokens.append(t)
             if len(res.tokens) >= max_new_tokens:
                 res.finish_reason = "length"
-                return True
-        return False
+                over = True
+                break
+        if on_tokens is not None and len(res.tokens) > n0:
+            on_tokens(res.tokens[n0:])
+        return over
 
     P = len(prompt)
     # latent rows before a verify: P + len(tokens) - 1 <= P + max_new - 2; the block adds 1 + budget
