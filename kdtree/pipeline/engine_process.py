@@ -7,6 +7,11 @@ StatusFile (D/status.json) when kdtree.serve.status exists, calls every stage mo
 on_process_start(ctx) hook, runs the stages in order sharing ctx.state, and writes its exit status to
 D/engine.exit (0 = every stage ended, 1 = a stage failed, 143 = stopped by SIGTERM).
 
+When a stage (or a hook, or the process setup) fails, status.json says phase "failed" with the error
+("<type>: <message>", error_type, failed_stage) before the process exits, so /status, /health (503) and the
+monitor report why. If the serve port is open it keeps answering that for FAILED_LINGER_S (a SIGTERM ends
+the wait) so a load balancer or monitor polling it reads the error, not just a refused connection.
+
 Also the controller-side helpers for such a process: launch (`launch_engine`), wait (`wait_engine`),
 stop (`stop_engine`), and the registry of launched engines (`<cache_dir>/engines.jsonl`) that
 `pipeline=stop` reads.
@@ -32,6 +37,7 @@ from kdtree.hosts.base import ALIVE_SH
 PIDFILE, LOGFILE, EXITFILE, CONFIG, PIPELINE = "engine.pid", "engine.log", "engine.exit", "config.yaml", "pipeline.json"
 EXIT_OK, EXIT_FAILED, EXIT_TERMINATED = 0, 1, 143
 POLL_S = 0.5  # controller poll period while an engine runs (liveness, exit file, log tail)
+FAILED_LINGER_S = 5.0  # a failed engine with its serve port open answers /health 503 + the error this long
 
 
 # ----------------------------------------------------------------------------------------------
@@ -55,6 +61,45 @@ def _make_status(run_dir: Path):
     return StatusFile(run_dir / "status.json")
 
 
+class _FailureRecorder:
+    """The EventLog, remembering the last stage_fail it wrote (the error the status reports)."""
+
+    def __init__(self, log):
+        self._log, self.last_fail = log, None
+
+    def emit(self, kind: str, **fields):
+        if kind == "stage_fail":
+            self.last_fail = fields
+        return self._log.emit(kind, **fields)
+
+    def __getattr__(self, name):
+        return getattr(self._log, name)
+
+
+def _mark_failed(status, error_type: str, error: str, stage: Optional[str] = None) -> None:
+    """status.json -> phase failed with the error; never raises (the failure itself is what matters)."""
+    if status is None:
+        return
+    try:
+        status.update(phase="failed", error=f"{error_type}: {error}", error_type=error_type, failed_stage=stage)
+    except Exception:
+        pass
+
+
+def _linger_if_serving(ctx, events) -> None:
+    """Keep an open serve port answering 'failed' for FAILED_LINGER_S; SIGTERM ends the wait early."""
+    app = ctx.state.get("serve_app") if ctx is not None else None
+    if app is None or not getattr(app, "listening", False) or FAILED_LINGER_S <= 0:
+        return
+    events.emit("failed_linger", url=getattr(app, "url", ""), seconds=FAILED_LINGER_S)
+    try:
+        deadline = time.monotonic() + FAILED_LINGER_S
+        while time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    except EngineTerminated:
+        pass
+
+
 def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
     from omegaconf import OmegaConf
 
@@ -65,8 +110,9 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
     from kdtree.pipeline.spec import StageSpec
 
     run_dir = Path(run_dir).resolve()
-    events = EventLog(run_dir / EVENTS_FILE, where="engine", console=sys.stdout)
+    events = _FailureRecorder(EventLog(run_dir / EVENTS_FILE, where="engine", console=sys.stdout))
     code = EXIT_FAILED
+    ctx = None
 
     def on_term(signum, frame):
         raise EngineTerminated(signal.Signals(signum).name)
@@ -92,19 +138,39 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
                 except Exception as e:
                     events.emit("stage_fail", stage=spec.stage, index=spec.index, side="host", seconds=0.0,
                                 error_type=type(e).__name__, error=f"on_process_start: {e}")
+                    _mark_failed(ctx.status, type(e).__name__, f"on_process_start: {e}", spec.stage)
+                    _linger_if_serving(ctx, events)
                     return _finish(run_dir, events, EXIT_FAILED)
         code = EXIT_OK
+
+        def hard_exit():  # a stage stuck past its timeout: the process ends at once, the status says why
+            f = events.last_fail or {}
+            _mark_failed(ctx.status, f.get("error_type", "StageTimeout"), f.get("error", ""), f.get("stage"))
+            _write_exit(run_dir, EXIT_FAILED)
+
         for spec in specs:
-            if not execute_stage(ctx, spec, events, hard_exit=lambda: _write_exit(run_dir, EXIT_FAILED)):
+            if not execute_stage(ctx, spec, events, hard_exit=hard_exit):
                 code = EXIT_FAILED
+                f = events.last_fail or {}
+                _mark_failed(ctx.status, f.get("error_type", "Error"), f.get("error", f"stage {spec.stage!r} failed"),
+                             spec.stage)
+                _linger_if_serving(ctx, events)
                 break
     except EngineTerminated as e:
         events.emit("engine_terminated", signal=str(e))
         code = EXIT_TERMINATED
     except Exception as e:  # config/pipeline files unreadable: still leave an exit status behind
         events.emit("engine_error", error_type=type(e).__name__, error=str(e))
+        _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir), type(e).__name__, str(e))
         code = EXIT_FAILED
     return _finish(run_dir, events, code)
+
+
+def _make_status_quietly(run_dir: Path):
+    try:
+        return _make_status(run_dir)
+    except Exception:
+        return None
 
 
 def _finish(run_dir: Path, events, code: int) -> int:

@@ -18,13 +18,20 @@ Endpoints
 (monitors and load balancers poll them without secrets). Errors are OpenAI-shaped:
 {"error": {"message", "type", "param", "code"}}.
 
-Streaming sends the finished generation as SSE chunks, one per token (engine.generate has no token
-callback); the wire format is OpenAI's, so every client streams it.
+Streaming (`stream: true`) is live: the engine worker hands each commit's tokens (engine.generate's
+on_tokens: the prefill token, each AR step, each DDTree round's path + bonus) to the request's handler, which
+sends them as SSE chunks as they arrive: never splitting a UTF-8 character, holding back only text that could
+still be the start of a stop string, then a chunk with finish_reason, the usage chunk when
+stream_options.include_usage, and `data: [DONE]`. The streamed text equals the non-streamed text. A stop
+string, or the client going away, cancels the rest of the generation. An error before the first token
+answers as JSON (4xx/5xx); one after the stream started is sent as an SSE `{"error": ...}` event.
+The wire format is OpenAI's, so every client streams it.
 """
 from __future__ import annotations
 
 import hmac
 import json
+import queue
 import socket
 import socketserver
 import sys
@@ -167,6 +174,59 @@ def cut_at_stop(text: str, stops: List[str]) -> Tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+class TextStream:
+    """The text of one streamed choice, piece by piece as tokens arrive, equal in the end to the non-streamed
+    text (cut_at_stop(decode(tokens), stops)).
+
+        ts = TextStream(tokenizer, stops)
+        ts.push([ids...]) -> str      text that is final now ("" while it could still change)
+        ts.finish()       -> str      the rest, once generation ended
+        ts.stopped                    a stop string was reached: nothing more will be emitted
+
+    Held back: a trailing incomplete UTF-8 character (decodes to U+FFFD until its bytes arrive), and a tail
+    that could still be the start of a stop string. A stop string ends the text at its earliest start, as
+    cut_at_stop does, once no earlier-starting stop string can still complete.
+    """
+
+    def __init__(self, tokenizer, stops: List[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.tokens: List[int] = []
+        self.emitted = 0                  # characters of the text already returned (no stop starts before)
+        self.stopped = False
+
+    def push(self, ids: List[int]) -> str:
+        self.tokens.extend(int(t) for t in ids)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.tokens)
+        if not final:
+            text = text.rstrip("\ufffd")          # maybe an incomplete multi-byte character: wait for more
+        e = self.emitted
+        cut = min((i for i in (text.find(s, e) for s in self.stops) if i >= 0), default=-1)
+        pending = None                          # earliest start of a stop string that may still complete
+        if not final and self.stops:
+            longest = max(len(s) for s in self.stops)
+            for i in range(max(e, len(text) - longest + 1), len(text)):
+                tail = text[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                    pending = i
+                    break
+        if cut >= 0 and (pending is None or pending >= cut):
+            self.stopped = True
+            end = cut
+        else:
+            end = min(x for x in (len(text), cut if cut >= 0 else None, pending) if x is not None)
+        piece = text[e:end] if end > e else ""
+        self.emitted = max(e, end)
+        return piece
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128          # 16+ clients connecting at once must not overflow the listen backlog
@@ -191,6 +251,7 @@ class ServeApp:
         self.created = int(time.time())
         self._server: Optional[_Server] = None
         self._thread: Optional[threading.Thread] = None
+        self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> "ServeApp":
@@ -205,6 +266,11 @@ class ServeApp:
         self._thread.start()
         self.status.update(url=self.url, port=self.port, model_name=self.model_name)
         return self
+
+    @property
+    def listening(self) -> bool:
+        """The port is open (started, not yet closed by drain)."""
+        return self._server is not None and not self._closed
 
     @property
     def url(self) -> str:
@@ -230,6 +296,7 @@ class ServeApp:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+            self._closed = True
         self.status.update(phase="stopped")
         return finished
 
@@ -253,20 +320,29 @@ class ServeApp:
         jobs = []
         try:
             for ids in req.prompts:
-                jobs.append(self.worker.submit(Job(ids, req.max_tokens, req.stop_ids)))
+                jobs.append(self.worker.submit(Job(ids, req.max_tokens, req.stop_ids,
+                                                   stream=queue.Queue() if req.stream else None)))
         except QueueFull:
+            for job in jobs:
+                job.cancel()
             raise ApiError(429, f"request queue is full ({self.max_queue} waiting, serve.max_queue); retry later",
                            "rate_limit_error", code="queue_full") from None
         except Draining:
+            for job in jobs:
+                job.cancel()
             raise self.not_ready_error() from None
         return req, jobs
+
+    @staticmethod
+    def job_error(job: Job) -> ApiError:
+        if isinstance(job.error, KdtreeError):
+            return ApiError(400, str(job.error), param="prompt")
+        return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
 
     def finish(self, req: CompletionRequest, job: Job, index: int) -> Dict[str, Any]:
         job.wait()
         if job.error is not None:
-            if isinstance(job.error, KdtreeError):
-                raise ApiError(400, str(job.error), param="prompt")
-            raise ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
+            raise self.job_error(job)
         r = job.result
         text = self.engine.tokenizer.decode(r.tokens)
         text, stopped = cut_at_stop(text, req.stop)
@@ -437,7 +513,16 @@ def _handler_for(app: ServeApp):
                   f"{k['seconds']:.3f} s, acceptance {k['mean_acceptance_length']:.2f}", file=sys.stderr, flush=True)
 
         def _stream(self, req: CompletionRequest, jobs: List[Job]):
-            choices = [app.finish(req, job, i) for i, job in enumerate(jobs)]   # errors still answer as JSON
+            try:
+                self._stream_live(req, jobs)
+            finally:                                    # a stop string, an error, the client gone: stop the rest
+                for job in jobs:
+                    job.cancel()
+
+        def _stream_live(self, req: CompletionRequest, jobs: List[Job]):
+            first = jobs[0].stream.get()                # the first tokens, or the end of a job that failed
+            if first is None and jobs[0].error is not None:
+                raise app.job_error(jobs[0])            # nothing sent yet: a JSON error like a non-streamed one
             cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -447,23 +532,48 @@ def _handler_for(app: ServeApp):
             self.close_connection = True
             app.metrics.request("/v1/completions", 200)
 
-            def event(choice_index: int, text: str, finish: Optional[str], usage=None) -> None:
-                chunk = {"id": cid, "object": "text_completion", "created": created, "model": app.model_name,
-                         "choices": [{"text": text, "index": choice_index, "logprobs": None,
-                                      "finish_reason": finish}]}
-                if usage is not None:
-                    chunk["choices"], chunk["usage"] = [], usage
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            def send(obj) -> None:
+                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
+                self.wfile.flush()
 
-            for c in choices:
-                for piece in _token_pieces(app.engine.tokenizer, c["_tokens"], c["text"], req.echo,
-                                           req.prompt_texts[c["index"]]):
-                    event(c["index"], piece, None)
-                event(c["index"], "", c["finish_reason"])
+            def event(choice_index: int, text: str, finish: Optional[str]) -> None:
+                send({"id": cid, "object": "text_completion", "created": created, "model": app.model_name,
+                      "choices": [{"text": text, "index": choice_index, "logprobs": None, "finish_reason": finish}]})
+
+            completion_tokens, t0 = 0, time.monotonic()
+            for index, job in enumerate(jobs):
+                ts = TextStream(app.engine.tokenizer, req.stop)
+                if req.echo:
+                    event(index, req.prompt_texts[index], None)
+                for ids in _batches(job, first if index == 0 else _NOTHING):
+                    piece = ts.push(ids)
+                    if piece:
+                        event(index, piece, None)
+                    if ts.stopped:
+                        job.cancel()                    # the text is over; free the engine for the next request
+                        break
+                if not ts.stopped and job.error is not None:
+                    e = app.job_error(job)
+                    print(f"[serve] stream failed after it started: {e.message}", file=sys.stderr, flush=True)
+                    send(e.body())
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    return
+                piece = ts.finish()
+                if piece:
+                    event(index, piece, None)
+                r = job.result
+                finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
+                event(index, "", finish)
+                completion_tokens += len(ts.tokens)
             if req.include_usage:
-                event(0, "", None, app.completion_response(req, choices)["usage"])
+                prompt_tokens = sum(len(p) for p in req.prompts)
+                send({"id": cid, "object": "text_completion", "created": created, "model": app.model_name,
+                      "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                               "total_tokens": prompt_tokens + completion_tokens}})
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            print(f"[serve] stream {sum(len(p) for p in req.prompts)}+{completion_tokens} tokens "
+                  f"{time.monotonic() - t0:.3f} s", file=sys.stderr, flush=True)
 
     ROUTES_GET = {"/health": Handler.health, "/ready": Handler.ready, "/status": Handler.status,
                   "/metrics": Handler.metrics, "/v1/models": Handler.models}
@@ -471,23 +581,24 @@ def _handler_for(app: ServeApp):
     return Handler
 
 
-def _token_pieces(tokenizer, tokens: List[int], final_text: str, echo: bool, prompt_text: str) -> List[str]:
-    """Split the final (stop-cut) text into one piece per token, never splitting a UTF-8 character."""
-    pieces, emitted = [], 0
-    if echo:
-        pieces.append(prompt_text)
-        emitted = len(prompt_text)
-    done = emitted
-    for k in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:k])
-        if text.endswith("\ufffd") and k < len(tokens):
-            continue                                   # an incomplete multi-byte character: wait for more
-        end = min(len(final_text), emitted + len(text))
-        if end > done:
-            pieces.append(final_text[done:end])
-            done = end
-        if done >= len(final_text):
-            break
-    if done < len(final_text):
-        pieces.append(final_text[done:])
-    return pieces
+_NOTHING = object()
+
+
+def _batches(job: Job, first: Any = _NOTHING):
+    """The token ids a streamed job commits, as lists, each holding all that arrived since the previous one;
+    ends when the job does (its None)."""
+    item = job.stream.get() if first is _NOTHING else first
+    while item is not None:
+        batch = list(item)
+        while True:
+            try:
+                item = job.stream.get_nowait()
+            except queue.Empty:
+                item = _NOTHING
+                break
+            if item is None:
+                break
+            batch.extend(item)
+        yield batch
+        if item is _NOTHING:
+            item = job.stream.get()

@@ -3,6 +3,11 @@
 The numpy engine (and a single CUDA stream) is not thread-safe, so HTTP handler threads never touch it:
 they submit a Job and wait. Concurrency = queueing; a full queue is refused (HTTP 429) instead of
 growing without bound. Results are per request, so greedy output never depends on the other requests.
+
+A streamed job has `stream`, a queue the worker fills while it generates: each commit's new token ids
+(engine.generate's on_tokens), then None once the job is done (result or error set). `job.cancel()` ends a
+job early (its client went away, or a stop string ended its stream): a queued job is skipped, a running one
+stops at its next commit with job.error = Cancelled.
 """
 from __future__ import annotations
 
@@ -21,6 +26,10 @@ class Draining(Exception):
     pass
 
 
+class Cancelled(Exception):
+    """The job was cancelled (job.cancel()) before it finished."""
+
+
 @dataclass
 class Job:
     prompt_ids: List[int]
@@ -31,9 +40,19 @@ class Job:
     result: Any = None                 # GenerationResult
     error: Optional[BaseException] = None
     done: threading.Event = field(default_factory=threading.Event)
+    stream: Optional["queue.Queue[Optional[List[int]]]"] = None    # live token ids, then None (see above)
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.done.wait(timeout)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _on_tokens(self, ids: List[int]) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled()
+        self.stream.put(list(ids))
 
 
 class EngineWorker:
@@ -77,7 +96,11 @@ class EngineWorker:
             self.in_flight = 1
             job.started_at = time.monotonic()
             try:
-                job.result = self.engine.generate(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids))
+                if job.cancelled.is_set():
+                    raise Cancelled()
+                kw = {"on_tokens": job._on_tokens} if job.stream is not None else {}
+                job.result = self.engine.generate(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
+                                                  **kw)
             except BaseException as e:             # reported to the waiting request, the worker lives on
                 job.error = e
             finally:
@@ -87,4 +110,6 @@ class EngineWorker:
                         self.on_done(job)
                     except Exception:
                         pass
+                if job.stream is not None:
+                    job.stream.put(None)
                 job.done.set()

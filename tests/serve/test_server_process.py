@@ -2,6 +2,7 @@
 openai client, 16 concurrent clients), SIGTERM draining."""
 from __future__ import annotations
 
+import http.client
 import json
 import signal
 import socket
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from served_engine import alive, start_served, stop
+from served_engine import REPO, alive, kdtree_run, start_served, stop
 
 
 def post(url: str, body, path="/v1/completions", raw: bytes = None, headers=None, timeout=60):
@@ -139,6 +140,108 @@ def test_operator_endpoints(served):
     assert float(lines['kdtree_stage_seconds_total{stage="verify"}']) > 0
     assert float(lines['kdtree_phase_seconds{phase="loading"}']) > 0
     assert lines['kdtree_phase{phase="ready"}'] == "1"
+
+
+def sse(url: str, body: dict, timeout: float = 120):
+    """POST a streamed completion; [(arrival time, parsed data event)] up to and including [DONE]."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream", r.read()[:300]
+    events = []
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            events.append((time.monotonic() - t0, "[DONE]" if data == b"[DONE]" else json.loads(data)))
+            if data == b"[DONE]":
+                break
+    conn.close()
+    return events
+
+
+def streamed_text(events, index=0):
+    return "".join(c["text"] for _, e in events if isinstance(e, dict) for c in e.get("choices", [])
+                   if c["index"] == index)
+
+
+def finish_reason(events, index=0):
+    (reason,) = [c["finish_reason"] for _, e in events if isinstance(e, dict) for c in e.get("choices", [])
+                 if c["index"] == index and c["finish_reason"]]
+    return reason
+
+
+def test_stream_is_live_and_equals_the_non_streamed_text(served):
+    body = {"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0}
+    code, plain = post(served.url, body, timeout=120)
+    assert code == 200
+    text, gen_s = plain["choices"][0]["text"], plain["kdtree"]["seconds"]
+    assert plain["usage"]["completion_tokens"] == 120 and gen_s > 1.0, plain   # long enough to watch it stream
+    events = sse(served.url, body)
+    assert events[-1][1] == "[DONE]"
+    chunks = [(t, e) for t, e in events if isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]]
+    first_t, last_t = chunks[0][0], chunks[-1][0]
+    # the first text arrives while the engine still generates: long before the last, not all at the end
+    assert last_t - first_t > 0.5 * gen_s, (first_t, last_t, gen_s)
+    assert first_t < 0.5 * last_t
+    assert len(chunks) > 10
+    assert streamed_text(events) == text
+    assert finish_reason(events) == plain["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed(served):
+    base = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
+    code, plain = post(served.url, base)
+    full = plain["choices"][0]["text"]
+    # a multi-character stop string from the middle of the text (held back while it could be starting), one
+    # that is never generated, and a single-character one (a stop token id: the engine itself stops)
+    mid = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3) if "\ufffd" not in full[i:i + 3])
+    single = next(ch for ch in full[5:] if len(ch.encode()) == 1)
+    for stop in ([mid], ["never-generated-zzz", mid], [single], "never-generated-zzz"):
+        body = dict(base, stop=stop)
+        code, want = post(served.url, body)
+        assert code == 200
+        events = sse(served.url, body)
+        assert streamed_text(events) == want["choices"][0]["text"], stop
+        assert finish_reason(events) == want["choices"][0]["finish_reason"], stop
+        if stop != "never-generated-zzz":
+            assert finish_reason(events) == "stop" and len(want["choices"][0]["text"]) < len(full)
+    body = {"prompt": ["2+2=", "Once upon a time"], "max_tokens": 20, "stop": [mid], "echo": True,
+            "stream_options": {"include_usage": True}}
+    code, want = post(served.url, body)
+    events = sse(served.url, body)
+    for i in (0, 1):
+        assert streamed_text(events, i) == want["choices"][i]["text"]
+        assert finish_reason(events, i) == want["choices"][i]["finish_reason"]
+    usage = [e["usage"] for _, e in events if isinstance(e, dict) and e.get("usage")]
+    assert usage and usage[-1]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert usage[-1]["completion_tokens"] <= want["usage"]["completion_tokens"]
+    # errors before the first token still answer as JSON, and the server streams on afterwards
+    # (2040 + 8 tokens fit the context, but not with the tree's verify block: the engine refuses the job)
+    code, err = post(served.url, {"prompt": "x" * 2040, "max_tokens": 8, "stream": True})
+    assert code == 400 and "exceeds the context" in err["error"]["message"], err
+    assert streamed_text(sse(served.url, {"prompt": "2+2=", "max_tokens": 3})) == \
+        post(served.url, {"prompt": "2+2=", "max_tokens": 3})[1]["choices"][0]["text"]
+
+
+def test_a_client_leaving_a_stream_frees_the_engine(served):
+    host, port = served.url.split("//", 1)[1].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "leave", "max_tokens": 1500, "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.readline().startswith(b"data: ")
+    r.close()
+    conn.close()                                           # gone after the first chunk
+    t0 = time.monotonic()
+    code, resp = post(served.url, {"prompt": "2+2=", "max_tokens": 2}, timeout=60)
+    assert code == 200
+    assert time.monotonic() - t0 < 10                     # 1500 tokens would take far longer
 
 
 def test_sigterm_drains_the_request_in_flight_and_exits_0(served):
