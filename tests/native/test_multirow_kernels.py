@@ -1,6 +1,7 @@
 """The multi-row CPU kernels (four x rows per weight load, four weight rows per x row) compute every output
 exactly as the one-row dot: a row's result is the same for every T and every position in the call, on the
-AVX2 path and on the portable path (KDTREE_CPU_GENERIC=1), for float32 and INT4 weights and odd sizes.
+AVX2 path and on the portable path (KDTREE_CPU_GENERIC=1), for float32 and INT4 weights and odd sizes; the
+attention's four-heads-per-key dots likewise (masked-tail AVX2 == portable, bit for bit).
 
 Run: .venv/bin/python -m pytest -q tests/native/test_multirow_kernels.py
 """
@@ -74,6 +75,10 @@ for n_in, n_out in %r:
         if n_in %% 8 == 0:
             packed, scale, shape = int4.quantize_weight(w, 8)
             out[f"w4_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 8))
+for H, L, R, P, T in [(8, 32, 8, 20, 9), (3, 16, 1, 5, 6), (5, 9, 8, 0, 4), (4, 64, 0, 7, 3)]:
+    q = rng.standard_normal((T, H, L + R), dtype=np.float32)
+    kv = rng.standard_normal((P + T, L + R), dtype=np.float32)
+    out[f"attn_{H}_{L}_{R}"] = ops.mla_attention(q, kv, P, None, 0.2, L)
 np.savez(sys.argv[1], **out)
 """ % (SIZES,)
 

@@ -161,12 +161,50 @@ static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int6
  * ascending k (plain multiply then add, no FMA), the same tail, the same kd_lanes_sum. Blocking only decides
  * which dots run side by side (more independent add chains, one weight load for four rows), never a dot's
  * arithmetic, so a row's result stays independent of T (tests/native compare the AVX2 and portable paths). */
-static inline void kd_tail_sum(float *acc, const float *w, const float *x, int64_t k, int64_t n, float *res) {
-  for (int j = 0; k < n; k++, j++) acc[j] += w[k] * x[k];
-  *res = kd_lanes_sum(acc);
-}
 
 #if defined(__x86_64__) && defined(__GNUC__)
+/* lanes 0..7 in lo, 8..15 in hi. The tail (n % 16 elements) goes to lanes 0.. as in kd_dot_f32, through masked
+ * loads: a masked-off lane adds 0 * 0 = +0, which leaves it unchanged (an accumulator that starts at +0 is never
+ * -0). kd_hsum is kd_lanes_sum's pairwise tree: [i] + [i+8], then [i] + [i+4], [i] + [i+2], [0] + [1]. */
+__attribute__((target("avx2"))) static inline __m256i kd_mask_avx2(int64_t r) { /* lanes < r (0..8) */
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+__attribute__((target("avx2"))) static inline float kd_hsum_avx2(__m256 lo, __m256 hi) {
+  __m256 v = _mm256_add_ps(lo, hi);
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
+}
+
+/* acc += w[k..n) * x[k..n) into lanes 0.. (n - k < 16) */
+#define KD_TAIL_AVX2(lo, hi, w, x, k, n)                                                              \
+  do {                                                                                                \
+    int64_t r_ = (n) - (k);                                                                           \
+    if (r_ >= 8) {                                                                                    \
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps((w) + (k)), _mm256_loadu_ps((x) + (k))));  \
+      if (r_ > 8) {                                                                                   \
+        __m256i m_ = kd_mask_avx2(r_ - 8);                                                            \
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_maskload_ps((w) + (k) + 8, m_),                   \
+                                             _mm256_maskload_ps((x) + (k) + 8, m_)));                 \
+      }                                                                                               \
+    } else if (r_ > 0) {                                                                              \
+      __m256i m_ = kd_mask_avx2(r_);                                                                  \
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_maskload_ps((w) + (k), m_), _mm256_maskload_ps((x) + (k), m_))); \
+    }                                                                                                 \
+  } while (0)
+
+__attribute__((target("avx2"))) static float kd_dot_avx2(const float *w, const float *x, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = lo;
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8)));
+  }
+  KD_TAIL_AVX2(lo, hi, w, x, k, n);
+  return kd_hsum_avx2(lo, hi);
+}
+
 /* one weight row against four x rows */
 __attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, const float *x0, const float *x1,
                                                              const float *x2, const float *x3, int64_t n, float *r) {
@@ -183,20 +221,17 @@ __attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, cons
     l3 = _mm256_add_ps(l3, _mm256_mul_ps(wl, _mm256_loadu_ps(x3 + k)));
     h3 = _mm256_add_ps(h3, _mm256_mul_ps(wh, _mm256_loadu_ps(x3 + k + 8)));
   }
-  float a[4][KD_LANES];
-  _mm256_storeu_ps(a[0], l0), _mm256_storeu_ps(a[0] + 8, h0);
-  _mm256_storeu_ps(a[1], l1), _mm256_storeu_ps(a[1] + 8, h1);
-  _mm256_storeu_ps(a[2], l2), _mm256_storeu_ps(a[2] + 8, h2);
-  _mm256_storeu_ps(a[3], l3), _mm256_storeu_ps(a[3] + 8, h3);
-  kd_tail_sum(a[0], w, x0, k, n, r);
-  kd_tail_sum(a[1], w, x1, k, n, r + 1);
-  kd_tail_sum(a[2], w, x2, k, n, r + 2);
-  kd_tail_sum(a[3], w, x3, k, n, r + 3);
+  KD_TAIL_AVX2(l0, h0, w, x0, k, n);
+  KD_TAIL_AVX2(l1, h1, w, x1, k, n);
+  KD_TAIL_AVX2(l2, h2, w, x2, k, n);
+  KD_TAIL_AVX2(l3, h3, w, x3, k, n);
+  r[0] = kd_hsum_avx2(l0, h0), r[1] = kd_hsum_avx2(l1, h1), r[2] = kd_hsum_avx2(l2, h2), r[3] = kd_hsum_avx2(l3, h3);
 }
 
-/* four weight rows (stride n) against one x row */
-__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, const float *x, int64_t n, float *r) {
-  const float *w0 = w, *w1 = w + n, *w2 = w + 2 * n, *w3 = w + 3 * n;
+/* four weight rows (stride ws) against one x row */
+__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, int64_t ws, const float *x, int64_t n,
+                                                             float *r) {
+  const float *w0 = w, *w1 = w + ws, *w2 = w + 2 * ws, *w3 = w + 3 * ws;
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
@@ -210,17 +245,20 @@ __attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, cons
     l3 = _mm256_add_ps(l3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k), xl));
     h3 = _mm256_add_ps(h3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k + 8), xh));
   }
-  float a[4][KD_LANES];
-  _mm256_storeu_ps(a[0], l0), _mm256_storeu_ps(a[0] + 8, h0);
-  _mm256_storeu_ps(a[1], l1), _mm256_storeu_ps(a[1] + 8, h1);
-  _mm256_storeu_ps(a[2], l2), _mm256_storeu_ps(a[2] + 8, h2);
-  _mm256_storeu_ps(a[3], l3), _mm256_storeu_ps(a[3] + 8, h3);
-  kd_tail_sum(a[0], w0, x, k, n, r);
-  kd_tail_sum(a[1], w1, x, k, n, r + 1);
-  kd_tail_sum(a[2], w2, x, k, n, r + 2);
-  kd_tail_sum(a[3], w3, x, k, n, r + 3);
+  KD_TAIL_AVX2(l0, h0, w0, x, k, n);
+  KD_TAIL_AVX2(l1, h1, w1, x, k, n);
+  KD_TAIL_AVX2(l2, h2, w2, x, k, n);
+  KD_TAIL_AVX2(l3, h3, w3, x, k, n);
+  r[0] = kd_hsum_avx2(l0, h0), r[1] = kd_hsum_avx2(l1, h1), r[2] = kd_hsum_avx2(l2, h2), r[3] = kd_hsum_avx2(l3, h3);
 }
 #endif
+
+static float kd_dot(const float *w, const float *x, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) return kd_dot_avx2(w, x, n);
+#endif
+  return kd_dot_f32(w, x, n);
+}
 
 static void kd_dot_1x4(const float *w, const float *x, int64_t n, float *r) { /* x rows t..t+3, stride n */
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -232,14 +270,14 @@ static void kd_dot_1x4(const float *w, const float *x, int64_t n, float *r) { /*
   for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w, x + i * n, n);
 }
 
-static void kd_dot_4x1(const float *w, const float *x, int64_t n, float *r) { /* w rows o..o+3, stride n */
+static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, float *r) { /* w rows, stride ws */
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_use_avx2()) {
-    kd_dot_4x1_avx2(w, x, n, r);
+    kd_dot_4x1_avx2(w, ws, x, n, r);
     return;
   }
 #endif
-  for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * n, x, n);
+  for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * ws, x, n);
 }
 
 /* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
@@ -255,10 +293,10 @@ static void kd_linear_block(const float *x, const float *w, int no, float *out, 
     }
   for (; t < T; t++) {
     if (no == 4) {
-      kd_dot_4x1(w, x + t * n_in, n_in, r);
+      kd_dot_4x1(w, n_in, x + t * n_in, n_in, r);
       for (int i = 0; i < 4; i++) out[t * n_out + o0 + i] = r[i];
     } else {
-      for (int i = 0; i < no; i++) out[t * n_out + o0 + i] = kd_dot_f32(w + i * n_in, x + t * n_in, n_in);
+      for (int i = 0; i < no; i++) out[t * n_out + o0 + i] = kd_dot(w + i * n_in, x + t * n_in, n_in);
     }
   }
 }
@@ -381,8 +419,16 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     if (n == 0) continue;
     /* key-major loops keep a key row in cache across the heads; each (t, h) still sees exactly the sequence
      * dot -> max -> exp -> sum -> weighted sum in key order, so the result does not depend on H or T */
-    for (int64_t i = 0; i < n; i++)
-      for (int64_t h = 0; h < H; h++) p[h * n + i] = kd_dot_f32(qt + h * E, kv + keys[i] * E, E) * scale;
+    for (int64_t i = 0; i < n; i++) {
+      const float *kr = kv + keys[i] * E;
+      float r[4];
+      int64_t h = 0;
+      for (; h + 4 <= H; h += 4) { /* four heads per key load; each dot exactly kd_dot_f32 */
+        kd_dot_4x1(qt + h * E, E, kr, E, r);
+        for (int j = 0; j < 4; j++) p[(h + j) * n + i] = r[j] * scale;
+      }
+      for (; h < H; h++) p[h * n + i] = kd_dot(qt + h * E, kr, E) * scale;
+    }
     for (int64_t h = 0; h < H; h++) {
       float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
       for (int64_t i = 0; i < n; i++)
