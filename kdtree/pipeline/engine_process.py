@@ -163,7 +163,19 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
         events.emit("engine_error", error_type=type(e).__name__, error=str(e))
         _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir), type(e).__name__, str(e))
         code = EXIT_FAILED
+    _close_engine(ctx)
     return _finish(run_dir, events, code)
+
+
+def _close_engine(ctx) -> None:
+    """Shut down what the engine holds outside this process (tensor-parallel ranks) before exiting."""
+    engine = ctx.state.get("model_engine") if ctx is not None else None
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception as e:  # exiting anyway; the ranks also die with this process
+            print(f"engine close failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def _make_status_quietly(run_dir: Path):
