@@ -6,8 +6,9 @@ Builds (once, cached under <cache>/bench_load/) a synthetic checkpoint of `gb` G
 and K2's formats: routed experts INT4 (weight_packed I32, weight_scale BF16, weight_shape), everything
 else BF16, random bytes (finite values; nobody runs it). Then, page cache hot (one cat first), one
 warm-up load (reported as first_load_s: it also pays for memory the process never touched before),
-then `repeats` rounds of: the loader (no progress), the loader with a ProgressReporter (for its
-overhead), and `cat <shards> > /dev/null`. Rates use the median time and the shards' file bytes;
+then `repeats` rounds of: the loader (no progress), the loader with a ProgressReporter, and
+`cat <shards> > /dev/null`. progress_overhead = seconds inside the progress callback / load seconds
+(a difference of two load times would drown in noise on a shared machine). Rates use the median time and the shards' file bytes;
 MB = 10^6 bytes. first_touch_mb_s = np.empty + one write per page of the same bytes: the floor of any
 loader that materialises weights in fresh memory. strategy=mmap only maps the files (pages are read on first touch), so its rate is
 not a read rate.
@@ -149,6 +150,19 @@ def ensure_bench_checkpoint(gb: float, shards: int, cache_dir: str = "") -> tupl
     return final, model, quant
 
 
+class _TimedProgress:
+    """A progress callback that adds up the seconds spent inside the wrapped one."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def __call__(self, *args) -> None:
+        t0 = time.perf_counter()
+        self.inner(*args)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+
+
 def _cat(files: List[Path]) -> float:
     t0 = time.perf_counter()
     with open(os.devnull, "wb") as null:
@@ -185,22 +199,25 @@ def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, s
     first_load_s = _load(path, model, quant, threads, strategy)[0]   # warm-up; not in the medians
     loader_s: List[float] = []
     progress_s: List[float] = []
+    callback_s: List[float] = []
     cat_s: List[float] = []
     stats = None
     for _ in range(max(1, int(repeats))):         # alternate, so drift on a shared machine hits all alike
         s, stats = _load(path, model, quant, threads, strategy)
         loader_s.append(s)
-        reporter = ProgressReporter(io.StringIO(), tty=False, interval_s=1.0)
+        reporter = _TimedProgress(ProgressReporter(io.StringIO(), tty=False, interval_s=1.0))
         progress_s.append(_load(path, model, quant, threads, strategy, progress=reporter)[0])
+        callback_s.append(reporter.seconds)
         cat_s.append(_cat(files))
-    loader, with_progress, plain = (statistics.median(x) for x in (loader_s, progress_s, cat_s))
+    loader, plain = statistics.median(loader_s), statistics.median(cat_s)
     out = {
         "bytes": nbytes,
         "gb": gb,
         "loader_mb_s": nbytes / 1e6 / loader,
         "plain_read_mb_s": nbytes / 1e6 / plain,
         "ratio": plain / loader,                  # loader rate / cat rate
-        "progress_overhead": with_progress / loader - 1.0,
+        "progress_overhead": statistics.median(c / t for c, t in zip(callback_s, progress_s)),
+        "progress_callback_s": callback_s,
         "first_touch_mb_s": nbytes / 1e6 / first_touch_s,
         "first_load_s": first_load_s,
         "loader_s": loader_s,
