@@ -26,6 +26,12 @@ class Ops(ABC):
         every token it proposes): the backend's fastest deterministic path. Default: linear."""
         return self.linear(x, w)
 
+    def moe(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, layer: Any) -> Optional[np.ndarray]:
+        """Optional fused MoE layer: x f32[T, D], experts i64[T, k] (descending choice order), weights f32[T, k],
+        layer with .experts[e].{gate, up, down} and .shared (or None) -> f32[T, D] equal to K2Model's grouped
+        path (acc = 0 + w_0 y_0 + ... + shared, each expert a row-wise linear); None = not available here."""
+        return None
+
     @abstractmethod
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """x f32[T, D], w f32[D] -> x / sqrt(mean(x^2) + eps) * w, f32[T, D]."""

@@ -54,6 +54,10 @@ int kd_rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t D
 int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t I, void *stream);
 int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
                      int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream);
+int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+               const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
+               const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
+               int64_t Is, int64_t k, void *stream);
 """
 
 _ffi = None
@@ -365,6 +369,14 @@ def _max_nodes(depth: int, width: int, budget: int) -> int:
 _F32 = np.dtype(np.float32)
 
 
+def _weakrefable(obj: Any) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
+
+
 def _int4_parts(w: Any) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
     """(packed i32[out, in/8], scale f32[out, in/group], in_features, group) of a quantized weight
     (kdtree.quant.int4.Int4Weight: .packed, .scale, .shape, .group_size), else None."""
@@ -388,6 +400,8 @@ class NativeOps(Ops):
         ffi = self.lib.ffi
         self._c, self._null = self.lib.c, ffi.NULL
         self._fb_raw, self._f32a = ffi._backend.from_buffer, ffi.typeof("float[]")   # skips ffi's str parsing
+        self._i32a = ffi.typeof("int32_t[]")
+        self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:
@@ -436,6 +450,74 @@ class NativeOps(Ops):
                     self.lib.check(rc, "kd_silu_mul")
                 return out
         return self.lib.silu_mul(np.ascontiguousarray(gate, np.float32), np.ascontiguousarray(up, np.float32))
+
+    def moe(self, x: np.ndarray, experts: np.ndarray, weights: np.ndarray, layer: Any) -> Optional[np.ndarray]:
+        """Fused MoE layer (kd_moe_f32, one C call) on backend=cpu with float32 expert weights; None otherwise (the
+        caller then runs the grouped path, same bits). layer: .experts[e].{gate,up,down}, .shared (or None)."""
+        if not self._host:
+            return None
+        tables = self._moe_tables.get(layer, False) if _weakrefable(layer) else None
+        if tables is False:
+            tables = self._moe_tables[layer] = self._build_moe_tables(layer)
+        if tables is None:
+            return None
+        x = np.ascontiguousarray(x, _F32)
+        experts = np.ascontiguousarray(experts, np.int32)
+        weights = np.ascontiguousarray(weights, _F32)
+        T, D = x.shape
+        if D != tables["D"] or experts.shape != weights.shape or experts.ndim != 2 or experts.shape[0] != T:
+            return None
+        out = np.empty((T, D), _F32)
+        fb, fa = self._fb_raw, self._f32a
+        rc = self._c.kd_moe_f32(fb(fa, x, False), fb(self._i32a, experts, False), fb(fa, weights, False),
+                                tables["gate"], tables["up"], tables["down"], tables["E"], *tables["shared"],
+                                fb(fa, out, False), T, D, tables["I"], tables["Is"], experts.shape[1], self._null)
+        if rc:
+            self.lib.check(rc, "kd_moe_f32")
+        return out
+
+    def _build_moe_tables(self, layer: Any) -> Optional[Dict[str, Any]]:
+        """Pointer tables of one MoE layer's expert weights (kept alive with the layer), or None when the fused op
+        does not apply (a non-float32 weight, mismatched shapes, or a library without kd_moe_f32)."""
+        try:
+            getattr(self._c, "kd_moe_f32")
+        except AttributeError:
+            return None
+        mats = [(m.gate, m.up, m.down) for m in layer.experts]
+        if layer.shared is not None:
+            mats.append((layer.shared.gate, layer.shared.up, layer.shared.down))
+        if not mats:
+            return None
+        for g, u, d in mats:
+            for w in (g, u, d):
+                if type(w) is not np.ndarray or w.dtype != _F32 or w.ndim != 2 or not w.flags.c_contiguous:
+                    return None
+            if g.shape != u.shape or d.shape != (g.shape[1], g.shape[0]):
+                return None
+        D = mats[0][0].shape[1]
+        routed = mats[:len(layer.experts)]
+        I = routed[0][0].shape[0] if routed else 0
+        if any(g.shape != (I, D) for g, _, _ in routed):
+            return None
+        ffi = self.lib.ffi
+        keep = []
+
+        def p(w):
+            c = self._fb_raw(self._f32a, w, False)
+            keep.append(c)
+            return c
+
+        tab = {name: ffi.new("float *[]", [p(m[i]) for m in routed] or [ffi.NULL])
+               for i, name in enumerate(("gate", "up", "down"))}
+        if layer.shared is not None:
+            g, u, d = mats[-1]
+            if g.shape[1] != D:
+                return None
+            tab["shared"], tab["Is"] = (p(g), p(u), p(d)), g.shape[0]
+        else:
+            tab["shared"], tab["Is"] = (ffi.NULL, ffi.NULL, ffi.NULL), 0
+        tab.update(E=len(routed), D=D, I=I, keep=keep)
+        return tab
 
     def mla_attention(self, q, kv, n_prefix, visibility, scale, kv_lora):
         vis = None if visibility is None else np.ascontiguousarray(visibility, np.uint64)

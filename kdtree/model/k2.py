@@ -254,6 +254,10 @@ class K2Model:
         logits = self.ops.linear(x, moe.gate)                               # [T, E]
         scores = one / (one + np.exp(-logits))
         experts, weights = route_rows(self._route_cfg, scores, moe.bias)          # [T, k] each
+        fused_op = getattr(self.ops, "moe", None)                           # backend=cpu: one native call
+        fused = fused_op(x, experts, weights, moe) if fused_op is not None else None
+        if fused is not None:
+            return fused
         k = experts.shape[1]
         flat = experts.reshape(-1)                                          # slot t*k + j -> expert
         y = np.empty((T * k, D), np.float32)                                # expert outputs per slot

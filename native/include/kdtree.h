@@ -98,6 +98,18 @@ int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64
 int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
                      int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream);
 
+/* Fused MoE layer, float32 weights: routed experts grouped by expert, then the shared expert.
+ *   x [T, D]; experts i32 [T, k] (descending choice order) and weights f32 [T, k] are HOST arrays in both
+ *   builds; gate, up, down are host arrays of n_experts weight pointers (f32 [I, D], [I, D], [D, I]; device
+ *   pointers in the CUDA build); shared_gate/up/down f32 [Is, D], [Is, D], [D, Is] or all NULL; out [T, D].
+ *   y_j = down_e(silu(gate_e x[t]) * up_e x[t]) for e = experts[t, j], each a kd_linear_f32 row;
+ *   out[t] = (((0 + weights[t,0] y_0) + weights[t,1] y_1) + ...) + shared(x[t]). A token's result does not
+ *   depend on T or on which other tokens chose the same experts. */
+int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+               const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
+               const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
+               int64_t Is, int64_t k, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

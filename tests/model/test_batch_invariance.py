@@ -94,3 +94,25 @@ def test_numpy_ops_rows_independent_of_T(n_in, n_out):
             np.testing.assert_array_equal(ops.linear(x[s:s + T], w), one["linear"][s:s + T])
             np.testing.assert_array_equal(ops.rms_norm(x[s:s + T], nw, 1e-5), one["rms_norm"][s:s + T])
             np.testing.assert_array_equal(ops.silu_mul(x[s:s + T], x[::-1][s:s + T]), one["silu_mul"][s:s + T])
+
+
+@pytest.mark.skipif("cpu" not in _backends(), reason="libkdtree_cpu.so not built")
+def test_fused_moe_equals_grouped_path(k2_cfg, k2_weights):
+    """backend=cpu runs each MoE layer as one kd_moe_f32 call; it gives the grouped Python path's bits."""
+    fused_ops, plain_ops = get_ops("cpu"), get_ops("cpu")
+    plain_ops.moe = lambda *a, **k: None
+    fused, plain = K2Model(k2_cfg, k2_weights, fused_ops), K2Model(k2_cfg, k2_weights, plain_ops)
+    calls = []
+    inner = fused_ops.moe
+    fused_ops.moe = lambda *a: calls.append(inner(*a)) or calls[-1]
+    block = np.random.default_rng(4).integers(0, 260, 21).astype(np.int32)
+    pos = np.arange(len(block))
+    c1, c2 = fused.new_cache(64), plain.new_cache(64)
+    lg1, h1 = fused.forward(block, pos, c1, hidden_layers=(0, 1, 2, 3))
+    lg2, h2 = plain.forward(block, pos, c2, hidden_layers=(0, 1, 2, 3))
+    assert calls and all(c is not None for c in calls)
+    np.testing.assert_array_equal(lg1, lg2)
+    for i in h1:
+        np.testing.assert_array_equal(h1[i], h2[i])
+    one, _ = fused.forward(block[:1], pos[:1], fused.new_cache(8))
+    np.testing.assert_array_equal(one[0], lg1[0])

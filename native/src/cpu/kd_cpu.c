@@ -446,3 +446,81 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
   free(p);
   return KD_OK;
 }
+
+/* ---- fused MoE layer (float32 weights) ------------------------------------------------------------------
+ * Routing arrays are host pointers in both builds. Slots t*k + j are grouped by expert (counting sort, slot
+ * order kept); each expert runs gate/up/silu/down (kd_linear_f32 rows, so independent of which rows share the
+ * call) over its gathered rows; then per token out = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared(x). */
+int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+               const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
+               const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
+               int64_t Is, int64_t k, void *stream) {
+  (void)stream;
+  kd_clear_error();
+  if (T < 0 || D <= 0 || I < 0 || Is < 0 || k < 0 || n_experts < 0) return kd_fail(KD_EINVAL, "kd_moe_f32: bad size");
+  if (T == 0) return KD_OK;
+  KD_CHECK_PTR("kd_moe_f32", x);
+  KD_CHECK_PTR("kd_moe_f32", out);
+  if (k > 0) {
+    KD_CHECK_PTR("kd_moe_f32", experts);
+    KD_CHECK_PTR("kd_moe_f32", weights);
+    KD_CHECK_PTR("kd_moe_f32", gate);
+    KD_CHECK_PTR("kd_moe_f32", up);
+    KD_CHECK_PTR("kd_moe_f32", down);
+  }
+  int has_shared = shared_gate != NULL;
+  if (has_shared && (!shared_up || !shared_down)) return kd_fail(KD_EINVAL, "kd_moe_f32: partial shared expert");
+  int64_t S = T * k;
+  for (int64_t i = 0; i < S; i++) {
+    if (experts[i] < 0 || experts[i] >= n_experts)
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert id %d outside [0, %lld)", experts[i], (long long)n_experts);
+    if (!gate[experts[i]] || !up[experts[i]] || !down[experts[i]])
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert %d has a NULL weight", experts[i]);
+  }
+  int64_t inter = I > Is ? I : Is, rows = S > T ? S : T;
+  int64_t *start = (int64_t *)calloc((size_t)n_experts + 1, sizeof(int64_t));
+  int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S ? S : 1)); /* slot -> sorted position */
+  float *buf = (float *)malloc(sizeof(float) * (size_t)(rows * (2 * D + 2 * inter)));
+  if (!start || !pos || !buf) {
+    free(start), free(pos), free(buf);
+    return kd_fail(KD_ENOMEM, "kd_moe_f32: out of memory (T=%lld, k=%lld)", (long long)T, (long long)k);
+  }
+  float *xs = buf, *ys = xs + rows * D, *g = ys + rows * D, *u = g + rows * inter;
+  for (int64_t i = 0; i < S; i++) start[experts[i] + 1]++;
+  for (int64_t e = 0; e < n_experts; e++) start[e + 1] += start[e];
+  for (int64_t i = 0; i < S; i++) { /* stable: slots of one expert in slot order */
+    int64_t p = start[experts[i]]++;
+    pos[i] = p;
+    memcpy(xs + p * D, x + (i / k) * D, sizeof(float) * (size_t)D);
+  }
+  for (int64_t e = n_experts; e > 0; e--) start[e] = start[e - 1]; /* back to the group starts */
+  start[0] = 0;
+  for (int64_t e = 0; e < n_experts; e++) {
+    int64_t p0 = start[e], n = start[e + 1] - p0;
+    if (n == 0) continue;
+    kd_linear_f32(xs + p0 * D, gate[e], g, n, D, I, NULL);
+    kd_linear_f32(xs + p0 * D, up[e], u, n, D, I, NULL);
+    kd_silu_mul(g, u, g, n, I, NULL);
+    kd_linear_f32(g, down[e], ys + p0 * D, n, I, D, NULL);
+  }
+  if (has_shared) { /* into xs, free again: shared(x) for every token */
+    kd_linear_f32(x, shared_gate, g, T, D, Is, NULL);
+    kd_linear_f32(x, shared_up, u, T, D, Is, NULL);
+    kd_silu_mul(g, u, g, T, Is, NULL);
+    kd_linear_f32(g, shared_down, xs, T, Is, D, NULL);
+  }
+  for (int64_t t = 0; t < T; t++) {
+    float *o = out + t * D;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+      float wj = weights[t * k + j];
+      const float *y = ys + pos[t * k + j] * D;
+      for (int64_t d = 0; d < D; d++) o[d] = o[d] + wj * y[d];
+    }
+    if (has_shared)
+      for (int64_t d = 0; d < D; d++) o[d] = o[d] + xs[t * D + d];
+  }
+  free(start), free(pos), free(buf);
+  kd_clear_error();
+  return KD_OK;
+}

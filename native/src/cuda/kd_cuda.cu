@@ -358,3 +358,118 @@ extern "C" int kd_mla_attention(const float *q, const float *kv, const uint64_t 
                                                                                       R, n_prefix, scale);
   return kd_cuda_status("kd_mla_attention");
 }
+
+/* ---- fused MoE layer (float32 weights): grouping on the host, experts through the kernels above --------- */
+__global__ void kd_gather_rows_kernel(const float *__restrict__ x, const int32_t *__restrict__ src,
+                                      float *__restrict__ dst, int64_t n, int64_t D) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * D; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = x[(int64_t)src[i / D] * D + i % D];
+}
+
+/* out[t, d] = (((0 + w[t,0] y[pos[t,0], d]) + w[t,1] y[pos[t,1], d]) + ...) + shared[t, d] */
+__global__ void kd_moe_combine_kernel(const float *__restrict__ ys, const int32_t *__restrict__ pos,
+                                      const float *__restrict__ w, const float *__restrict__ shared,
+                                      float *__restrict__ out, int64_t T, int64_t D, int64_t k) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * D; i += (int64_t)gridDim.x * blockDim.x) {
+    int64_t t = i / D, d = i % D;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; j++) acc = acc + w[t * k + j] * ys[(int64_t)pos[t * k + j] * D + d];
+    if (shared) acc = acc + shared[i];
+    out[i] = acc;
+  }
+}
+
+static unsigned kd_blocks(int64_t n) {
+  int64_t b = (n + 255) / 256;
+  return (unsigned)(b < 1 ? 1 : b < 65536 ? b : 65536);
+}
+
+extern "C" int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+                          const float *const *up, const float *const *down, int64_t n_experts,
+                          const float *shared_gate, const float *shared_up, const float *shared_down, float *out,
+                          int64_t T, int64_t D, int64_t I, int64_t Is, int64_t k, void *stream) {
+  int rc = kd_need_device("kd_moe_f32");
+  if (rc) return rc;
+  if (T < 0 || D <= 0 || I < 0 || Is < 0 || k < 0 || n_experts < 0) return kd_fail(KD_EINVAL, "kd_moe_f32: bad size");
+  if (T == 0) return KD_OK;
+  KD_CHECK_PTR("kd_moe_f32", x);
+  KD_CHECK_PTR("kd_moe_f32", out);
+  if (k > 0) {
+    KD_CHECK_PTR("kd_moe_f32", experts);
+    KD_CHECK_PTR("kd_moe_f32", weights);
+    KD_CHECK_PTR("kd_moe_f32", gate);
+    KD_CHECK_PTR("kd_moe_f32", up);
+    KD_CHECK_PTR("kd_moe_f32", down);
+  }
+  int has_shared = shared_gate != NULL;
+  if (has_shared && (!shared_up || !shared_down)) return kd_fail(KD_EINVAL, "kd_moe_f32: partial shared expert");
+  int64_t S = T * k;
+  for (int64_t i = 0; i < S; i++) {
+    if (experts[i] < 0 || experts[i] >= n_experts)
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert id %d outside [0, %lld)", experts[i], (long long)n_experts);
+    if (!gate[experts[i]] || !up[experts[i]] || !down[experts[i]])
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert %d has a NULL weight", experts[i]);
+  }
+  /* host: counting sort of the slots by expert (slot order kept) -> src row per sorted slot, pos per slot */
+  int64_t *start = (int64_t *)calloc((size_t)n_experts + 2, sizeof(int64_t));
+  int32_t *host = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * S + 1));
+  float *wh = (float *)malloc(sizeof(float) * (size_t)(S + 1));
+  if (!start || !host || !wh) {
+    free(start), free(host), free(wh);
+    return kd_fail(KD_ENOMEM, "kd_moe_f32: out of host memory");
+  }
+  int32_t *src = host, *pos = host + S;
+  for (int64_t i = 0; i < S; i++) start[experts[i] + 1]++;
+  for (int64_t e = 0; e < n_experts; e++) start[e + 1] += start[e];
+  for (int64_t i = 0; i < S; i++) {
+    int64_t p = start[experts[i]]++;
+    pos[i] = (int32_t)p;
+    src[p] = (int32_t)(i / k);
+    wh[i] = weights[i];
+  }
+  for (int64_t e = n_experts; e > 0; e--) start[e] = start[e - 1];
+  start[0] = 0;
+  int64_t inter = I > Is ? I : Is, rows = S > T ? S : T;
+  size_t f_bytes = sizeof(float) * (size_t)(rows * (2 * D + 2 * inter) + T * D + S + 1);
+  size_t i_bytes = sizeof(int32_t) * (size_t)(2 * S + 1);
+  char *dev = NULL;
+  cudaStream_t st = KD_STREAM(stream);
+  cudaError_t e = cudaMalloc((void **)&dev, f_bytes + i_bytes);
+  if (e != cudaSuccess) {
+    free(start), free(host), free(wh);
+    return kd_fail(KD_ENOMEM, "kd_moe_f32: cudaMalloc(%zu): %s", f_bytes + i_bytes, cudaGetErrorString(e));
+  }
+  float *xs = (float *)dev, *ys = xs + rows * D, *g = ys + rows * D, *u = g + rows * inter, *sh = u + rows * inter;
+  float *wd = sh + T * D;
+  int32_t *src_d = (int32_t *)(dev + f_bytes), *pos_d = src_d + S;
+  e = cudaMemcpyAsync(src_d, host, sizeof(int32_t) * (size_t)(2 * S), cudaMemcpyHostToDevice, st);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(wd, wh, sizeof(float) * (size_t)S, cudaMemcpyHostToDevice, st);
+  rc = e == cudaSuccess ? KD_OK : kd_fail(KD_ECUDA, "kd_moe_f32: copy: %s", cudaGetErrorString(e));
+  if (!rc && S) {
+    kd_gather_rows_kernel<<<kd_blocks(S * D), 256, 0, st>>>(x, src_d, xs, S, D);
+    rc = kd_cuda_status("kd_moe_f32 gather");
+  }
+  for (int64_t ex = 0; !rc && ex < n_experts; ex++) {
+    int64_t p0 = start[ex], n = start[ex + 1] - p0;
+    if (n == 0) continue;
+    rc = kd_linear_f32(xs + p0 * D, gate[ex], g, n, D, I, stream);
+    if (!rc) rc = kd_linear_f32(xs + p0 * D, up[ex], u, n, D, I, stream);
+    if (!rc) rc = kd_silu_mul(g, u, g, n, I, stream);
+    if (!rc) rc = kd_linear_f32(g, down[ex], ys + p0 * D, n, I, D, stream);
+  }
+  if (!rc && has_shared) {
+    rc = kd_linear_f32(x, shared_gate, g, T, D, Is, stream);
+    if (!rc) rc = kd_linear_f32(x, shared_up, u, T, D, Is, stream);
+    if (!rc) rc = kd_silu_mul(g, u, g, T, Is, stream);
+    if (!rc) rc = kd_linear_f32(g, shared_down, sh, T, Is, D, stream);
+  }
+  if (!rc) {
+    kd_moe_combine_kernel<<<kd_blocks(T * D), 256, 0, st>>>(ys, pos_d, wd, has_shared ? sh : NULL, out, T, D, k);
+    rc = kd_cuda_status("kd_moe_f32 combine");
+  }
+  e = cudaStreamSynchronize(st); /* scratch and host staging stay alive until the stream is done with them */
+  if (!rc && e != cudaSuccess) rc = kd_fail(KD_ECUDA, "kd_moe_f32: %s", cudaGetErrorString(e));
+  cudaFree(dev);
+  free(start), free(host), free(wh);
+  return rc;
+}
