@@ -16,6 +16,7 @@ class Ops(ABC):
     """One backend's implementation of the model ops (float32 in, float32 out)."""
 
     name: str = "abstract"
+    has_head_linear: bool = False   # True where head_linear is a native op (K2Model then prefers it)
 
     @abstractmethod
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
@@ -31,6 +32,12 @@ class Ops(ABC):
         layer with .experts[e].{gate, up, down} and .shared (or None) -> f32[T, D] equal to K2Model's grouped
         path (acc = 0 + w_0 y_0 + ... + shared, each expert a row-wise linear); None = not available here."""
         return None
+
+    def head_linear(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        """Optional per-head linear out[t, h] = w[h] @ x[t, h] (x f32[T, H, in], w f32[H, out, in], out
+        f32[T, H, out], views with a contiguous last axis), row-wise like linear. Returns False (nothing written)
+        where the backend has none; K2Model then uses numpy's batched matmul."""
+        return False
 
     @abstractmethod
     def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -58,6 +58,8 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
                const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
                const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
                int64_t Is, int64_t k, void *stream);
+int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
+                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
 """
 
 _ffi = None
@@ -400,7 +402,12 @@ class NativeOps(Ops):
         ffi = self.lib.ffi
         self._c, self._null = self.lib.c, ffi.NULL
         self._fb_raw, self._f32a = ffi._backend.from_buffer, ffi.typeof("float[]")   # skips ffi's str parsing
-        self._i32a = ffi.typeof("int32_t[]")
+        self._i32a, self._u64a = ffi.typeof("int32_t[]"), ffi.typeof("uint64_t[]")
+        try:
+            self._head_linear = self._c.kd_head_linear_f32
+        except AttributeError:   # a library built before the op existed
+            self._head_linear = None
+        self.has_head_linear = self._host and self._head_linear is not None
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
@@ -476,6 +483,26 @@ class NativeOps(Ops):
             self.lib.check(rc, "kd_moe_f32")
         return out
 
+    def head_linear(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        """out[t, h] = w[h] @ x[t, h] (kd_head_linear_f32) on backend=cpu; False (nothing written) otherwise.
+        x f32[T, H, in] and out f32[T, H, out] may be views whose last axis is contiguous; w f32[H, out, in]."""
+        if not self._host or self._head_linear is None:
+            return False
+        T, H, n_in = x.shape
+        n_out = w.shape[1]
+        if (x.dtype != _F32 or out.dtype != _F32 or type(w) is not np.ndarray or w.dtype != _F32
+                or not w.flags.c_contiguous or w.shape != (H, n_out, n_in) or out.shape != (T, H, n_out)
+                or x.strides[2] != 4 or out.strides[2] != 4 or min(x.strides + out.strides) < 0
+                or any(s % 4 for s in x.strides + out.strides)):
+            return False
+        c = self.lib.ffi.cast
+        rc = self._head_linear(c("float *", x.__array_interface__["data"][0]), x.strides[0] // 4, x.strides[1] // 4,
+                               self._fb_raw(self._f32a, w, False), c("float *", out.__array_interface__["data"][0]),
+                               out.strides[0] // 4, out.strides[1] // 4, T, H, n_in, n_out, self._null)
+        if rc:
+            self.lib.check(rc, "kd_head_linear_f32")
+        return True
+
     def _build_moe_tables(self, layer: Any) -> Optional[Dict[str, Any]]:
         """Pointer tables of one MoE layer's expert weights (kept alive with the layer), or None when the fused op
         does not apply (a non-float32 weight, mismatched shapes, or a library without kd_moe_f32)."""
@@ -520,6 +547,23 @@ class NativeOps(Ops):
         return tab
 
     def mla_attention(self, q, kv, n_prefix, visibility, scale, kv_lora):
+        if self._host:
+            q, kv = np.ascontiguousarray(q, _F32), np.ascontiguousarray(kv, _F32)
+            vis = None if visibility is None else np.ascontiguousarray(visibility, np.uint64)
+            if q.ndim == 3 and kv.ndim == 2:
+                T, H, E = q.shape
+                L, n_prefix = int(kv_lora), int(n_prefix)
+                if (kv.shape == (n_prefix + T, E) and 0 <= L <= E
+                        and (vis is None or vis.shape == (T, (T + 63) // 64))):
+                    out = np.empty((T, H, L), _F32)
+                    fb, fa = self._fb_raw, self._f32a
+                    rc = self._c.kd_mla_attention(fb(fa, q, False), fb(fa, kv, False),
+                                                  self._null if vis is None else fb(self._u64a, vis, False),
+                                                  fb(fa, out, False), T, H, L, E - L, n_prefix, float(scale),
+                                                  self._null)
+                    if rc:
+                        self.lib.check(rc, "kd_mla_attention")
+                    return out
         vis = None if visibility is None else np.ascontiguousarray(visibility, np.uint64)
         return self.lib.mla_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(kv, np.float32),
                                       int(n_prefix), vis, scale, kv_lora)

@@ -60,6 +60,14 @@ class _Attn:
         kv_b = _dense(w(f"{p}.kv_b_proj.weight"), f"{p}.kv_b_proj.weight").reshape(self.heads, nope + v, L)
         self.w_uk = np.ascontiguousarray(kv_b[:, :nope, :])   # [H, nope, L]
         self.w_uv = np.ascontiguousarray(kv_b[:, nope:, :])   # [H, v, L]
+        self._w_uk_t: Optional[np.ndarray] = None
+
+    @property
+    def w_uk_t(self) -> np.ndarray:
+        """W_uk as per-head linear weights [H, L, nope], built on first use (backends with Ops.head_linear)."""
+        if self._w_uk_t is None:
+            self._w_uk_t = np.ascontiguousarray(self.w_uk.transpose(0, 2, 1))
+        return self._w_uk_t
 
 
 class _Mlp:
@@ -158,6 +166,8 @@ class K2Model:
             })
         self.rotary = RotaryTable(cfg)
         self.scale = softmax_scale(cfg)
+        # per-head linear for the absorbed q/o where the backend has a native one (backend=cpu)
+        self._head_linear = ops.head_linear if getattr(ops, "has_head_linear", False) else None
         # routing parameters as plain Python values: read per MoE layer per forward, and an OmegaConf lookup
         # costs more than the routing arithmetic of a few rows
         self._route_cfg = SimpleNamespace(
@@ -235,9 +245,15 @@ class K2Model:
         q_full[:, :, L:] = apply_rope(q[:, :, nope:], cos, sin)
         # absorbed q and o: one batched matmul over (t, h); numpy runs each (t, h) item as its own small
         # BLAS call of a fixed shape ([1, nope] @ [nope, L], [v, L] @ [L, 1]), so a row never depends on T
-        q_full[:, :, :L] = np.matmul(q[:, :, None, :nope], a.w_uk)[:, :, 0]  # W_uk[h]^T q_nope[h]: [T, H, L]
+        # (backend=cpu: one native per-head linear call each, over W_uk[h]^T and W_uv[h])
+        head_linear = self._head_linear
+        if head_linear is None or not head_linear(q[:, :, :nope], a.w_uk_t, q_full[:, :, :L]):
+            q_full[:, :, :L] = np.matmul(q[:, :, None, :nope], a.w_uk)[:, :, 0]  # W_uk[h]^T q_nope[h]: [T, H, L]
         o_lat = ops.mla_attention(q_full, kv[:n_prefix + T], n_prefix, visibility, self.scale, L)  # [T, H, L]
-        o = np.matmul(a.w_uv, o_lat[:, :, :, None]).reshape(T, -1)         # W_uv[h] o_lat[h]: [T, H*v]
+        o = np.empty((T, a.heads, a.w_uv.shape[1]), np.float32)
+        if head_linear is None or not head_linear(o_lat, a.w_uv, o):
+            o = np.matmul(a.w_uv, o_lat[:, :, :, None])                     # W_uv[h] o_lat[h]: [T, H, v]
+        o = o.reshape(T, -1)                                                # [T, H*v]
         out = ops.linear(o, a.o)                                            # [T, D]
         return self.all_reduce(out) if self.all_reduce else out
 

@@ -110,6 +110,12 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
                const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
                int64_t Is, int64_t k, void *stream);
 
+/* Per-head linear (the MLA absorb products): out[t, h, o] = sum_i w[h, o, i] x[t, h, i] for t < T, h < H, with
+ * kd_linear_f32's row arithmetic. Row (t, h) of x starts at x + t*xs_t + h*xs_h, of out at out + t*os_t + h*os_h
+ * (strides in floats; each row's n_in / n_out elements contiguous); w [H, n_out, n_in]. */
+int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
+                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -93,3 +93,18 @@ def test_avx2_and_portable_multirow_paths_agree_bitwise(tmp_path):
     assert a.files
     for k in a.files:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_head_linear_equals_linear_per_head_on_strided_views():
+    ops = native.NativeOps("cpu")
+    assert ops.has_head_linear
+    rng = np.random.default_rng(9)
+    for T, H, n_in, n_out in [(1, 8, 16, 32), (7, 3, 40, 9), (33, 8, 32, 16)]:
+        q = rng.standard_normal((T, H, n_in + 5), dtype=np.float32)            # a strided [T, H, n_in] view
+        w = rng.standard_normal((H, n_out, n_in), dtype=np.float32)
+        out = np.full((T, H, n_out + 3), np.nan, np.float32)
+        assert ops.head_linear(q[:, :, :n_in], w, out[:, :, :n_out])
+        for h in range(H):
+            np.testing.assert_array_equal(out[:, h, :n_out], ops.linear(np.ascontiguousarray(q[:, h, :n_in]), w[h]))
+        assert np.isnan(out[:, :, n_out:]).all()                               # nothing outside the view written
+        assert not ops.head_linear(q[:, :, :n_in].astype(np.float64), w, out[:, :, :n_out])

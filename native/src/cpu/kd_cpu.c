@@ -524,3 +524,30 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
   kd_clear_error();
   return KD_OK;
 }
+
+/* ---- per-head linear (MLA absorb: q_nope -> latent, latent -> v) -------------------------------------- */
+int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
+                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream) {
+  (void)stream;
+  kd_clear_error();
+  if (T < 0 || H < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_head_linear_f32: negative size");
+  if (T == 0 || H == 0 || n_out == 0) return KD_OK;
+  KD_CHECK_PTR("kd_head_linear_f32", x);
+  KD_CHECK_PTR("kd_head_linear_f32", w);
+  KD_CHECK_PTR("kd_head_linear_f32", out);
+  float r[4];
+  for (int64_t h = 0; h < H; h++) {
+    const float *wh = w + h * n_out * n_in;
+    for (int64_t t = 0; t < T; t++) {
+      const float *xr = x + t * xs_t + h * xs_h;
+      float *orow = out + t * os_t + h * os_h;
+      int64_t o = 0;
+      for (; o + 4 <= n_out; o += 4) {
+        kd_dot_4x1(wh + o * n_in, n_in, xr, n_in, r);
+        for (int j = 0; j < 4; j++) orow[o + j] = r[j];
+      }
+      for (; o < n_out; o++) orow[o] = kd_dot(wh + o * n_in, xr, n_in);
+    }
+  }
+  return KD_OK;
+}
