@@ -116,14 +116,14 @@ class DFlashDrafter:
         return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)
 
     # ---- forward ------------------------------------------------------------------------------------
-    def _kv(self, i: int, x: np.ndarray, positions: np.ndarray):
+    def _kv(self, i: int, x: np.ndarray, positions: np.ndarray, cos_sin=None):
         """x f32[T, D] -> roped k, v f32[T, Hkv, hd] of layer i."""
         a = f"layers.{i}.self_attn"
         T = x.shape[0]
         k = self._linear(x, self.w[f"{a}.k_proj.weight"]).reshape(T, self.hkv, self.hd)
         v = self._linear(x, self.w[f"{a}.v_proj.weight"]).reshape(T, self.hkv, self.hd)
         k = self.ops.rms_norm(k.reshape(T * self.hkv, self.hd), self.w[f"{a}.k_norm.weight"], self.eps)
-        cos, sin = rope_cos_sin(positions, self.hd, self.theta)
+        cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(positions, self.hd, self.theta)
         k = apply_rope_half(k.reshape(T, self.hkv, self.hd), cos, sin)
         return k.astype(np.float32), v.astype(np.float32)
 
@@ -161,16 +161,20 @@ class DFlashDrafter:
             q = self._linear(h, self.w[f"{a}.q_proj.weight"])            # [B, Hq*hd]
             q = self.ops.rms_norm(q.reshape(B * self.hq, self.hd), self.w[f"{a}.q_norm.weight"], self.eps)
             q = apply_rope_half(q.reshape(B, self.hq, self.hd), cos, sin)   # [B, Hq, hd]
-            kb, vb = self._kv(i, h, pos)                                    # [B, Hkv, hd]
+            kb, vb = self._kv(i, h, pos, (cos, sin))                        # [B, Hkv, hd]
             k = np.concatenate([cache.k[i][:n], kb], axis=0)                # [n+B, Hkv, hd]
             v = np.concatenate([cache.v[i][:n], vb], axis=0)
-            k = np.repeat(k, group, axis=1)                                 # [n+B, Hq, hd] (q head j -> kv head j // group)
-            v = np.repeat(v, group, axis=1)
-            s = np.einsum("thd,shd->hts", q, k) * scale                     # [Hq, B, n+B], non-causal
-            s = s - s.max(axis=-1, keepdims=True)
-            pr = np.exp(s)
-            pr /= pr.sum(axis=-1, keepdims=True)
-            o = np.einsum("hts,shd->thd", pr, v).reshape(B, self.hq * self.hd).astype(np.float32)
+            # q head j = kv * group + g reads kv head j // group: one batched matmul per kv head over its
+            # group's queries (no repeated k/v), non-causal
+            qg = q.reshape(B, self.hkv, group, self.hd).transpose(1, 2, 0, 3).reshape(self.hkv, group * B, self.hd)
+            s = np.matmul(qg, k.transpose(1, 2, 0))                         # [Hkv, group*B, n+B]
+            s *= np.float32(scale)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            o = np.matmul(s, v.transpose(1, 0, 2))                          # [Hkv, group*B, hd]
+            o = o.reshape(self.hkv, group, B, self.hd).transpose(2, 0, 1, 3).reshape(B, self.hq * self.hd)
+            o = np.ascontiguousarray(o, np.float32)
             x = x + self._linear(o, self.w[f"{a}.o_proj.weight"])
             h = self.ops.rms_norm(x, self.w[f"{p}.post_attention_layernorm.weight"], self.eps)
             g = self._linear(h, self.w[f"{p}.mlp.gate_proj.weight"])
