@@ -66,8 +66,8 @@ class NumpyOps(Ops):
         # x: [T, D]; per row r * (1 / sqrt(mean(r * r) + eps)) * w, the mean reduced along the last axis
         x = np.ascontiguousarray(x, np.float32)
         one = np.float32(1.0)
-        inv = one / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
-        return x * inv * w
+        ms = np.add.reduce(x * x, axis=-1, keepdims=True) / np.float32(x.shape[-1])   # row-wise pairwise sum
+        return x * (one / np.sqrt(ms + np.float32(eps))) * w
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         # gate, up: [T, I] -> gate / (1 + exp(-gate)) * up, element-wise

@@ -16,7 +16,7 @@ import numpy as np
 from kdtree.backends.base import Ops
 from kdtree.checkpoint.names import is_moe_layer
 from kdtree.errors import CheckpointError, ConfigError
-from kdtree.model.rope import RotaryTable, apply_rope, softmax_scale
+from kdtree.model.rope import RotaryTable, softmax_scale
 
 
 class LatentCache:
@@ -117,7 +117,7 @@ def route_rows(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, n
         np.put_along_axis(group_mask, top_groups, True, axis=1)
         choice = np.where(np.repeat(group_mask, groups.shape[2], axis=1), choice, np.float32(0.0))  # HF: 0.0
     experts = np.argsort(-choice, axis=1, kind="stable")[:, :k]
-    weights = np.take_along_axis(scores, experts, axis=1)
+    weights = scores[np.arange(scores.shape[0])[:, None], experts]
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
     weights = (weights * np.float32(cfg.routed_scaling_factor)).astype(np.float32)
@@ -128,6 +128,24 @@ def route(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.nda
     """Sigmoid noaux_tc routing of one token: scores f32[E] -> (experts i64[k], weights f32[k]) (route_rows)."""
     experts, weights = route_rows(cfg, np.asarray(scores, np.float32)[None, :], bias)
     return experts[0], weights[0]
+
+
+def rope_tables(cos: np.ndarray, sin: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """cos, sin f32[T, R/2] -> (C, S) f32[T, R] with C = (c0, c0, c1, c1, ..), S = (-s0, s0, -s1, s1, ..)."""
+    C = np.repeat(cos, 2, axis=1)
+    S = np.empty_like(C)
+    S[:, 0::2] = -sin
+    S[:, 1::2] = sin
+    return C, S
+
+
+def rope_apply(x: np.ndarray, C: np.ndarray, S: np.ndarray) -> np.ndarray:
+    """apply_rope (interleaved pairs) bit for bit, in four element-wise ops: x * C + swap_pairs(x) * S
+    (x1 * -s == -(x1 * s) and a + -b == a - b exactly). x f32[T, ..., R], tables from rope_tables."""
+    shape = (C.shape[0],) + (1,) * (x.ndim - 2) + (C.shape[1],)
+    R = x.shape[-1]
+    swapped = x.reshape(x.shape[:-1] + (R // 2, 2))[..., ::-1].reshape(x.shape)
+    return x * C.reshape(shape) + swapped * S.reshape(shape)
 
 
 class K2Model:
@@ -219,12 +237,13 @@ class K2Model:
             raise ValueError(f"visibility shape {np.shape(visibility)} != ({T}, {(T + 63) // 64})")
         want = set(hidden_layers)
         cos, sin = self.rotary.cos_sin(positions)                           # [T, R/2]
+        rot = rope_tables(cos, sin)                                         # [T, R] each, shared by the layers
         n_prefix = cache.length
         h = self.embed(tokens)                                              # [T, D]
         hiddens: Dict[int, np.ndarray] = {}
         for i, layer in enumerate(self.layers):
             x = self.ops.rms_norm(h, layer["in_norm"], self.eps)
-            h = h + self._attention(layer["attn"], x, cos, sin, cache.kv[i], n_prefix, visibility)
+            h = h + self._attention(layer["attn"], x, cos, sin, cache.kv[i], n_prefix, visibility, rot)
             x = self.ops.rms_norm(h, layer["post_norm"], self.eps)
             m = self._moe(layer["moe"], x) if layer["moe"] is not None else self._mlp(layer["mlp"], x)
             h = h + (self.all_reduce(m) if self.all_reduce else m)
@@ -234,15 +253,18 @@ class K2Model:
         return self.logits(h), hiddens
 
     def _attention(self, a: _Attn, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
-                   n_prefix: int, visibility: Optional[np.ndarray]) -> np.ndarray:
+                   n_prefix: int, visibility: Optional[np.ndarray],
+                   rot: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
+        if rot is None:
+            rot = rope_tables(cos, sin)
         ops, L, nope, T = self.ops, self.kv_lora, self.nope, x.shape[0]
         q = ops.linear(ops.rms_norm(ops.linear(x, a.q_a), a.q_a_norm, self.eps), a.q_b)
         q = q.reshape(T, a.heads, nope + self.rope_dim)                     # q: [T, H, nope+R]
         kv_a = ops.linear(x, a.kv_a)                                        # kv_a: [T, L+R]
         kv[n_prefix:n_prefix + T, :L] = ops.rms_norm(kv_a[:, :L], a.kv_a_norm, self.eps)
-        kv[n_prefix:n_prefix + T, L:] = apply_rope(kv_a[:, L:], cos, sin)   # k_pe shared by all heads
+        kv[n_prefix:n_prefix + T, L:] = rope_apply(kv_a[:, L:], *rot)       # k_pe shared by all heads
         q_full = np.empty((T, a.heads, L + self.rope_dim), np.float32)      # q_full: [T, H, L+R]
-        q_full[:, :, L:] = apply_rope(q[:, :, nope:], cos, sin)
+        q_full[:, :, L:] = rope_apply(q[:, :, nope:], *rot)
         # absorbed q and o: one batched matmul over (t, h); numpy runs each (t, h) item as its own small
         # BLAS call of a fixed shape ([1, nope] @ [nope, L], [v, L] @ [L, 1]), so a row never depends on T
         # (backend=cpu: one native per-head linear call each, over W_uk[h]^T and W_uv[h])

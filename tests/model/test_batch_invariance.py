@@ -116,3 +116,18 @@ def test_fused_moe_equals_grouped_path(k2_cfg, k2_weights):
         np.testing.assert_array_equal(h1[i], h2[i])
     one, _ = fused.forward(block[:1], pos[:1], fused.new_cache(8))
     np.testing.assert_array_equal(one[0], lg1[0])
+
+
+def test_rope_apply_equals_apply_rope_bitwise():
+    from kdtree.model.k2 import rope_apply, rope_tables
+    from kdtree.model.rope import apply_rope
+    rng = np.random.default_rng(5)
+    cos = rng.standard_normal((9, 4)).astype(np.float32)
+    sin = rng.standard_normal((9, 4)).astype(np.float32)
+    sin[0, 0] = 0.0
+    for shape in [(9, 8), (9, 3, 8)]:
+        x = (10 * rng.standard_normal(shape)).astype(np.float32)
+        x[0, ..., :2] = [0.0, -0.0]
+        np.testing.assert_array_equal(rope_apply(x, *rope_tables(cos, sin)), apply_rope(x, cos, sin))
+        view = np.concatenate([x, x], axis=-1)[..., 3:11]                  # a strided view
+        np.testing.assert_array_equal(rope_apply(view, *rope_tables(cos, sin)), apply_rope(view, cos, sin))
