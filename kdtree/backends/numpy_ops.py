@@ -81,15 +81,14 @@ class NumpyOps(Ops):
         T, H, _ = q.shape
         assert kv.shape[0] == n_prefix + T, (kv.shape, n_prefix, T)
         out = np.empty((T, H, kv_lora), np.float32)
-        prefix = np.arange(n_prefix)
-        vis = unpack_visibility(visibility, T) if visibility is not None else None
+        rows = None if visibility is None else self._key_rows(visibility, T, n_prefix)
         scale = np.float32(scale)
         kv = np.ascontiguousarray(kv, np.float32)
         for t in range(T):
-            if vis is None:
+            if rows is None:
                 keys = kv[:n_prefix + t + 1]                          # causal: the rows themselves, no copy
             else:
-                keys = kv[np.concatenate([prefix, n_prefix + np.flatnonzero(vis[t])])]  # [n, L+R], ascending
+                keys = kv[rows[t]]                                    # [n, L+R], ascending positions
             s = q[t] @ keys.T                                         # [H, n]
             s *= scale
             s -= s.max(axis=1, keepdims=True)
@@ -97,6 +96,22 @@ class NumpyOps(Ops):
             s /= s.sum(axis=1, keepdims=True)
             np.matmul(s, keys[:, :kv_lora], out=out[t])               # [H, L]
         return out
+
+    def _key_rows(self, visibility: np.ndarray, T: int, n_prefix: int):
+        """Per query row, its visible kv rows (cache, then visible block rows, ascending); the last block's
+        lists are reused by the next layers of the same forward (same visibility bytes and prefix)."""
+        vis = np.ascontiguousarray(visibility, dtype="<u8")
+        key = (T, n_prefix, vis.tobytes())
+        hit = self._rows_cache                                        # one read: safe across threads
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        mask = unpack_visibility(vis, T)
+        prefix = np.arange(n_prefix)
+        rows = [np.concatenate([prefix, n_prefix + np.flatnonzero(mask[t])]) for t in range(T)]
+        self._rows_cache = (key, rows)
+        return rows
+
+    _rows_cache = None
 
     def tree_build(self, logp, ids, budget):
         from kdtree.decode import tree
