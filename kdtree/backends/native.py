@@ -426,6 +426,19 @@ class NativeOps(Ops):
         if isinstance(w, np.ndarray):
             return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
         parts = _int4_parts(w)
+        if self._host and parts is not None:
+            packed, scale, n_in, group = parts
+            n_out = packed.shape[0]
+            if (x.ndim == 2 and x.shape[1] == n_in and group > 0 and packed.shape[1] == (n_in + 7) // 8
+                    and scale.shape == (n_out, (n_in + group - 1) // group)):
+                out = np.empty((x.shape[0], n_out), _F32)
+                fb = self._fb_raw
+                rc = self._c.kd_linear_w4a16(fb(self._f32a, x, False), fb(self._i32a, packed, False),
+                                             fb(self._f32a, scale, False), fb(self._f32a, out, False), x.shape[0],
+                                             n_in, n_out, group, self._null)
+                if rc:
+                    self.lib.check(rc, "kd_linear_w4a16")
+                return out
         if parts is None:
             raise NativeError(f"linear: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
                               f"Int4Weight")
