@@ -394,16 +394,9 @@ def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Opt
 
 
 def registry_entries(cfg) -> List[Dict[str, Any]]:
-    path = cache_dir(cfg) / REGISTRY
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    from kdtree.pipeline.events import read_jsonl
+
+    return read_jsonl(cache_dir(cfg) / REGISTRY)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,12 @@ def format_event(event: Dict[str, Any]) -> str:
 
 def read_events(run_dir: Path) -> List[Dict[str, Any]]:
     """All events of a run, in file order (lines that are not JSON are skipped)."""
-    path = Path(run_dir) / EVENTS_FILE
+    return read_jsonl(Path(run_dir) / EVENTS_FILE)
+
+
+def read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    """One dict per JSON line of `path` ([] when it does not exist; torn or foreign lines are skipped)."""
+    path = Path(path)
     if not path.exists():
         return []
     out = []
