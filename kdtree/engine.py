@@ -8,7 +8,6 @@ Stages (load, generate, warmup, serve, bench) share one Engine through ctx.state
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +18,11 @@ from kdtree.errors import ConfigError
 
 
 def cache_dir(cfg) -> Path:
-    """Where generated checkpoints and cold-start history live: cache_dir, $KDTREE_CACHE or ~/.cache/kdtree."""
-    d = cfg.get("cache_dir", "") or os.environ.get("KDTREE_CACHE", "") or "~/.cache/kdtree"
-    return Path(d).expanduser()
+    """Where generated checkpoints, the engine registry and cold-start history live:
+    cache_dir, else $KDTREE_CACHE, else ~/.cache/kdtree."""
+    from kdtree.checkpoint.tiny import cache_root
+
+    return cache_root((cfg.get("cache_dir") if hasattr(cfg, "get") else "") or "")
 
 
 def resolve_checkpoint(cfg) -> Path:

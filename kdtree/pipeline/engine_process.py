@@ -374,10 +374,9 @@ REGISTRY = "engines.jsonl"
 
 
 def cache_dir(cfg) -> Path:
-    """cache_dir, else $KDTREE_CACHE, else ~/.cache/kdtree (the same rule as the checkpoint cache)."""
-    from kdtree.checkpoint.tiny import cache_root
+    from kdtree.engine import cache_dir as engine_cache_dir  # one rule for every cache user
 
-    return cache_root((cfg.get("cache_dir") if hasattr(cfg, "get") else "") or "")
+    return engine_cache_dir(cfg)
 
 
 def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Optional[int]) -> None:
