@@ -139,8 +139,9 @@ class DFlashDrafter:
                               f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
         ctx = self.ops.rms_norm(self._linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
         pos = np.arange(n, n + T)
+        cos_sin = rope_cos_sin(pos, self.hd, self.theta)
         for i in range(self.num_layers):
-            k, v = self._kv(i, ctx, pos)
+            k, v = self._kv(i, ctx, pos, cos_sin)
             cache.k[i][n:n + T] = k
             cache.v[i][n:n + T] = v
         cache.length = n + T
