@@ -10,6 +10,7 @@ kdtree/assets/tiny was made by this code (its TRAINING.md has the exact commands
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def run(ctx, target_steps: int = 600, drafter_steps: int = 1500, batch: int = 16
 
     from kdtree.train import loop
     from kdtree.train.data import Corpus
-    from kdtree.train.export import write_assets
+    from kdtree.train.export import training_md, write_assets
 
     torch.set_num_threads(threads)
     cfg = ctx.cfg.model
@@ -58,7 +59,10 @@ def run(ctx, target_steps: int = 600, drafter_steps: int = 1500, batch: int = 16
         from kdtree.train.evaluate import evaluate, heldout_prompts, load_engine
         model, drafter = load_engine(out_dir, cfg)
         ev = evaluate(model, drafter, heldout_prompts(eval_prompts, 64, seed), eval_new, log=log)
+        info["eval"] = ev
         summary["acceptance"] = {f"{r['kind']}-w{r['width']}-b{r['budget']}": r["mean_acceptance"] for r in ev["shapes"]}
         summary["equal_to_ar"] = all(r["equal_to_ar"] for r in ev["shapes"])
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    (out_dir / "TRAINING.md").write_text(training_md(info, "python -m kdtree.run pipeline=train_tiny"))
     ctx.emit("train_tiny_done", **{k: v for k, v in summary.items() if not isinstance(v, dict)})
     return summary

@@ -43,6 +43,52 @@ def write_assets(cfg, target: Mapping[str, np.ndarray], drafter: Mapping[str, np
     return out
 
 
+def training_md(info: dict, commands: str = "") -> str:
+    """TRAINING.md: what was trained on what, with which settings, reaching which losses and acceptance."""
+    t, d, ev = info["target"], info["drafter"], info.get("eval")
+    c = t["corpus"]
+    held = [r["file"] for r in c["files"] if r["heldout"]]
+    L = ["# The trained tiny K2 checkpoint", "",
+         "Target: the tiny K2 (DeepSeek-V3 architecture, conf/model/tiny.yaml) trained as a byte-level LM;",
+         "drafter: its DFlash block drafter distilled on the target's own greedy continuations.",
+         "Code: kdtree/train/ (torch, CPU). Weights fp32, tensor names of kdtree/checkpoint/names.py.", "",
+         "## Data", "",
+         f"* {c['source']}; Python {c['python']} ({c['stdlib']}), {c['n_files']} files, each as",
+         "  bos(256) + utf-8 bytes + eos(257)" + (f", at most {c['max_bytes_per_file']} bytes per file" if c.get("max_bytes_per_file") else "") + ".",
+         f"* corpus sha256 (over name + NUL + bytes of every file, in order): `{c['corpus_sha256']}`",
+         f"* held out ({c['heldout_rule']}): {len(held)} files, {c['heldout_tokens']} tokens: {', '.join(held)}",
+         f"* train: {c['train_tokens']} tokens. Per-file sizes and sha256: training.json (target.corpus.files).", "",
+         "## Target", "",
+         f"* args: `{json.dumps(t.get('args', info.get('params', {})))}`",
+         f"* steps done: {t['steps_done']}; router bias: aux-loss-free balancing (bias += 1e-3 * sign(mean load - load)",
+         "  after every step; the bias gets no gradient); expert loads of the last batch: "
+         f"{t.get('last_expert_load')}", "",
+         "| step | train loss (nats/byte) | ema | held-out loss | seconds |", "|---|---|---|---|---|"]
+    L += [f"| {h['step']} | {h['train_loss']} | {h['train_loss_ema']} | {h['heldout_loss']} | {h['seconds']} |"
+          for h in t["history"]]
+    L += ["", "## Drafter", "",
+          f"* args: `{json.dumps(d.get('args', {}))}`",
+          f"* greedy data: `{json.dumps(d.get('greedy_args', {}))}`",
+          "* objective: for anchors a in the greedy continuation, block [tok[a], MASK x 7] over the target",
+          "  hiddens (layers target_layer_ids) of rows < a predicts tok[a+1..a+7]; CE weighted exp(-(j-1)/decay).",
+          "* acc@j / chain = top-1 accuracy per depth and expected chain acceptance on held-out greedy data.",
+          f"* steps done: {d['steps_done']}", "",
+          "| step | loss | ema | chain acceptance | acc per depth | seconds |", "|---|---|---|---|---|---|"]
+    L += [f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
+          f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]
+    if ev:
+        from kdtree.train.evaluate import table
+        L += ["", "## Acceptance (numpy engine, held-out prompts)", "",
+              f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
+              f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
+              table(ev), "", f"Command: `{ev.get('command', '')}`", "",
+              "Sample greedy continuations (AR):", ""]
+        L += ["```", *[repr(s) for s in ev.get("ar_samples", [])], "```"]
+    if commands:
+        L += ["", "## Commands", "", "```", commands.strip(), "```"]
+    return "\n".join(L) + "\n"
+
+
 def export_assets(cfg, work: Path, out: Path) -> Path:
     """From a `python -m kdtree.train.run` work dir (target/drafter .safetensors + .json)."""
     from kdtree.train.run import load_tensors
@@ -52,5 +98,6 @@ def export_assets(cfg, work: Path, out: Path) -> Path:
     d = json.loads((work / "drafter.json").read_text())
     ev = json.loads((work / "eval.json").read_text()) if (work / "eval.json").exists() else None
     info = {"target": t, "drafter": d, "eval": ev}
+    cmds = (work / "COMMANDS").read_text() if (work / "COMMANDS").exists() else ""
     return write_assets(cfg, load_tensors(work / "target.safetensors"), load_tensors(work / "drafter.safetensors"),
-                        out, info)
+                        out, info, training_md(info, cmds))

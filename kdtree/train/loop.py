@@ -57,7 +57,7 @@ def eval_target(model: K2Torch, corpus: Corpus, n: int = 16, seq_len: int = 128,
 def train_target(cfg, corpus: Corpus, steps: int, batch: int = 16, seq_len: int = 256, lr: float = 3e-3,
                  warmup: int = 50, weight_decay: float = 0.01, bias_gamma: float = 1e-3, seed: int = 0,
                  log: Log = print, eval_every: int = 100, time_limit_s: Optional[float] = None,
-                 init: Optional[Dict[str, np.ndarray]] = None) -> Dict:
+                 init: Optional[Dict[str, np.ndarray]] = None, stop_after: Optional[int] = None) -> Dict:
     torch.manual_seed(seed)
     model = K2Torch(cfg, init if init is not None else init_target(cfg, seed))
     params = [p for p in model.parameters()]
@@ -85,7 +85,8 @@ def train_target(cfg, corpus: Corpus, steps: int, batch: int = 16, seq_len: int 
             model.update_router_bias(bias_gamma)
         lv = float(loss.detach())
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
-        last = step + 1 == steps or (time_limit_s is not None and time.perf_counter() - t0 > time_limit_s)
+        last = step + 1 == steps or (time_limit_s is not None and time.perf_counter() - t0 > time_limit_s) \
+            or (stop_after is not None and step + 1 >= stop_after)
         if (step + 1) % eval_every == 0 or last or step == 0:
             ev = eval_target(model, corpus, seq_len=min(seq_len, 128))
             rec = {"step": step + 1, "train_loss": round(lv, 4), "train_loss_ema": round(ema, 4),
@@ -101,7 +102,7 @@ def train_target(cfg, corpus: Corpus, steps: int, batch: int = 16, seq_len: int 
 
 @torch.no_grad()
 def greedy_set(model: K2Torch, corpus: Corpus, n_prompts: int, prompt_lens: List[int], n_new: int, seed: int,
-               split: str = "train", chunk: int = 32, log: Log = print) -> List[Dict]:
+               split: str = "train", chunk: int = 64, log: Log = print) -> List[Dict]:
     """[{prompt_len, tokens i64[n, P + n_new]}] — prompts and the target's greedy continuations."""
     model.eval()
     rng = np.random.default_rng(seed)

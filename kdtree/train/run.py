@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (schedule of --steps)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--n-prompts", type=int, default=768)
     ap.add_argument("--prompt-lens", default="16,32,64,128")
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     if a.phase == "target":
         corpus = Corpus()
         r = loop.train_target(cfg, corpus, a.steps, a.batch, a.seq_len, a.lr, seed=a.seed, log=log,
-                              eval_every=a.eval_every, time_limit_s=a.time_limit)
+                              eval_every=a.eval_every, time_limit_s=a.time_limit, stop_after=a.stop_after)
         save_tensors(work / "target.safetensors", r["model"].export())
         (work / "target.json").write_text(json.dumps({
             "args": vars(a), "steps_done": r["steps"], "seconds": round(r["seconds"], 1), "history": r["history"],

@@ -72,3 +72,4 @@ def test_stage_writes_loadable_checkpoint(cfg, tmp_path):
     assert set(tw) == set(target_tensor_shapes(cfg)) and set(dw) == set(drafter_tensor_shapes(cfg))
     assert out["equal_to_ar"] is True
     assert json.loads((ck / "training.json").read_text())["target"]["corpus"]["corpus_sha256"]
+    assert "| ddtree |" in (ck / "TRAINING.md").read_text()
