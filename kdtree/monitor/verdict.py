@@ -104,14 +104,17 @@ class Judge:
         self.prev_t: Optional[float] = None
         self.unreachable_since: Optional[float] = None
 
-    def judge(self, probes: Dict[str, Any], now: float) -> Judgement:
+    def judge(self, probes: Dict[str, Any], now: float, seen_at: Optional[float] = None) -> Judgement:
+        """`now`: the sample's end; `seen_at`: its start, when the probes went out (default `now`). A move is
+        timed at seen_at: the counters were read then, and a sample can last seconds (ssh round trips, a frozen
+        server's curl waiting for its timeout), which would otherwise push STALLED up to a sample late."""
         signals = progress_signals(probes)
         moved = moved_signals(self.prev, signals, now - self.prev_t) if self.prev_t is not None else []
         self.prev, self.prev_t = signals, now
         if moved:
-            self.last_progress = now
+            self.last_progress = max(self.last_progress, now if seen_at is None else seen_at)
             self.deadline_at = max(self.deadline_at, now + self.window)
-        quiet = now - self.last_progress
+        quiet = 0.0 if moved else now - self.last_progress      # a sample that saw a move is never STALLED
 
         comp = probes.get("completion")
         if comp is not None and comp.ok and comp.data.get("answered"):

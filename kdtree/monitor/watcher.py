@@ -140,14 +140,14 @@ class Watcher:
         snap = st.data.get("status") if st is not None and st.ok else None
         if isinstance(snap, dict):
             self._last_status = snap
-        j = judge.judge(probes, now)
+        j = judge.judge(probes, now, seen_at=t_probe)
         comp = probes["completion"]
         if comp.ok and comp.data.get("port") == "open":
             self._observed.setdefault("port_open", elapsed)
         if j.verdict == "READY":
             self._observed.setdefault("ready", elapsed)
 
-        eta = self._eta(probes, snap, t_probe)
+        eta = self._eta(probes, snap, t_probe, now)
         line = self._line(elapsed, j, probes, snap, eta, now)
         sample = {"t": round(elapsed, 3), "started_at": started_at, "at": time.time(), "verdict": j.verdict, "reason": j.reason,
                   "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
@@ -160,8 +160,11 @@ class Watcher:
         self._prev_t = now
         return sample
 
-    def _eta(self, probes, snap, t: float) -> Optional[Dict[str, Any]]:
-        """Load ETA from kdtree's status bytes, else from the process's read bytes vs the checkpoint size."""
+    def _eta(self, probes, snap, t: float, now: float) -> Optional[Dict[str, Any]]:
+        """Load ETA from kdtree's status bytes, else from the process's read bytes vs the checkpoint size.
+
+        The bytes were read when their probe returned (t + its seconds), the ETA is printed at `now`: over ssh a
+        probe and a sample take ~1 s, which would otherwise time the bytes and the ETA a sample early."""
         done = total = None
         source = None
         if isinstance(snap, dict) and snap.get("phase") == "loading" and snap.get("bytes_total"):
@@ -175,9 +178,11 @@ class Watcher:
                     self._checkpoint_total, "process"
         if done is None:
             return None
-        self.meter.add(t, done)
+        t_read = t + probes[source].seconds
+        self.meter.add(t_read, done)
         rate = self.meter.rate()
         e = eta_seconds(done, total, rate)
+        e = None if e is None else max(0.0, e - (now - t_read))
         return {"source": source, "bytes_done": done, "bytes_total": total,
                 "rate_mb_s": None if rate is None else round(rate / 1e6, 3),
                 "eta_s": None if e is None else round(e, 1)}

@@ -21,11 +21,56 @@ def _env(cache, runs):
     return dict(os.environ, KDTREE_CACHE=str(cache), KDTREE_RUNS=str(runs))
 
 
-def launch(cache, run_dir: Path, *overrides: str) -> subprocess.Popen:
-    """kdtree's serve pipeline (load -> warmup -> serve + health_poll), returning when health_poll settles."""
+HOST_KEYS = ("name", "kind", "address", "user", "port", "key_file", "known_hosts", "workdir", "python", "supervisor",
+             "connect_timeout_s", "command_timeout_s")
+
+
+@pytest.fixture(params=["local", "ssh"])
+def host_cfg(request) -> dict:
+    """Where the pipeline runs the engine: this machine, or the fixture sshd (engine under its session, every
+    probe of health_poll through that ssh connection)."""
+    if request.param == "local":
+        return {"name": "local", "kind": "local"}
+    return {k: v for k, v in request.getfixturevalue("sshd").items() if k in HOST_KEYS}
+
+
+def host_overrides(host_cfg: dict) -> list:
+    return [] if host_cfg["kind"] == "local" else [f"host.{k}={v}" for k, v in host_cfg.items()]
+
+
+def operator_signal(host_cfg: dict, pid: int, sig: signal.Signals) -> float:
+    """`kill -SIG pid` as an operator would on that host (for ssh: a command through the host connection);
+    the wall time just after it was delivered."""
+    from kdtree.hosts import connect
+
+    host = connect(host_cfg)
+    try:
+        assert host.signal(pid, sig, group=False), f"kill -{sig.name[3:]} {pid} on {host.label} failed"
+        return time.time()
+    finally:
+        host.close()
+
+
+def assert_ran_on(host_cfg: dict, run_dir: Path, health: dict) -> None:
+    """The engine ran where host_cfg says, and the monitor probed it through that host."""
+    from kdtree.pipeline.events import read_events
+
+    start = next(e for e in read_events(run_dir) if e.get("kind") == "engine_start")
+    if host_cfg["kind"] == "ssh":
+        assert start["ssh"].split()[-1] == str(host_cfg["port"]), start      # the engine's sshd session
+        assert health["host"] == f"{host_cfg['user']}@127.0.0.1:{host_cfg['port']}"
+    else:
+        assert start["ssh"] == os.environ.get("SSH_CONNECTION", ""), start      # no sshd in between
+        assert health["host"] == "local"
+
+
+def launch(cache, run_dir: Path, host_cfg: dict, *overrides: str) -> subprocess.Popen:
+    """kdtree's serve pipeline (load -> warmup -> serve + health_poll) on `host_cfg`, returning when health_poll
+    settles."""
     out = open(run_dir.parent / f"{run_dir.name}.out", "w")
     return subprocess.Popen([sys.executable, "-m", "kdtree.run", "load.progress=false", "tree=ar", "serve.port=0",
-                             "serve.detach=true", "stop.timeout_s=1", f"hydra.run.dir={run_dir}", *overrides],
+                             "serve.detach=true", "stop.timeout_s=1", f"hydra.run.dir={run_dir}",
+                             *host_overrides(host_cfg), *overrides],
                             cwd=REPO, env=_env(cache, run_dir.parent), stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -64,20 +109,25 @@ def output(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.out").read_text()
 
 
-def test_throttled_load_is_progressing_with_rate_and_eta_then_ready_within_one_interval(tmp_path, kdtree_cache):
+def test_throttled_load_is_progressing_with_rate_and_eta_then_ready_within_one_interval(tmp_path, kdtree_cache,
+                                                                                         host_cfg):
     run_dir = tmp_path / "slow"
-    proc = launch(kdtree_cache, run_dir, "load.throttle_mb_s=1", "health.interval_s=0.5", "health.stall_window_s=10")
+    proc = launch(kdtree_cache, run_dir, host_cfg, "load.throttle_mb_s=1", "health.interval_s=0.5",
+                  "health.stall_window_s=10")
     health = finish(proc, run_dir)
     assert proc.returncode == 0, output(run_dir)[-3000:]
     assert health["verdict"] == "READY"
+    assert_ran_on(host_cfg, run_dir, health)
     verdicts = [s["verdict"] for s in health["samples"]]
     assert set(verdicts[:-1]) == {"PROGRESSING"} and verdicts[-1] == "READY", verdicts
     loading = [s for s in health["samples"] if (s.get("status") or {}).get("phase") == "loading"
                and s["status"].get("bytes_total")]
-    assert len(loading) >= 8
+    # 12.5 MB at 1 MB/s: a sample every 0.5 s locally; through ssh the probes take ~1 s (each one an ssh session
+    # whose login shell reads its rc files), so samples run back to back: still >= 8 of them during the load
+    assert len(loading) >= 8, [s["line"] for s in health["samples"]]
     assert any("MB/s" in s["line"] and "ETA" in s["line"] for s in loading)
     st = json.loads((run_dir / "status.json").read_text())
-    load_end = st["phases"]["warmup"]["started_at"]          # loading left for warm-up (same clock: local host)
+    load_end = st["phases"]["warmup"]["started_at"]  # loading left for warm-up (same clock: sshd is on this machine)
     # the ETA printed half-way through the load, against when the load actually finished
     total = loading[0]["status"]["bytes_total"]
     mid = [s for s in loading if s["eta"] and s["eta"]["eta_s"] is not None
@@ -96,40 +146,50 @@ def test_throttled_load_is_progressing_with_rate_and_eta_then_ready_within_one_i
     assert any(m.startswith("model is not ready: loading") for m in msgs)
 
 
-def test_frozen_engine_is_stalled_within_its_window(tmp_path, kdtree_cache):
+def test_frozen_engine_is_stalled_within_its_window(tmp_path, kdtree_cache, host_cfg):
     run_dir = tmp_path / "frozen"
     window = 4.0
-    proc = launch(kdtree_cache, run_dir, "load.throttle_mb_s=0.5", "health.interval_s=0.5",
+    proc = launch(kdtree_cache, run_dir, host_cfg, "load.throttle_mb_s=0.5", "health.interval_s=0.5",
                   f"health.stall_window_s={window}", "health.probe_timeout_s=1.5")
     pid = wait_loading(run_dir, min_bytes=256 * 1024)
     time.sleep(1.0)
-    os.kill(pid, signal.SIGSTOP)
-    t_stop = time.time()
+    t_stop = operator_signal(host_cfg, pid, signal.SIGSTOP)
     health = finish(proc, run_dir)
-    assert proc.returncode == 1
+    assert proc.returncode == 1, output(run_dir)[-3000:]
     assert health["verdict"] == "STALLED", health["reason"]
+    assert_ran_on(host_cfg, run_dir, health)
     before = [s for s in health["samples"] if s["at"] < t_stop]
     assert before and all(s["verdict"] == "PROGRESSING" for s in before)
     stalled = health["samples"][-1]
-    # the window counts from the last movement (<= one interval before the stop); then one sample (<= probe timeout)
-    assert stalled["at"] - t_stop <= window + 0.5 + 1.5 + 2.0, stalled["line"]
+    # nothing moves after the stop: the last move is seen at the latest by the first sample that started after it,
+    # the window counts from that sample's start, and STALLED comes with the first sample that ends past it
+    first_after = next(s for s in health["samples"] if s["started_at"] >= t_stop)
+    assert stalled["at"] - first_after["started_at"] <= window + 0.5 + (stalled["at"] - stalled["started_at"]) + 0.1
+    # overall: the sample in flight at the stop + one interval, the window, then one sample (<= probe timeout); each
+    # of the two samples + one host round trip (what a bare `cat /proc/diskstats` took there: ~0 locally, ~1 s ssh)
+    rtt = max(s["probes"]["disk"]["seconds"] for s in health["samples"])
+    assert stalled["at"] - t_stop <= window + 0.5 + 1.5 + 2.0 + 2 * rtt, (stalled["line"], rtt)
     assert f"pid {pid} T" in stalled["line"] and "nothing moved" in stalled["reason"]
     assert "STALLED" in output(run_dir)
 
 
-def test_killed_engine_is_crashed_at_the_next_sample(tmp_path, kdtree_cache):
+def test_killed_engine_is_crashed_at_the_next_sample(tmp_path, kdtree_cache, host_cfg):
     run_dir = tmp_path / "killed"
-    proc = launch(kdtree_cache, run_dir, "load.throttle_mb_s=0.5", "health.interval_s=0.5", "health.stall_window_s=30")
+    proc = launch(kdtree_cache, run_dir, host_cfg, "load.throttle_mb_s=0.5", "health.interval_s=0.5",
+                  "health.stall_window_s=30")
     pid = wait_loading(run_dir)
-    os.kill(pid, signal.SIGKILL)
-    t_kill = time.time()
+    t_kill = operator_signal(host_cfg, pid, signal.SIGKILL)
     health = finish(proc, run_dir)
-    assert proc.returncode == 1
-    assert health["verdict"] == "CRASHED" and f"engine pid {pid}" in health["reason"]
+    assert proc.returncode == 1, output(run_dir)[-3000:]
+    assert health["verdict"] == "CRASHED" and f"engine pid {pid}" in health["reason"], health["reason"]
+    assert_ran_on(host_cfg, run_dir, health)
     assert all(s["verdict"] == "PROGRESSING" for s in health["samples"] if s["at"] < t_kill)
-    # the sample in flight at the kill, or the next one (<= one interval later), says CRASHED within 2 s
-    crashed = next(s for s in health["samples"] if s["at"] > t_kill)
+    # the sample in flight at the kill (unless it read /proc just before the kill landed: then PROGRESSING), or
+    # else the next one (<= one interval later), says CRASHED within 2 s
+    after = [s for s in health["samples"] if s["at"] > t_kill]
+    crashed = after[-1]
     assert crashed["verdict"] == "CRASHED" and crashed is health["samples"][-1]
+    assert len(after) <= 2 and all(s["started_at"] < t_kill for s in after[:-1]), [s["line"] for s in after]
     assert "; log: " in crashed["reason"]
     assert crashed["at"] - max(crashed["started_at"], t_kill) <= 2.0
 

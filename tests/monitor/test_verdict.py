@@ -28,6 +28,22 @@ def test_moving_bytes_is_progressing_and_silence_is_stalled_after_the_window():
     assert v.verdict == "STALLED" and v.terminal and "nothing moved for 10 s" in v.reason
 
 
+
+def test_a_move_is_timed_when_the_probes_read_it_not_when_a_slow_sample_ended():
+    """Over ssh (or with curl waiting on a frozen server) a sample lasts seconds: the window counts from the
+    start of the sample that saw the last move, and a sample that saw a move is never STALLED."""
+    j = Judge(stall_window_s=4, deadline_s=600, now=0.0)
+    j.judge(loading(10), 1.0, seen_at=0.0)
+    v = j.judge(loading(20), 6.0, seen_at=3.0)       # a 3 s sample that saw bytes move: not quiet, not STALLED
+    assert v.verdict == "PROGRESSING" and v.quiet_s == 0.0 and v.moved
+    v = j.judge(loading(20), 6.9, seen_at=6.0)
+    assert v.verdict == "PROGRESSING" and abs(v.quiet_s - 3.9) < 1e-9
+    v = j.judge(loading(20), 7.0, seen_at=6.9)       # 4 s after the moving sample started, not after it ended
+    assert v.verdict == "STALLED" and v.terminal
+    slow = Judge(stall_window_s=2, deadline_s=600, now=0.0)
+    slow.judge(loading(10), 0.5, seen_at=0.0)
+    assert slow.judge(loading(20), 5.0, seen_at=0.5).verdict == "PROGRESSING"   # a sample > the window
+
 def test_the_monitors_own_probes_do_not_count_as_progress():
     """Answering the probes costs the server a few ms of CPU: below the floor, so a hung load still stalls."""
     assert moved_signals({"process.cpu_s": 1.0}, {"process.cpu_s": 1.01}, dt=1.0) == []
