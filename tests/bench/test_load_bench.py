@@ -43,6 +43,10 @@ def test_stage_writes_bench_load_json_and_reuses_its_checkpoint(cache, tmp_path)
     assert abs(saved["bytes"] - GB * 1e9) < 0.15 * GB * 1e9
     assert saved["loader_mb_s"] > 0 and saved["plain_read_mb_s"] > 0
     assert saved["ratio"] == pytest.approx(saved["loader_mb_s"] / saved["plain_read_mb_s"])
+    if saved["cold"]:  # root: the page cache was dropped before each cold read
+        assert saved["cold_ratio"] == pytest.approx(saved["cold_loader_mb_s"] / saved["cold_plain_read_mb_s"])
+    else:
+        assert "drop the page cache" in saved["cold_skipped"]
     ckpt = saved["checkpoint"]
     stamp = {p: p.stat().st_mtime_ns for p in Path(ckpt).iterdir()}
     again = bench_load.run(ctx_for(cache, tmp_path / "b", []), gb=GB, repeats=1)
