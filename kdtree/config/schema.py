@@ -42,6 +42,7 @@ class ModelConfig:
     name: str = MISSING
     path: str = ""
     tokenizer: str = "byte"
+    init: str = "trained"  # embedded tiny only: trained (kdtree/assets/tiny) | random (seeded, generated)
     seed: int = 0
     vocab_size: int = MISSING
     hidden_size: int = MISSING

@@ -10,8 +10,10 @@ from kdtree.config.schema import ModelConfig, QuantConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def model_cfg(name: str = "tiny"):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / f"conf/model/{name}.yaml"))
+def model_cfg(name: str = "tiny", init: str = "random"):
+    """The model config; tiny defaults to init=random here (checkpoint tests exercise the seeded generator)."""
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / f"conf/model/{name}.yaml"),
+                           {"init": init})
 
 
 def quant_cfg(name: str = "fp32"):

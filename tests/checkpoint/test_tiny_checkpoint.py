@@ -96,3 +96,35 @@ def test_int4_tiny_checkpoint_loads_packed_experts(tmp_path, cfg):
     assert stats.bytes_read < sum(a.nbytes for a in ref.values()) / 2
     dw, _ = load_drafter(d, cfg, q)
     assert all(isinstance(v, np.ndarray) for v in dw.values())
+
+
+def test_default_tiny_is_the_shipped_trained_checkpoint(tmp_path, fp32):
+    from kdtree.checkpoint.tiny import ASSETS
+
+    trained = model_cfg("tiny", init="trained")
+    assert ensure_tiny_checkpoint(trained, fp32, str(tmp_path)) == ASSETS
+    assert not (tmp_path / "checkpoints").exists()          # nothing generated
+    w, _ = load_checkpoint(ASSETS, trained, fp32)
+    ref = init_weights(target_tensor_shapes(trained), trained.seed)
+    assert not np.array_equal(w["lm_head.weight"], ref["lm_head.weight"])   # trained, not the seeded init
+
+
+def test_trained_int4_is_quantized_from_the_shipped_checkpoint_once(tmp_path):
+    if not int4_available():
+        pytest.skip("kdtree.quant.int4 not importable")
+    from kdtree.quant.int4 import Int4Weight
+
+    trained = model_cfg("tiny", init="trained")
+    d = ensure_tiny_checkpoint(trained, quant_cfg("int4_w4a16"), str(tmp_path))
+    assert "-trained-" in d.name and d.parent == tmp_path / "checkpoints"
+    w, _ = load_checkpoint(d, trained, quant_cfg("int4_w4a16"))
+    assert isinstance(w["model.layers.1.mlp.experts.0.down_proj.weight"], Int4Weight)
+    assert ensure_tiny_checkpoint(trained, quant_cfg("int4_w4a16"), str(tmp_path)) == d
+
+
+def test_another_architecture_gets_seeded_weights_not_the_shipped_ones(tmp_path, fp32):
+    other = model_cfg("tiny", init="trained")
+    other.num_hidden_layers = 3
+    other.drafter.target_layer_ids = [1, 2]
+    d = ensure_tiny_checkpoint(other, fp32, str(tmp_path))
+    assert d.parent == tmp_path / "checkpoints" and json.loads((d / "config.json").read_text())["num_hidden_layers"] == 3

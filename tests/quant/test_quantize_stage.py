@@ -55,5 +55,7 @@ def test_stage_needs_int4_quant(fp32_checkpoint, tmp_path):
 def test_tiny_model_without_path_quantizes_the_embedded_checkpoint(tmp_path):
     cfg = _compose("quant=int4_w4a16", f"cache_dir={tmp_path / 'cache'}")
     out = quantize.run(StageContext(cfg=cfg, run_dir=tmp_path / "run"), src="", dst=str(tmp_path / "out"))
-    assert Path(out["src"]).parent == tmp_path / "cache" / "checkpoints" and "fp32" in Path(out["src"]).name
+    from kdtree.checkpoint.tiny import ASSETS
+
+    assert Path(out["src"]) == ASSETS                                       # the shipped trained fp32 checkpoint
     assert out["quantized_modules"] == 3 * 8 * 3                           # 3 MoE layers x 8 experts x 3 projections
