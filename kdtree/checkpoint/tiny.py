@@ -107,18 +107,23 @@ def _assets_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_tiny_checkpoint(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
-    """Path of the tiny checkpoint for (model_cfg, quant_cfg), generating it on first use."""
+def tiny_checkpoint_path(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
+    """Where the tiny checkpoint of (model_cfg, quant_cfg) is or will be; nothing is generated."""
     method = plain(quant_cfg)["method"] if quant_cfg is not None else "fp32"
     trained = trained_tiny(model_cfg)
     if trained is not None and method == "fp32":
         return trained
-    root = cache_root(cache_dir) / "checkpoints"
-    final = root / checkpoint_key(model_cfg, quant_cfg)
-    if trained is not None:
-        final = root / f"{final.name}-trained-{_assets_digest()}"
+    final = cache_root(cache_dir) / "checkpoints" / checkpoint_key(model_cfg, quant_cfg)
+    return final.with_name(f"{final.name}-trained-{_assets_digest()}") if trained is not None else final
+
+
+def ensure_tiny_checkpoint(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
+    """Path of the tiny checkpoint for (model_cfg, quant_cfg), generating it on first use."""
+    final = tiny_checkpoint_path(model_cfg, quant_cfg, cache_dir)
     if final.is_dir():
         return final
+    method = plain(quant_cfg)["method"] if quant_cfg is not None else "fp32"
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

@@ -52,8 +52,8 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
         p = Path(str(path)).expanduser()
         return p if p.is_dir() else None
     try:
-        from kdtree.checkpoint.tiny import cache_root, checkpoint_key
-        p = cache_root(cfg.get("cache_dir", "")) / "checkpoints" / checkpoint_key(cfg.model, cfg.quant)
+        from kdtree.checkpoint.tiny import tiny_checkpoint_path
+        p = tiny_checkpoint_path(cfg.model, cfg.quant, cfg.get("cache_dir", ""))
     except Exception:
         return None
     return p if (p / "config.json").exists() else None

@@ -176,12 +176,23 @@ def finish_reason(events, index=0):
     return reason
 
 
-def test_stream_is_live_and_equals_the_non_streamed_text(served):
-    body = {"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0}
+@pytest.fixture(scope="module")
+def slow_served(tmp_path_factory, kdtree_cache):
+    """Random weights: the drafter never agrees, so one verify per token and generation lasts long enough to
+    watch a stream arrive (the trained tiny model accepts ~7 tokens per round and finishes too fast)."""
+    s = start_served(tmp_path_factory, kdtree_cache, "model.init=random")
+    yield s
+    if alive(s.pid):
+        stop(s.pid, signal.SIGKILL)
+
+
+def test_stream_is_live_and_equals_the_non_streamed_text(slow_served):
+    served = slow_served
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0}
     code, plain = post(served.url, body, timeout=120)
     assert code == 200
     text, gen_s = plain["choices"][0]["text"], plain["kdtree"]["seconds"]
-    assert plain["usage"]["completion_tokens"] == 120 and gen_s > 1.0, plain   # long enough to watch it stream
+    assert plain["usage"]["completion_tokens"] == 400 and gen_s > 0.5, plain   # long enough to watch it stream
     events = sse(served.url, body)
     assert events[-1][1] == "[DONE]"
     chunks = [(t, e) for t, e in events if isinstance(e, dict) and e["choices"] and e["choices"][0]["text"]]
