@@ -10,11 +10,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from kdtree.config.schema import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more threads
 ASSETS = ROOT / "kdtree/assets/tiny"
 
 pytestmark = pytest.mark.skipif(not (ASSETS / "config.json").exists(), reason="no trained tiny assets")

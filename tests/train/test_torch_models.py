@@ -20,6 +20,7 @@ from kdtree.train.drafter_torch import DrafterTorch
 from kdtree.train.k2_torch import K2Torch
 
 ROOT = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more threads
 
 
 @pytest.fixture(scope="module")

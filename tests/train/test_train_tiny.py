@@ -20,6 +20,7 @@ from kdtree.train import loop
 from kdtree.train.data import Corpus
 
 ROOT = Path(__file__).resolve().parents[2]
+torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more threads
 
 
 @pytest.fixture(scope="module")
