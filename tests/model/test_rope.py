@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from kdtree.model.rope import RotaryTable, apply_rope, rope_mscale, softmax_scale, yarn_inv_freq
 
-from conftest import load_model_cfg
+from tests.checkpoint.configs import model_cfg as load_model_cfg
 
 
 @pytest.fixture(scope="module")
