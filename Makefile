@@ -4,6 +4,9 @@ VENV   ?= .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.kdtree-installed
 NVCC   ?= $(shell command -v nvcc 2>/dev/null)
+# make run's overrides: the native CPU library and the tree shape that was fastest on a 2-core CPU in the bench
+# sweep (README, Benchmarks). Production GPUs want bigger budgets: `python -m kdtree.run tree.budget=64 ...`.
+RUN_ARGS ?= backend=cpu tree.budget=8
 
 .PHONY: setup native run test bench clean
 
@@ -19,8 +22,9 @@ $(STAMP): pyproject.toml
 native: setup
 	@if [ -f native/Makefile ]; then $(MAKE) -C native NVCC="$(NVCC)"; fi
 
+# Serves until Ctrl-C; that ending (exit 130) is the normal one, not a make error.
 run: setup native
-	$(VPY) -m kdtree.run
+	$(VPY) -m kdtree.run $(RUN_ARGS) || [ $$? -eq 130 ]
 
 test: setup native
 	$(VPY) -m pytest -q tests

@@ -145,6 +145,8 @@ class ServeConfig:
     model_name: str = ""  # empty = model.name
     detach: bool = False
     max_queue: int = 256
+    demo_prompt: str = "def __init__(self, "  # the demo stage's completion (tree vs AR) before serving
+    demo_tokens: int = 48  # 0 = no demo
 
 
 @dataclass
@@ -179,7 +181,7 @@ class PlanConfig:
 class BenchConfig:
     prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
     max_new_tokens: int = 48  # per prompt
-    repeats: int = 1  # AR and tree runs alternate; the fastest of the repeats is kept
+    repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """demo: one completion of a fixed prompt with the composed tree and with plain AR, in the engine process,
 so a newcomer sees what the model writes, the acceptance length and the speedup over AR measured side by
 side (the same weights, the same process, the same prompt). Prints three lines; fails if the tree's
-tokens differ from AR's (the lossless invariant)."""
+tokens differ from AR's (the lossless invariant). serve.demo_tokens=0 skips it."""
 from __future__ import annotations
 
 from omegaconf import OmegaConf
@@ -15,6 +15,8 @@ PARAMS = {"prompt": str, "max_new_tokens": int}
 def run(ctx, prompt: str, max_new_tokens: int) -> dict:
     from kdtree.decode import generate
 
+    if max_new_tokens <= 0:
+        return {"skipped": True}
     engine = ctx.state.get("model_engine")
     if engine is None:
         raise PipelineError("stage demo: no engine in this process; put `{stage: load, on: host}` before demo")

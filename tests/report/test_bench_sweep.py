@@ -28,7 +28,7 @@ def sweep(tmp_path_factory, kdtree_cache):
     prompts = d / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["def main(", "2+2="]}))
     _kdtree("-m", "kdtree.run", "-m", "pipeline=bench", "tree.width=1,2", "tree.depth=2", "tree.budget=4",
-            "bench.max_new_tokens=6", f"bench.prompts={prompts}", f"cache_dir={kdtree_cache}",
+            "bench.max_new_tokens=6", "bench.repeats=1", f"bench.prompts={prompts}", f"cache_dir={kdtree_cache}",
             f"hydra.sweep.dir={d / 'multirun'}", "load.progress=false")
     return d / "multirun"
 
