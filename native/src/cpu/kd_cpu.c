@@ -301,6 +301,11 @@ static void kd_linear_block(const float *x, const float *w, int no, float *out, 
   }
 }
 
+/* Weights (out x in) from which a linear is worth threads: the tiny model's matrices (<= 0.13 M) never start
+ * the OpenMP runtime, so a serving process that forks TP ranks stays fork-safe; K2-sized ones (>= 4 M) use
+ * every core. Each output element is computed by one thread in the same order either way. */
+#define KD_PARALLEL_MIN_WEIGHTS (1 << 20)
+
 int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                   void *stream) {
   (void)stream;
@@ -310,7 +315,9 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", x);
   KD_CHECK_PTR("kd_linear_f32", w);
   KD_CHECK_PTR("kd_linear_f32", out);
-  for (int64_t o = 0; o < n_out; o += 4) /* four weight rows stay in L1 across the T rows */
+  /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads */
+#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
+  for (int64_t o = 0; o < n_out; o += 4)
     kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
   return KD_OK;
 }
@@ -328,7 +335,9 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   KD_CHECK_PTR("kd_linear_w4a16", scales);
   KD_CHECK_PTR("kd_linear_w4a16", out);
   int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group;
-  if (T == 1) { /* GEMV: decode fused into the dot product */
+  if (T == 1) { /* GEMV: decode fused into the dot product; large matrices split their output rows over
+                  * threads (each row still one thread's fixed-order dot product: batch invariance holds) */
+#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
     for (int64_t o = 0; o < n_out; o++)
       out[o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x, n_in, group / 8);
     return KD_OK;
