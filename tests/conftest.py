@@ -127,3 +127,36 @@ def ssh_host_yaml(sshd, tmp_path) -> Path:
     path.parent.mkdir(parents=True)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    """conf/model/tiny.yaml on the ModelConfig schema (no Hydra composition)."""
+    from omegaconf import OmegaConf
+
+    from kdtree.config.schema import ModelConfig
+
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_cfg):
+    """Seeded random weights of the tiny target, with non-unit norms so a norm applied to the wrong rows shows."""
+    import numpy as np
+
+    from kdtree.checkpoint.names import init_weights, target_tensor_shapes
+
+    w = init_weights(target_tensor_shapes(tiny_cfg), seed=0)
+    rng = np.random.default_rng(7)
+    for k in w:
+        if k.endswith("norm.weight"):
+            w[k] = (1.0 + 0.3 * rng.standard_normal(w[k].shape)).astype(np.float32)
+    return w
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_cfg, tiny_weights):
+    from kdtree.backends import get_ops
+    from kdtree.model.k2 import K2Model
+
+    return K2Model(tiny_cfg, tiny_weights, get_ops("numpy"))

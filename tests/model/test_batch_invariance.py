@@ -37,10 +37,10 @@ def _int4(cfg, weights):
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
-def test_block_rows_equal_one_row_forwards(k2_cfg, k2_weights, backend, quant):
-    weights = _int4(k2_cfg, k2_weights) if quant == "int4" else k2_weights
-    m = K2Model(k2_cfg, weights, get_ops(backend))
-    layers = tuple(range(k2_cfg.num_hidden_layers))
+def test_block_rows_equal_one_row_forwards(tiny_cfg, tiny_weights, backend, quant):
+    weights = _int4(tiny_cfg, tiny_weights) if quant == "int4" else tiny_weights
+    m = K2Model(tiny_cfg, weights, get_ops(backend))
+    layers = tuple(range(tiny_cfg.num_hidden_layers))
     block = np.random.default_rng(3).integers(0, 260, 33).astype(np.int32)
     pos = len(PROMPT) + np.arange(len(block))
 
@@ -64,9 +64,9 @@ def test_block_rows_equal_one_row_forwards(k2_cfg, k2_weights, backend, quant):
     np.testing.assert_array_equal(lg3, lg[9:20])
 
 
-def test_route_rows_equals_route_per_row(k2_cfg):
+def test_route_rows_equals_route_per_row(tiny_cfg):
     for n_group, topk_group, k in [(1, 1, 2), (4, 2, 3), (2, 1, 8)]:
-        cfg = k2_cfg.copy()
+        cfg = tiny_cfg.copy()
         cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok = 16, n_group, topk_group, k
         rng = np.random.default_rng(k)
         scores = (1 / (1 + np.exp(-rng.standard_normal((37, 16))))).astype(np.float32)
@@ -97,11 +97,11 @@ def test_numpy_ops_rows_independent_of_T(n_in, n_out):
 
 
 @pytest.mark.skipif("cpu" not in _backends(), reason="libkdtree_cpu.so not built")
-def test_fused_moe_equals_grouped_path(k2_cfg, k2_weights):
+def test_fused_moe_equals_grouped_path(tiny_cfg, tiny_weights):
     """backend=cpu runs each MoE layer as one kd_moe_f32 call; it gives the grouped Python path's bits."""
     fused_ops, plain_ops = get_ops("cpu"), get_ops("cpu")
     plain_ops.moe = lambda *a, **k: None
-    fused, plain = K2Model(k2_cfg, k2_weights, fused_ops), K2Model(k2_cfg, k2_weights, plain_ops)
+    fused, plain = K2Model(tiny_cfg, tiny_weights, fused_ops), K2Model(tiny_cfg, tiny_weights, plain_ops)
     calls = []
     inner = fused_ops.moe
     fused_ops.moe = lambda *a: calls.append(inner(*a)) or calls[-1]

@@ -34,8 +34,8 @@ def prefill(m, tokens=PROMPT, max_len=128):
     return cache, logits
 
 
-def test_incremental_decoding_equals_full_recompute(k2_model):
-    m = k2_model
+def test_incremental_decoding_equals_full_recompute(tiny_model):
+    m = tiny_model
     res = generate_ar(m, PROMPT, 12)
     assert len(res.tokens) == 12 and res.finish_reason == "length"
     seq = np.concatenate([PROMPT, np.array(res.tokens[:-1], np.int32)])
@@ -50,11 +50,11 @@ def test_incremental_decoding_equals_full_recompute(k2_model):
     assert np.array_equal(np.stack(steps), full[len(PROMPT) - 1:])
 
 
-def test_block_forward_is_bit_identical_to_one_row_forwards(k2_cfg, k2_model):
-    m = k2_model
+def test_block_forward_is_bit_identical_to_one_row_forwards(tiny_cfg, tiny_model):
+    m = tiny_model
     block = np.array([10, 200, 33, 33, 7, 259, 0], np.int32)
     pos = len(PROMPT) + np.arange(len(block))
-    layers = tuple(range(k2_cfg.num_hidden_layers))
+    layers = tuple(range(tiny_cfg.num_hidden_layers))
     c1, _ = prefill(m)
     lg_block, hid_block = m.forward(block, pos, c1, hidden_layers=layers)
     c2, _ = prefill(m)
@@ -66,8 +66,8 @@ def test_block_forward_is_bit_identical_to_one_row_forwards(k2_cfg, k2_model):
     assert c1.length == c2.length == len(PROMPT) + len(block)
 
 
-def test_chain_visibility_equals_causal_across_two_mask_words(k2_model):
-    m = k2_model
+def test_chain_visibility_equals_causal_across_two_mask_words(tiny_model):
+    m = tiny_model
     block = np.random.default_rng(0).integers(0, 256, 70).astype(np.int32)   # 70 rows: two u64 words per row
     pos = len(PROMPT) + np.arange(70)
     chain = pack_visibility(ancestors_mask(list(range(-1, 69))))
@@ -102,9 +102,9 @@ def path_of(row):
     return path[::-1]
 
 
-def test_tree_node_equals_the_ar_step_on_its_path(k2_model):
+def test_tree_node_equals_the_ar_step_on_its_path(tiny_model):
     """The lossless invariant: every node's logits are bit-identical to AR decoding of its ancestor path."""
-    m = k2_model
+    m = tiny_model
     _, tree_logits = verify_tree(m)
     for row in range(len(TREE_TOKENS)):
         cache, _ = prefill(m)
@@ -113,8 +113,8 @@ def test_tree_node_equals_the_ar_step_on_its_path(k2_model):
         assert np.array_equal(lg[0], tree_logits[row]), row
 
 
-def test_changing_a_non_ancestor_leaves_a_node_unchanged(k2_model):
-    m = k2_model
+def test_changing_a_non_ancestor_leaves_a_node_unchanged(tiny_model):
+    m = tiny_model
     _, base = verify_tree(m)
     changed = TREE_TOKENS.copy()
     changed[2] = 99                               # row 2 is an ancestor of row 5 only
@@ -126,8 +126,8 @@ def test_changing_a_non_ancestor_leaves_a_node_unchanged(k2_model):
             assert np.array_equal(base[row], other[row]), row
 
 
-def test_keep_compacts_the_accepted_path_and_decoding_continues_as_ar(k2_model):
-    m = k2_model
+def test_keep_compacts_the_accepted_path_and_decoding_continues_as_ar(tiny_model):
+    m = tiny_model
     cache, _ = verify_tree(m)
     start = len(PROMPT)
     accepted = path_of(6)                         # rows 0, 1, 4, 6
@@ -145,8 +145,8 @@ def test_keep_compacts_the_accepted_path_and_decoding_continues_as_ar(k2_model):
     assert cache.length == start
 
 
-def test_generate_ar_stops_at_eos_and_stop_ids(k2_model):
-    m = k2_model
+def test_generate_ar_stops_at_eos_and_stop_ids(tiny_model):
+    m = tiny_model
     free = generate_ar(m, PROMPT, 8)
     assert free.target_forwards == 8 and free.acceptance_lengths == [1] * 7
     assert free.stage_seconds["prefill"] > 0 and free.stage_seconds["verify"] > 0
@@ -160,8 +160,8 @@ def test_generate_ar_stops_at_eos_and_stop_ids(k2_model):
     assert generate_ar(m, PROMPT, 0).tokens == []
 
 
-def test_cache_overflow_and_empty_prompt_are_one_line_errors(k2_model):
-    m = k2_model
+def test_cache_overflow_and_empty_prompt_are_one_line_errors(tiny_model):
+    m = tiny_model
     cache = m.new_cache(6)
     with pytest.raises(ConfigError, match="cannot hold 0 \\+ 7"):
         m.forward(np.zeros(7, np.int32), np.arange(7), cache)
@@ -179,16 +179,16 @@ def test_tree_module_packs_the_same_visibility():
     assert np.array_equal(ancestor_visibility(node_parents), pack_visibility(ancestors_mask(TREE_PARENTS)))
 
 
-def test_int4_experts_keep_the_tree_bit_identical_to_ar(k2_cfg, k2_weights):
+def test_int4_experts_keep_the_tree_bit_identical_to_ar(tiny_cfg, tiny_weights):
     from kdtree.backends import get_ops
     from kdtree.model.k2 import K2Model
     from kdtree.quant.int4 import Int4Weight, quantize_weight
 
-    w = dict(k2_weights)
+    w = dict(tiny_weights)
     for name in [k for k in w if ".experts." in k and k.endswith("_proj.weight")]:
         packed, scale, shape = quantize_weight(w[name], 32, name)
         w[name] = Int4Weight.from_tensors(name, packed, scale, shape, 32)
-    m = K2Model(k2_cfg, w, get_ops("numpy"))
+    m = K2Model(tiny_cfg, w, get_ops("numpy"))
     _, tree_logits = verify_tree(m)
     cache, _ = prefill(m)
     for d, r in enumerate(path_of(6)):

@@ -86,9 +86,9 @@ def naive_forward(cfg, W64, tokens, positions):
     return rms(h, W64["model.norm.weight"], eps) @ W64["lm_head.weight"].T
 
 
-def test_absorbed_attention_with_cache_equals_naive(k2_cfg, k2_weights, k2_model):
+def test_absorbed_attention_with_cache_equals_naive(tiny_cfg, tiny_weights, tiny_model):
     """Prefix of 5 rows goes into the cache, then a causal block of 4 rows attends to cache + block."""
-    cfg, m = k2_cfg, k2_model
+    cfg, m = tiny_cfg, tiny_model
     rng = np.random.default_rng(1)
     P, T = 5, 4
     S = P + T
@@ -100,16 +100,16 @@ def test_absorbed_attention_with_cache_equals_naive(k2_cfg, k2_weights, k2_model
         kv = np.zeros((S, cfg.kv_lora_rank + cfg.qk_rope_head_dim), np.float32)
         out_prefix = m._attention(a, x[:P], cos[:P], sin[:P], kv, 0, None)
         out_block = m._attention(a, x[P:], cos[P:], sin[P:], kv, P, None)
-        ref = naive_attention(cfg, k2_weights, layer, x, positions, np.tril(np.ones((S, S), bool)))
+        ref = naive_attention(cfg, tiny_weights, layer, x, positions, np.tril(np.ones((S, S), bool)))
         got = np.concatenate([out_prefix, out_block])
         assert np.allclose(got, ref, rtol=1e-4, atol=1e-5), np.abs(got - ref).max()
 
 
-def test_absorbed_attention_under_a_tree_mask_equals_naive(k2_cfg, k2_weights, k2_model):
+def test_absorbed_attention_under_a_tree_mask_equals_naive(tiny_cfg, tiny_weights, tiny_model):
     """Block rows see the cache and only the block rows their visibility bits name."""
     from kdtree.backends.numpy_ops import pack_visibility
 
-    cfg, m = k2_cfg, k2_model
+    cfg, m = tiny_cfg, tiny_model
     rng = np.random.default_rng(2)
     P, T = 3, 5
     S = P + T
@@ -130,14 +130,14 @@ def test_absorbed_attention_under_a_tree_mask_equals_naive(k2_cfg, k2_weights, k
     kv = np.zeros((S, cfg.kv_lora_rank + cfg.qk_rope_head_dim), np.float32)
     m._attention(a, x[:P], cos[:P], sin[:P], kv, 0, None)
     got = m._attention(a, x[P:], cos[P:], sin[P:], kv, P, pack_visibility(vis))
-    ref = naive_attention(cfg, k2_weights, 1, x, positions, mask)[P:]
+    ref = naive_attention(cfg, tiny_weights, 1, x, positions, mask)[P:]
     assert np.allclose(got, ref, rtol=1e-4, atol=1e-5), np.abs(got - ref).max()
 
 
-def test_model_forward_equals_float64_transcription(k2_cfg, k2_weights, k2_model):
+def test_model_forward_equals_float64_transcription(tiny_cfg, tiny_weights, tiny_model):
     """Prompt through the cache in two forwards (6 then 3 rows) == one naive causal pass over all 9 tokens."""
-    cfg, m = k2_cfg, k2_model
-    W64 = {k: v.astype(np.float64) for k, v in k2_weights.items()}
+    cfg, m = tiny_cfg, tiny_model
+    W64 = {k: v.astype(np.float64) for k, v in tiny_weights.items()}
     tokens = np.array([256, 72, 101, 108, 108, 111, 44, 32, 119], np.int32)
     positions = np.arange(len(tokens))
     cache = m.new_cache(16)

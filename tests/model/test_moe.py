@@ -30,8 +30,8 @@ def restated_route(scores, bias, k, n_group, topk_group, rsf, norm):
 
 
 @pytest.mark.parametrize("n_group,topk_group,k", [(1, 1, 2), (1, 1, 4), (4, 2, 3), (4, 1, 2)])
-def test_route_equals_restated_formula(k2_cfg, n_group, topk_group, k):
-    cfg = k2_cfg.copy()
+def test_route_equals_restated_formula(tiny_cfg, n_group, topk_group, k):
+    cfg = tiny_cfg.copy()
     cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok = 16, n_group, topk_group, k
     rng = np.random.default_rng(n_group * 10 + k)
     for _ in range(50):
@@ -44,29 +44,29 @@ def test_route_equals_restated_formula(k2_cfg, n_group, topk_group, k):
         assert np.allclose(weights, w, rtol=1e-6)
 
 
-def test_bias_selects_but_weights_are_unbiased_scores(k2_cfg):
+def test_bias_selects_but_weights_are_unbiased_scores(tiny_cfg):
     scores = np.array([0.9, 0.8, 0.3, 0.2, 0.7, 0.6, 0.5, 0.1], np.float32)
     bias = np.array([0, 0, 0, 1.0, 0, 0, 0, 0.85], np.float32)   # lifts experts 3 and 7 above all others
-    experts, weights = route(k2_cfg, scores, bias)
+    experts, weights = route(tiny_cfg, scores, bias)
     assert experts.tolist() == [3, 7]                            # biased choice 1.2 > 0.95 > 0.9
-    expected = np.array([0.2, 0.1]) / 0.3 * k2_cfg.routed_scaling_factor
+    expected = np.array([0.2, 0.1]) / 0.3 * tiny_cfg.routed_scaling_factor
     assert np.allclose(weights, expected, rtol=1e-6)
-    assert route(k2_cfg, scores, np.zeros(8, np.float32))[0].tolist() == [0, 1]
+    assert route(tiny_cfg, scores, np.zeros(8, np.float32))[0].tolist() == [0, 1]
 
 
-def test_ties_go_to_the_lower_expert_index(k2_cfg):
+def test_ties_go_to_the_lower_expert_index(tiny_cfg):
     scores = np.full(8, 0.5, np.float32)
-    experts, weights = route(k2_cfg, scores, np.zeros(8, np.float32))
+    experts, weights = route(tiny_cfg, scores, np.zeros(8, np.float32))
     assert experts.tolist() == [0, 1]
-    assert np.allclose(weights, [k2_cfg.routed_scaling_factor / 2] * 2)
+    assert np.allclose(weights, [tiny_cfg.routed_scaling_factor / 2] * 2)
 
 
-def test_moe_layer_output_is_weighted_experts_plus_shared(k2_cfg, k2_weights, k2_model):
+def test_moe_layer_output_is_weighted_experts_plus_shared(tiny_cfg, tiny_weights, tiny_model):
     """Bias chosen so the lowest-scoring experts win: the layer must weight them by their own sigmoid scores."""
-    cfg, m = k2_cfg, k2_model
+    cfg, m = tiny_cfg, tiny_model
     layer = 2
     p = f"model.layers.{layer}.mlp"
-    W = {k: v.astype(np.float64) for k, v in k2_weights.items() if k.startswith(p)}
+    W = {k: v.astype(np.float64) for k, v in tiny_weights.items() if k.startswith(p)}
     x = np.random.default_rng(5).standard_normal((1, cfg.hidden_size)).astype(np.float32)
     s = 1 / (1 + np.exp(-(W[f"{p}.gate.weight"] @ x[0].astype(np.float64))))
     losers = np.argsort(s)[:2]                                   # the two lowest scores
