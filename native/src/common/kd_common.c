@@ -19,6 +19,31 @@ int kd_fail(int status, const char *fmt, ...) {
 
 void kd_clear_error(void) { kd_err[0] = 0; }
 
+int kd_moe_check(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+                 const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
+                 const float *shared_up, const float *shared_down, const float *out, int64_t T, int64_t D,
+                 int64_t I, int64_t Is, int64_t k) {
+  if (T < 0 || D <= 0 || I < 0 || Is < 0 || k < 0 || n_experts < 0) return kd_fail(KD_EINVAL, "kd_moe_f32: bad size");
+  if (T == 0) return KD_OK;
+  KD_CHECK_PTR("kd_moe_f32", x);
+  KD_CHECK_PTR("kd_moe_f32", out);
+  if (k > 0) {
+    KD_CHECK_PTR("kd_moe_f32", experts);
+    KD_CHECK_PTR("kd_moe_f32", weights);
+    KD_CHECK_PTR("kd_moe_f32", gate);
+    KD_CHECK_PTR("kd_moe_f32", up);
+    KD_CHECK_PTR("kd_moe_f32", down);
+  }
+  if (shared_gate && (!shared_up || !shared_down)) return kd_fail(KD_EINVAL, "kd_moe_f32: partial shared expert");
+  for (int64_t i = 0; i < T * k; i++) {
+    if (experts[i] < 0 || experts[i] >= n_experts)
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert id %d outside [0, %lld)", experts[i], (long long)n_experts);
+    if (!gate[experts[i]] || !up[experts[i]] || !down[experts[i]])
+      return kd_fail(KD_EINVAL, "kd_moe_f32: expert %d has a NULL weight", experts[i]);
+  }
+  return KD_OK;
+}
+
 const char *kd_last_error(void) { return kd_err; }
 
 int kd_version(void) { return KD_ABI_VERSION; }

@@ -39,12 +39,21 @@ KD_HD int kd_visible(const uint64_t *row, int64_t k) { return (int)((row[k >> 6]
 
 KD_HD float kd_rms_inv(float sum_sq, int64_t D, float eps) { return 1.0f / sqrtf(sum_sq / (float)D + eps); }
 
+#define KD_CHECK_PTR(name, p) \
+  if (!(p)) return kd_fail(KD_EINVAL, "%s: %s is NULL", name, #p)
+
 /* ---- error reporting (host side) ---------------------------------------------------------------------- */
 #ifdef __cplusplus
 extern "C" {
 #endif
 int kd_fail(int status, const char *fmt, ...);  /* formats into the thread-local message, returns status */
 void kd_clear_error(void);
+/* Arguments of kd_moe_f32, checked the same way by both builds (routing arrays are host pointers in both):
+ * KD_OK when valid (T == 0 needs no pointers), else the failing status with its message set. */
+int kd_moe_check(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
+                 const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
+                 const float *shared_up, const float *shared_down, const float *out, int64_t T, int64_t D,
+                 int64_t I, int64_t Is, int64_t k);
 #ifdef __cplusplus
 }
 #endif

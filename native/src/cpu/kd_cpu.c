@@ -40,8 +40,6 @@ int kd_synchronize(void *stream) {
   return KD_OK;
 }
 
-#define KD_CHECK_PTR(name, p) \
-  if (!(p)) return kd_fail(KD_EINVAL, "%s: %s is NULL", name, #p)
 
 /* ---- linear ------------------------------------------------------------------------------------------ */
 KD_CLONES static float kd_dot_f32(const float *a, const float *b, int64_t n) {
@@ -466,26 +464,11 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
                int64_t Is, int64_t k, void *stream) {
   (void)stream;
   kd_clear_error();
-  if (T < 0 || D <= 0 || I < 0 || Is < 0 || k < 0 || n_experts < 0) return kd_fail(KD_EINVAL, "kd_moe_f32: bad size");
-  if (T == 0) return KD_OK;
-  KD_CHECK_PTR("kd_moe_f32", x);
-  KD_CHECK_PTR("kd_moe_f32", out);
-  if (k > 0) {
-    KD_CHECK_PTR("kd_moe_f32", experts);
-    KD_CHECK_PTR("kd_moe_f32", weights);
-    KD_CHECK_PTR("kd_moe_f32", gate);
-    KD_CHECK_PTR("kd_moe_f32", up);
-    KD_CHECK_PTR("kd_moe_f32", down);
-  }
+  int rc = kd_moe_check(x, experts, weights, gate, up, down, n_experts, shared_gate, shared_up, shared_down, out, T,
+                        D, I, Is, k);
+  if (rc || T == 0) return rc;
   int has_shared = shared_gate != NULL;
-  if (has_shared && (!shared_up || !shared_down)) return kd_fail(KD_EINVAL, "kd_moe_f32: partial shared expert");
   int64_t S = T * k;
-  for (int64_t i = 0; i < S; i++) {
-    if (experts[i] < 0 || experts[i] >= n_experts)
-      return kd_fail(KD_EINVAL, "kd_moe_f32: expert id %d outside [0, %lld)", experts[i], (long long)n_experts);
-    if (!gate[experts[i]] || !up[experts[i]] || !down[experts[i]])
-      return kd_fail(KD_EINVAL, "kd_moe_f32: expert %d has a NULL weight", experts[i]);
-  }
   int64_t inter = I > Is ? I : Is, rows = S > T ? S : T;
   int64_t *start = (int64_t *)calloc((size_t)n_experts + 1, sizeof(int64_t));
   int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S ? S : 1)); /* slot -> sorted position */

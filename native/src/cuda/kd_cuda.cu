@@ -55,8 +55,6 @@ static int kd_cuda_status(const char *op) {
 }
 
 #define KD_STREAM(s) ((cudaStream_t)(s))
-#define KD_CHECK_PTR(name, p) \
-  if (!(p)) return kd_fail(KD_EINVAL, "%s: %s is NULL", name, #p)
 
 /* ---- memory ------------------------------------------------------------------------------------------- */
 extern "C" int kd_malloc(void **ptr, size_t bytes) {
@@ -390,26 +388,11 @@ extern "C" int kd_moe_f32(const float *x, const int32_t *experts, const float *w
                           int64_t T, int64_t D, int64_t I, int64_t Is, int64_t k, void *stream) {
   int rc = kd_need_device("kd_moe_f32");
   if (rc) return rc;
-  if (T < 0 || D <= 0 || I < 0 || Is < 0 || k < 0 || n_experts < 0) return kd_fail(KD_EINVAL, "kd_moe_f32: bad size");
-  if (T == 0) return KD_OK;
-  KD_CHECK_PTR("kd_moe_f32", x);
-  KD_CHECK_PTR("kd_moe_f32", out);
-  if (k > 0) {
-    KD_CHECK_PTR("kd_moe_f32", experts);
-    KD_CHECK_PTR("kd_moe_f32", weights);
-    KD_CHECK_PTR("kd_moe_f32", gate);
-    KD_CHECK_PTR("kd_moe_f32", up);
-    KD_CHECK_PTR("kd_moe_f32", down);
-  }
+  rc = kd_moe_check(x, experts, weights, gate, up, down, n_experts, shared_gate, shared_up, shared_down, out, T,
+                        D, I, Is, k);
+  if (rc || T == 0) return rc;
   int has_shared = shared_gate != NULL;
-  if (has_shared && (!shared_up || !shared_down)) return kd_fail(KD_EINVAL, "kd_moe_f32: partial shared expert");
   int64_t S = T * k;
-  for (int64_t i = 0; i < S; i++) {
-    if (experts[i] < 0 || experts[i] >= n_experts)
-      return kd_fail(KD_EINVAL, "kd_moe_f32: expert id %d outside [0, %lld)", experts[i], (long long)n_experts);
-    if (!gate[experts[i]] || !up[experts[i]] || !down[experts[i]])
-      return kd_fail(KD_EINVAL, "kd_moe_f32: expert %d has a NULL weight", experts[i]);
-  }
   /* host: counting sort of the slots by expert (slot order kept) -> src row per sorted slot, pos per slot */
   int64_t *start = (int64_t *)calloc((size_t)n_experts + 2, sizeof(int64_t));
   int32_t *host = (int32_t *)malloc(sizeof(int32_t) * (size_t)(2 * S + 1));
