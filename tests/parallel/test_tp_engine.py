@@ -17,7 +17,6 @@ Run: .venv/bin/python -m pytest -q tests/parallel/test_tp_engine.py      (~2-4 m
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from omegaconf import OmegaConf
 
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.config.schema import register
+from tests.procs import alive, wait_gone
 from kdtree.decode import generate
 from kdtree.engine import Engine
 from kdtree.parallel.sharding import bytes_per_rank
@@ -41,22 +41,6 @@ from scripted_drafter import noisy_rank, scripted  # noqa: E402  (the decode tes
 
 CASES = [("fp32", 2), ("fp32", 4), pytest.param(("fp32", 8), marks=pytest.mark.slow),
          ("int4_w4a16", 2), pytest.param(("int4_w4a16", 8), marks=pytest.mark.slow)]
-
-
-def alive(pid: int) -> bool:
-    """pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout_s: float = 15.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")

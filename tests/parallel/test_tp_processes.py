@@ -20,6 +20,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kdtree.config.schema import register
+from tests.procs import alive, wait_gone
 from kdtree.engine import Engine
 from kdtree.parallel.model import TPError
 
@@ -39,22 +40,6 @@ engine = Engine.from_config(cfg)
 print("READY", *[w.proc.pid for w in engine.model.workers], flush=True)
 time.sleep(300)
 """
-
-
-def alive(pid: int) -> bool:
-    """pid exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, timeout_s: float = 15.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.mark.parametrize("sig,tp", [(signal.SIGTERM, 2), (signal.SIGKILL, 4)], ids=["sigterm-tp2", "sigkill-tp4"])

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 register()
 sys.path.insert(0, str(REPO / "tests" / "serve"))
 from served_engine import TREE, alive, kdtree_run  # noqa: E402  (the serve tests' pipeline helpers)
+from tests.procs import wait_gone  # noqa: E402
 
 
 def worker_pids(engine_pid: int) -> list:
@@ -64,10 +64,7 @@ def test_serve_pipeline_at_tp8_answers_like_tp1_and_stops_cleanly(tmp_path, kdtr
 
         s = kdtree_run(["pipeline=stop", f"stop.run_dir={run_dir}"], kdtree_cache, runs, timeout=120)
         assert s.returncode == 0, s.stdout[-2000:] + s.stderr[-2000:]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(alive(p) for p in [pid, *workers]):
-            time.sleep(0.2)
-        assert [p for p in [pid, *workers] if alive(p)] == []
+        assert wait_gone([pid, *workers], 30.0) == []
         assert (run_dir / "engine.exit").read_text().strip() == "0"      # drained and exited, not killed
     finally:
         if pid is not None and alive(pid):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import alive  # noqa: F401  (re-exported: the serve tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
 # ddtree with a small tree: real speculative decoding, ~20 ms per verify round on the tiny model
 TREE = ["tree=ddtree", "tree.budget=4", "tree.depth=3", "tree.width=2"]
@@ -34,14 +36,6 @@ def kdtree_run(args, cache: Path, runs: Path, timeout: float = 120, extra_env=No
     env = dict(os.environ, KDTREE_CACHE=str(cache), KDTREE_RUNS=str(runs), **(extra_env or {}))
     return subprocess.run([sys.executable, "-m", "kdtree.run", "load.progress=false", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state not in "ZX"
 
 
 def stop(pid: int, sig=signal.SIGTERM, timeout: float = 30.0) -> bool:
