@@ -431,19 +431,20 @@ def _handler_for(app: ServeApp):
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
-        def _authorized(self) -> bool:
+        def _require_auth(self) -> None:
+            """/v1/* needs `Authorization: Bearer <serve.api_key>` when a key is set; monitors' endpoints stay open."""
             if not app.api_key or not self.path.startswith("/v1/"):
-                return True
+                return
             got = self.headers.get("Authorization", "")
-            return hmac.compare_digest(got.encode(), f"Bearer {app.api_key}".encode())
+            if not hmac.compare_digest(got.encode(), f"Bearer {app.api_key}".encode()):
+                raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <serve.api_key>'",
+                               code="invalid_api_key")
 
         # -- verbs -------------------------------------------------------------------------------------
         def do_GET(self):
             path = self.path.split("?")[0]
             try:
-                if not self._authorized():
-                    raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <serve.api_key>'",
-                                   code="invalid_api_key")
+                self._require_auth()
                 fn = ROUTES_GET.get(path)
                 if fn is None:
                     if path in ROUTES_POST:
@@ -461,9 +462,7 @@ def _handler_for(app: ServeApp):
             path = self.path.split("?")[0]
             try:
                 body = self._read_json() if self.headers.get("Content-Length") != "0" else None
-                if not self._authorized():
-                    raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <serve.api_key>'",
-                                   code="invalid_api_key")
+                self._require_auth()
                 fn = ROUTES_POST.get(path)
                 if fn is None:
                     if path in ROUTES_GET:
