@@ -1,19 +1,27 @@
-"""Load a checkpoint's tensors into memory: validated against names.py, read with large parallel preads.
+"""Load a checkpoint's tensors into memory: validated against names.py, read with large parallel reads.
 
     weights, stats = load_checkpoint(path, model_cfg, quant_cfg, threads=4)   # target
     drafter, stats = load_drafter(path, model_cfg)                              # <path>/drafter
 
 Validation happens before any tensor byte is read: config.json vs the composed config, every tensor
 expected by names.py present with its shape and a dtype we can load, nothing unexpected, every shard
-header sane. Then the reads (strategy="eager"): every tensor gets its final numpy buffer (np.empty);
-the byte ranges of all tensors are sorted by file offset, merged where adjacent and cut into chunks of
-`chunk_mb` (32 MiB); `threads` threads each issue one `os.preadv` per chunk that scatters the bytes
-straight into the final buffers (bf16/fp16 land in the first half of their float32 buffer and are
-widened in place by the thread that completes the tensor). strategy="mmap" maps the files instead:
-float32/int tensors become read-only views (pages are read when first touched), others are converted.
+header sane. Then the byte ranges of all tensors are sorted by file offset, merged where adjacent and
+cut into chunks of `chunk_mb` (32 MiB) that `threads` threads work through (progress once per chunk):
+
+strategy="mmap" (the default): every shard is mapped read-only; a chunk is made resident with
+posix_fadvise(WILLNEED) (large asynchronous reads) + madvise(MADV_POPULATE_READ) (waits for them, maps
+the pages). Tensors are then views of the page cache: no copy, no second copy of the weights in memory
+(the page cache is the final buffer), pages shared by every process mapping the file (TP ranks on one
+host). Only what must change is copied: bf16/fp16 widened to float32, column slices gathered. The
+arrays are read-only; do not rewrite a shard in place while an engine maps it (replace it by rename).
+strategy="eager": every tensor gets its own buffer (one np.empty arena per shard) and each chunk is one
+`os.preadv` scattering the bytes straight into the final buffers (bf16/fp16 land in the first half of
+their float32 buffer and are widened in place by the thread that completes the tensor).
+raw=True keeps every tensor as stored (BF16 as uint16 bits, INT4 modules as their three parts).
 
 `shard(name, shape) -> tuple of slices | None` selects part of a tensor (tensor parallelism): row
-slices are one contiguous byte range, column slices one pread per row; only those bytes are read.
+slices are one contiguous byte range, column slices one range per row; only those bytes are read
+(mmap: the pages holding them; ranges less than 64 KiB apart are read as one).
 A Linear stored as `<m>.weight_packed/_scale/_shape` loads as an Int4Weight whatever the quant config
 says (config.json's quantization_config must still agree with quant=); one stored as `<m>.weight` loads
 as float32. INT4 modules are offered to `shard` once, as `<module>.weight` with the logical [out, in]
@@ -23,9 +31,12 @@ Rates are MB/s with MB = 10^6 bytes.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import math
 import os
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -185,11 +196,13 @@ class _Job:
     want: _Want
     info: TensorInfo
     shape: Tuple[int, ...]          # output shape (the slice's)
+    raw: bool = False               # keep the stored dtype (BF16 as uint16 bits)
     pieces: int = 0
     result: Optional[np.ndarray] = None
 
     def __post_init__(self):
-        self.widen = self.info.dtype in ("BF16", "F16")  # INT4 scales too: Int4Weight keeps float32 scales
+        # INT4 scales too: Int4Weight keeps float32 scales
+        self.widen = self.info.dtype in ("BF16", "F16") and not self.raw
         self.count = math.prod(self.shape)
         self.nbytes = self.count * self.info.storage.itemsize    # bytes read from the file
         self.out_dtype = np.dtype(np.float32) if self.widen else self.info.storage
@@ -236,10 +249,18 @@ class _Call:                        # one preadv: contiguous file bytes scattere
 
 
 @dataclass
-class _Unit:                        # one work item of a thread: calls into one file, ~chunk bytes
+class _Unit:
+    """One work item of a thread: ~chunk bytes of one file.
+
+    eager: `calls` (preadvs into the final buffers). mmap: `spans` (page-aligned ranges of the mapping to
+    make resident). `jobs` holds one entry per piece of a job inside this unit; a job is finished when all
+    its pieces are (job.pieces counts them). `nbytes` is tensor bytes, what progress reports.
+    """
     file: int
     nbytes: int = 0
     calls: List[_Call] = field(default_factory=list)
+    spans: List[Tuple[int, int]] = field(default_factory=list)
+    jobs: List[int] = field(default_factory=list)
 
 
 class _Throttle:
@@ -275,7 +296,7 @@ def _preadv_full(fd: int, views: List[memoryview], offset: int, path: Path, tens
 
 
 def _plan(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
-    """runs: (file, offset, nbytes, job) -> work units of at most `chunk` bytes, file-contiguous calls merged."""
+    """eager: runs (file, offset, nbytes, job) -> units of at most `chunk` bytes, file-contiguous calls merged."""
     views = {j: job.target() for j, job in enumerate(jobs)}
     pos: Dict[int, int] = {}
     pieces = []
@@ -301,6 +322,40 @@ def _plan(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -
         else:
             u.calls.append(_Call(off, off + n, [view], [j]))
         u.nbytes += n
+        u.jobs.append(j)
+    return units
+
+
+_PAGE = mmap.PAGESIZE
+_SPAN_GAP = 1 << 16                 # mmap: runs closer than this are made resident as one range
+
+
+def _plan_mmap(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
+    """mmap: runs -> page-aligned ranges (runs less than _SPAN_GAP apart merged) cut into `chunk`-byte units."""
+    chunk = max(_PAGE, chunk // _PAGE * _PAGE)
+    spans: List[list] = []          # [file, start, end, [(offset, nbytes, job)]]
+    for f, off, n, j in sorted(runs, key=lambda r: (r[0], r[1])):
+        if n <= 0:
+            continue
+        a, b = off // _PAGE * _PAGE, -(-(off + n) // _PAGE) * _PAGE
+        s = spans[-1] if spans else None
+        if s is not None and s[0] == f and a <= s[2] + _SPAN_GAP:
+            s[2] = max(s[2], b)
+            s[3].append((off, n, j))
+        else:
+            spans.append([f, a, b, [(off, n, j)]])
+    units: List[_Unit] = []
+    for f, a, b, members in spans:
+        mine = [_Unit(f, spans=[(c, min(b, c + chunk))]) for c in range(a, b, chunk)]
+        for off, n, j in members:
+            for k in range((off - a) // chunk, (off + n - 1 - a) // chunk + 1):
+                u = mine[k]
+                c0, c1 = u.spans[0]
+                u.nbytes += min(off + n, c1) - max(off, c0)
+                if not u.jobs or u.jobs[-1] != j:  # tensors do not overlap: a job's runs are adjacent here
+                    u.jobs.append(j)
+                    jobs[j].pieces += 1
+        units.extend(u for u in mine if u.nbytes)
     return units
 
 
@@ -329,30 +384,60 @@ def _place_in_arenas(jobs: List[_Job], file_no: Dict[Path, int]) -> None:
             job.buf = arena[off: off + job.out_nbytes].view(job.out_dtype).reshape(job.shape)
 
 
-def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: int,
-                throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
-                shard_stats: List[Dict], assembler: "_Assembler") -> int:
-    units = _plan(jobs, runs, chunk)
-    for job in jobs:
+class _Resident:
+    """Makes byte ranges of a file mapping resident: the same large sequential reads, without a copy.
+
+    posix_fadvise(WILLNEED) starts the range's reads (large requests, asynchronous), then
+    madvise(MADV_POPULATE_READ) (Linux >= 5.14) waits for them and maps every page. madvise is called
+    through ctypes, which releases the GIL (Python's mmap.madvise holds it), so threads overlap. Where
+    MADV_POPULATE_READ is missing, one byte per page is read instead.
+    """
+
+    MADV_POPULATE_READ = 22
+
+    def __init__(self):
+        self.madvise = None
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                self.madvise = libc.madvise
+                self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                self.madvise.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                self.madvise = None
+
+    def __call__(self, fd: int, base: int, pages: np.ndarray, a: int, b: int, path: Path) -> None:
+        try:
+            os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):
+            pass
+        if self.madvise is not None:
+            if self.madvise(ctypes.c_void_p(base + a), b - a, self.MADV_POPULATE_READ) == 0:
+                return
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+                raise CheckpointError(f"{path}: reading bytes {a}..{b} failed ({os.strerror(err)}); the shard "
+                                      f"is truncated or its storage is failing: check the file, or re-download it")
+            self.madvise = None     # an older kernel: fall back to touching the pages
+        int(pages[a:b:_PAGE].max())
+
+
+def _execute(units: List[_Unit], nfiles: int, jobs: List[_Job], threads: int, io: Callable[[_Unit], None],
+             finish: Callable[[int], None], throttle: Optional[_Throttle], progress: Optional[ProgressFn],
+             total: int, shard_stats: List[Dict]) -> int:
+    """Run `io` on every unit from `threads` threads; `finish(j)` runs (in the thread) once job j is complete."""
+    for j, job in enumerate(jobs):
         if job.pieces == 0:
-            job.finish()
-            assembler.done(job)
-    left_per_file = [0] * len(files)
+            finish(j)
+    left_per_file = [0] * nfiles
     for u in units:
         left_per_file[u.file] += 1
     shards_total = sum(1 for n in left_per_file if n)
     lock = threading.Lock()
-    fds = [os.open(p, os.O_RDONLY) for p in files]
-    for fd in fds:
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
 
     def work(u: _Unit) -> _Unit:
         t0 = time.monotonic()
-        for c in u.calls:
-            _preadv_full(fds[u.file], list(c.views), c.offset, files[u.file], jobs[c.jobs[0]].info.name)
+        io(u)
         if throttle:
             throttle.after_read(u.nbytes)
         done = []
@@ -361,77 +446,134 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
             st["t0"] = min(st["t0"], t0)
             st["t1"] = max(st["t1"], time.monotonic())
             st["bytes"] += u.nbytes
-            for c in u.calls:
-                for j in c.jobs:
-                    jobs[j].pieces -= 1
-                    if jobs[j].pieces == 0:
-                        done.append(j)
+            for j in u.jobs:
+                jobs[j].pieces -= 1
+                if jobs[j].pieces == 0:
+                    done.append(j)
         for j in done:  # widening and INT4 assembly happen in the reading threads, beside other reads
-            jobs[j].finish()
-            assembler.done(jobs[j])
+            finish(j)
         return u
 
     bytes_done = shards_done = 0
-    try:
-        if progress:
-            progress(0, total, 0, shards_total)
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kdtree-load") as pool:
-            pending = {pool.submit(work, u) for u in units}
-            try:
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        u = fut.result()
-                        bytes_done += u.nbytes
-                        left_per_file[u.file] -= 1
-                        shards_done += left_per_file[u.file] == 0
-                        if progress:  # once per chunk, so callers see every step
-                            progress(bytes_done, total, shards_done, shards_total)
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
-    finally:
-        for fd in fds:
-            os.close(fd)
+    if progress:
+        progress(0, total, 0, shards_total)
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kdtree-load") as pool:
+        pending = {pool.submit(work, u) for u in units}
+        try:
+            while pending:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    u = fut.result()
+                    bytes_done += u.nbytes
+                    left_per_file[u.file] -= 1
+                    shards_done += left_per_file[u.file] == 0
+                    if progress:  # once per chunk, so callers see every step
+                        progress(bytes_done, total, shards_done, shards_total)
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
     return bytes_done
 
 
-def _read_mmap(files: List[Path], jobs: List[_Job], slices: List, progress: Optional[ProgressFn], total: int,
+def _open_all(files: List[Path]) -> List[int]:
+    fds = []
+    try:
+        for p in files:
+            fds.append(os.open(p, os.O_RDONLY))
+            try:
+                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: int,
+                throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
+                shard_stats: List[Dict], assembler: "_Assembler") -> int:
+    units = _plan(jobs, runs, chunk)
+    fds = _open_all(files)
+
+    def io(u: _Unit) -> None:
+        for c in u.calls:
+            _preadv_full(fds[u.file], list(c.views), c.offset, files[u.file], jobs[c.jobs[0]].info.name)
+
+    def finish(j: int) -> None:
+        jobs[j].finish()
+        assembler.done(jobs[j])
+
+    try:
+        return _execute(units, len(files), jobs, threads, io, finish, throttle, progress, total, shard_stats)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads: int, chunk: int,
+               throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
                shard_stats: List[Dict], assembler: "_Assembler") -> int:
-    by_file: Dict[int, List[int]] = {}
+    """Map the shards, make the needed pages resident from `threads` threads, tensors are views of the map.
+
+    Tensors kept in their stored dtype and row slices are zero-copy, read-only views of the page cache
+    (no second copy of the weights in memory; several processes mapping one file share its pages);
+    what must be converted (bf16 -> float32) or gathered (column slices) is copied once it is resident.
+    """
     file_no = {p: i for i, p in enumerate(files)}
-    for j, job in enumerate(jobs):
-        by_file.setdefault(file_no[job.info.path], []).append(j)
-    done = 0
-    if progress:
-        progress(0, total, 0, len(by_file))
-    for k, (f, js) in enumerate(sorted(by_file.items())):
-        t0 = time.monotonic()
+    maps: Dict[int, Tuple[mmap.mmap, np.ndarray, int]] = {}
+    for f in sorted({file_no[job.info.path] for job in jobs}):
+        if files[f].stat().st_size == 0:    # cannot be mapped; holds no tensor bytes either
+            continue
         with open(files[f], "rb") as fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        nbytes = 0
-        for j in js:
-            job, sl = jobs[j], slices[j]
-            count = int(np.prod(job.info.shape, dtype=np.int64))
-            full = np.frombuffer(mm, job.info.storage, count, job.info.start).reshape(job.info.shape)
-            view = full if sl is None else full[tuple(slice(a, b) for a, b in sl)]
-            job.from_view(view)
-            assembler.done(job)
-            nbytes += job.nbytes
-        done += nbytes
-        shard_stats[f].update(t0=t0, t1=time.monotonic(), bytes=nbytes)
-        if progress:
-            progress(done, total, k + 1, len(by_file))
-    return done
+        try:
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        except (AttributeError, OSError):
+            pass
+        pages = np.frombuffer(mm, np.uint8)
+        maps[f] = (mm, pages, pages.ctypes.data)
+
+    def view(j: int) -> np.ndarray:
+        job, sl = jobs[j], slices[j]
+        f = file_no[job.info.path]
+        count = int(np.prod(job.info.shape, dtype=np.int64))
+        if f in maps:
+            full = np.frombuffer(maps[f][0], job.info.storage, count, job.info.start).reshape(job.info.shape)
+        else:
+            full = np.empty(job.info.shape, job.info.storage)
+        return full if sl is None else full[tuple(slice(a, b) for a, b in sl)]
+
+    units = _plan_mmap(jobs, runs, chunk)
+    fds = _open_all(files)
+    resident = _Resident()
+
+    def io(u: _Unit) -> None:
+        _, pages, base = maps[u.file]
+        for a, b in u.spans:
+            resident(fds[u.file], base, pages, a, min(b, pages.size), files[u.file])
+
+    def finish(j: int) -> None:
+        jobs[j].from_view(view(j))
+        assembler.done(jobs[j])
+
+    try:
+        return _execute(units, len(files), jobs, threads, io, finish, throttle, progress, total, shard_stats)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- public entry points
 
 def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], progress: Optional[ProgressFn],
-          threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float):
+          threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float, raw: bool = False):
     if strategy not in ("eager", "mmap"):
         raise ValueError(f"strategy={strategy!r}; use 'eager' or 'mmap'")
+    if chunk_mb <= 0:
+        raise ValueError(f"chunk_mb={chunk_mb!r}; use a positive number of MiB (32 is the default)")
     t_start = time.monotonic()
     idx = open_checkpoint(path)
     m = plain(cfg)
@@ -465,23 +607,24 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
                                                         shard(f"{w.module}.weight", logical)) if shard else None)
             sl = _int4_part_slices(w, module_slices[w.module], linear[w.module], group)
         out_shape, offsets, run = _runs(info, sl)
-        jobs.append(_Job(w, info, out_shape))
+        jobs.append(_Job(w, info, out_shape, raw))
         slices.append(sl)
         f = file_no[info.path]
         runs.extend((f, off, run, len(jobs) - 1) for off in offsets)
 
-    assembler = _Assembler(module_slices, linear, group)
+    assembler = _Assembler(module_slices, linear, group, raw)
     shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
     total = sum(job.nbytes for job in jobs)
+    chunk = int(chunk_mb * 2 ** 20)
+    if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
+        chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
+    throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
     if strategy == "eager":
         _place_in_arenas(jobs, file_no)
-        chunk = int(chunk_mb * 2 ** 20)
-        if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
-            chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
-        throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
         nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats, assembler)
     else:
-        nread = _read_mmap(files, jobs, slices, progress, total, shard_stats, assembler)
+        nread = _read_mmap(files, jobs, runs, slices, threads, chunk, throttle, progress, total, shard_stats,
+                           assembler)
     weights = assembler.weights(jobs)
     seconds = time.monotonic() - t_start
     per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
@@ -508,15 +651,15 @@ def _int4_part_slices(w: _Want, sl, logical: Tuple[int, int], group: int):
 class _Assembler:
     """Finished jobs -> weights. An INT4 module becomes an Int4Weight as soon as its 3 parts are read."""
 
-    def __init__(self, module_slices, linear, group: int):
-        self.module_slices, self.linear, self.group = module_slices, linear, group
+    def __init__(self, module_slices, linear, group: int, raw: bool = False):
+        self.module_slices, self.linear, self.group, self.raw = module_slices, linear, group, raw
         self.lock = threading.Lock()
         self.parts: Dict[str, Dict[str, _Job]] = {}
         self.int4: Dict[str, object] = {}
 
     def done(self, job: _Job) -> None:
         m = job.want.module
-        if m is None:
+        if m is None or self.raw:
             return
         with self.lock:
             parts = self.parts.setdefault(m, {})
@@ -531,7 +674,7 @@ class _Assembler:
         out: Dict[str, object] = {}
         for job in jobs:
             m = job.want.module
-            if m is None:
+            if m is None or self.raw:
                 out[job.want.disk] = job.result
             elif job.want.part == "packed":
                 out[f"{m}.weight"] = self.int4[m]
@@ -553,19 +696,23 @@ def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: 
 
 
 def load_checkpoint(path, model_cfg, quant_cfg, *, shard: Optional[ShardFn] = None,
-                    progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "eager",
-                    throttle_mb_s: float = 0, chunk_mb: float = 32):
-    """Target checkpoint at `path` -> ({name: float32 ndarray | Int4Weight}, LoadStats)."""
+                    progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
+                    throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False):
+    """Target checkpoint at `path` -> ({name: float32 ndarray | Int4Weight}, LoadStats).
+
+    raw=True: {on-disk name: ndarray as stored} (BF16 as uint16 bits, INT4 modules as their three parts),
+    nothing converted or assembled: what a backend that uploads the stored format as is takes.
+    """
     return _load(Path(path), model_cfg, quant_cfg, False, shard, progress, threads, strategy, throttle_mb_s,
-                 chunk_mb)
+                 chunk_mb, raw)
 
 
 def load_drafter(path, model_cfg, quant_cfg=None, *, shard: Optional[ShardFn] = None,
-                 progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "eager",
-                 throttle_mb_s: float = 0, chunk_mb: float = 32):
+                 progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
+                 throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False):
     """DFlash drafter in `<path>/drafter` -> ({name: float32 ndarray}, LoadStats)."""
     return _load(Path(path) / DRAFTER_DIR, model_cfg, quant_cfg, True, shard, progress, threads, strategy,
-                 throttle_mb_s, chunk_mb)
+                 throttle_mb_s, chunk_mb, raw)
 
 
 def checkpoint_bytes(path) -> int:

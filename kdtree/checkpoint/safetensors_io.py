@@ -66,8 +66,8 @@ class FileHeader:
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     """uint16 bf16 bits -> float32 (exact)."""
-    wide = bits.astype(np.uint32)
-    np.left_shift(wide, 16, out=wide)  # in place: one allocation per tensor
+    wide = np.empty(bits.shape, np.uint32)
+    np.left_shift(bits, 16, out=wide, dtype=np.uint32, casting="unsafe")  # one pass, one allocation
     return wide.view(np.float32)
 
 

@@ -131,7 +131,7 @@ class HostConfig:
 
 @dataclass
 class LoadConfig:
-    strategy: str = "eager"  # eager | mmap
+    strategy: str = "mmap"  # mmap (zero-copy page-cache views, made resident by parallel reads) | eager (copies)
     threads: int = 4
     throttle_mb_s: float = 0.0  # 0 = no throttle; for tests and demos of slow disks
     progress: bool = True

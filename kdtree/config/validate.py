@@ -22,6 +22,7 @@ MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
+LOAD_STRATEGIES = ("mmap", "eager")
 
 
 def check_group_overrides(argv: Sequence[str], conf_dir: Path, groups: Iterable[str]) -> None:
@@ -140,6 +141,17 @@ def validate_checkpoint_path(cfg: DictConfig) -> None:
         raise ConfigError(f"model.path={m.path} has no config.json; it must be a HF checkpoint directory")
 
 
+def validate_load(cfg: DictConfig) -> None:
+    ld = cfg.load
+    if ld.strategy not in LOAD_STRATEGIES:
+        raise ConfigError(f"load.strategy={ld.strategy} is unknown; use load.strategy=mmap (zero-copy, the default) "
+                          f"or load.strategy=eager (reads into copies)")
+    if ld.threads < 1:
+        raise ConfigError(f"load.threads={ld.threads} must be >= 1 (parallel reads per process; 4 is the default)")
+    if ld.throttle_mb_s < 0:
+        raise ConfigError(f"load.throttle_mb_s={ld.throttle_mb_s} must be >= 0 (0 = no throttle)")
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
     if cfg.quant.method not in QUANT_METHODS:
@@ -154,6 +166,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
         raise ConfigError(f"host.supervisor={cfg.host.supervisor} is unknown; use nohup or systemd")
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
+    validate_load(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:

@@ -1,18 +1,21 @@
 """bench_load: checkpoint-loader throughput next to `cat file > /dev/null` of the same shards (issue 9).
 
-    python -m kdtree.run pipeline=bench_load              # 2 GB; writes bench_load.json in the run dir
+    python -m kdtree.run pipeline=bench_load              # 2 GB; bench_load.json + bench_load.md in the run dir
 
-Builds (once, cached under <cache>/bench_load/) a synthetic checkpoint of `gb` GB with the K2 layout
-and K2's formats: routed experts INT4 (weight_packed I32, weight_scale BF16, weight_shape), everything
-else BF16, random bytes (finite values; nobody runs it). Then, page cache hot (one cat first), one
-warm-up load (reported as first_load_s: it also pays for memory the process never touched before),
-then `repeats` rounds of: the loader (no progress), the loader with a ProgressReporter, and
-`cat <shards> > /dev/null`; then, where the page cache can be dropped (root), `repeats` cold rounds
-(drop, cat; drop, loader) that measure the disk rather than memory bandwidth. progress_overhead = seconds inside the progress callback / load seconds
-(a difference of two load times would drown in noise on a shared machine). Rates use the median time and the shards' file bytes;
-MB = 10^6 bytes. first_touch_mb_s = np.empty + one write per page of the same bytes: the floor of any
-loader that materialises weights in fresh memory. strategy=mmap only maps the files (pages are read on first touch), so its rate is
-not a read rate.
+Builds (once, cached under <cache>/bench_load/) a synthetic checkpoint of `gb` GB with the K2 layout and
+K2's formats: routed experts INT4 (weight_packed I32, weight_scale BF16, weight_shape), everything else
+BF16, random bytes (finite values; nobody runs it). Then, page cache hot (one cat first), one warm-up load
+(first_load_s), then `repeats` rounds, each running in turn: `cat <shards> > /dev/null`; the loader
+(`strategy`, tensors kept as stored: the headline `loader_mb_s` / `ratio`); the same with a
+ProgressReporter; the same widened to float32 (what the fp32 numpy/cpu backends take: `float32_ratio`);
+the other strategy. Then, where the page cache can be dropped (root), `repeats` cold rounds (drop, cat;
+drop, loader) that measure the disk rather than memory bandwidth.
+
+Every loader variant ends with every tensor byte resident in memory and usable (mmap: the pages are
+read in and mapped before the load returns, not on first touch). progress_overhead = seconds inside the
+progress callback / load seconds (a difference of two load times would drown in noise on a shared
+machine). Rates use the median time and the shards' file bytes; MB = 10^6 bytes. first_touch_mb_s =
+np.empty + one write per page of the same bytes: what any copy into fresh memory pays first.
 """
 from __future__ import annotations
 
@@ -192,24 +195,48 @@ def _cold_rounds(path, files, model, quant, threads: int, strategy: str, repeats
             return {"cold": False, "cold_skipped": why}
         cat_s.append(_cat(files))
         drop_page_cache()
-        loader_s.append(_load(path, model, quant, threads, strategy)[0])
+        loader_s.append(_load(path, model, quant, threads, strategy, raw=True)[0])
     nbytes = sum(f.stat().st_size for f in files)
     loader, plain = statistics.median(loader_s), statistics.median(cat_s)
     return {"cold": True, "cold_loader_mb_s": nbytes / 1e6 / loader, "cold_plain_read_mb_s": nbytes / 1e6 / plain,
             "cold_ratio": plain / loader, "cold_loader_s": loader_s, "cold_plain_read_s": cat_s}
 
 
-def _load(path, model, quant, threads: int, strategy: str, progress=None) -> tuple:
+def _load(path, model, quant, threads: int, strategy: str, progress=None, raw: bool = True) -> tuple:
     t0 = time.perf_counter()
-    weights, stats = load_checkpoint(path, model, quant, threads=threads, strategy=strategy, progress=progress)
+    weights, stats = load_checkpoint(path, model, quant, threads=threads, strategy=strategy, progress=progress,
+                                     raw=raw)
     seconds = time.perf_counter() - t0
     del weights
     gc.collect()
     return seconds, stats
 
 
-def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, strategy: str = "eager",
+def _other(strategy: str) -> str:
+    return "eager" if strategy == "mmap" else "mmap"
+
+
+def table(out: dict) -> str:
+    """The figures people compare, as a markdown table (also printed by the stage)."""
+    cold = out.get("cold")
+    head = "| reader | hot MB/s | hot × cat |" + (" cold MB/s | cold × cat |" if cold else "")
+    lines = [head, "|---|---:|---:|" + ("---:|---:|" if cold else "")]
+    for row in out["rows"]:
+        line = f"| {row['reader']} | {row['mb_s']:.0f} | {row['ratio']:.2f} |"
+        if cold:
+            key = {"cat": "cold_plain_read_mb_s", "loader": "cold_loader_mb_s"}.get(row["key"])
+            line += (f" {out[key]:.0f} | {out[key] / out['cold_plain_read_mb_s']:.2f} |" if key else " | |")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, strategy: str = "mmap",
         shards: int = 8, cold: bool = True) -> dict:
+    if strategy not in ("mmap", "eager"):
+        raise ValueError(f"bench_load strategy={strategy!r}; use mmap or eager (load.strategy)")
+    if gb <= 0 or repeats < 1 or shards < 1:
+        raise ValueError(f"bench_load gb={gb}, repeats={repeats}, shards={shards}: all must be positive "
+                         f"(e.g. gb=2 repeats=3 shards=8)")
     cfg = ctx.cfg
     cache_dir = str(OmegaConf.select(cfg, "cache_dir", default="") or "") if cfg is not None else ""
     if threads is None:
@@ -220,61 +247,82 @@ def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, s
     files = sorted(path.glob("*.safetensors"))
     nbytes = sum(f.stat().st_size for f in files)
     _cat(files)                                   # hot cache: every measurement below reads from memory
-    t0 = time.perf_counter()                      # the floor of any loader that materialises the weights:
-    touched = np.empty(nbytes, np.uint8)          # fresh memory, one write per 4 KiB page (slow in VMs whose
-    touched[::4096] = 1                           # host backs guest pages lazily, e.g. virtio-balloon)
+    t0 = time.perf_counter()                      # what materialising the weights in fresh memory costs here
+    touched = np.empty(nbytes, np.uint8)          # (one write per 4 KiB page; slow in VMs whose host backs
+    touched[::4096] = 1                           # guest pages lazily, or when huge pages need compaction)
     first_touch_s = time.perf_counter() - t0
     del touched
+    other = _other(strategy)
+    # (key, reader, how): the headline loader keeps the stored formats (packed INT4, BF16): bytes from the
+    # files to resident, usable memory. "float32" adds the widening the fp32 numpy/cpu backends need.
+    variants = [
+        ("cat", "`cat shards > /dev/null`", None),
+        ("loader", f"loader {strategy}, stored dtypes", dict(strategy=strategy)),
+        ("progress", f"loader {strategy}, stored dtypes, progress on", dict(strategy=strategy, progress=True)),
+        ("float32", f"loader {strategy}, widened to float32 (numpy/cpu backends)", dict(strategy=strategy, raw=False)),
+        ("other", f"loader {other}, stored dtypes", dict(strategy=other)),
+    ]
     first_load_s = _load(path, model, quant, threads, strategy)[0]   # warm-up; not in the medians
-    loader_s: List[float] = []
-    progress_s: List[float] = []
+    times: Dict[str, List[float]] = {k: [] for k, _, _ in variants}
     callback_s: List[float] = []
-    cat_s: List[float] = []
     stats = None
-    for _ in range(max(1, int(repeats))):         # alternate, so drift on a shared machine hits all alike
-        s, stats = _load(path, model, quant, threads, strategy)
-        loader_s.append(s)
-        reporter = _TimedProgress(ProgressReporter(io.StringIO(), tty=False, interval_s=1.0))
-        progress_s.append(_load(path, model, quant, threads, strategy, progress=reporter)[0])
-        callback_s.append(reporter.seconds)
-        cat_s.append(_cat(files))
-    loader, plain = statistics.median(loader_s), statistics.median(cat_s)
+    for _ in range(int(repeats)):                 # alternate, so drift on a shared machine hits all alike
+        for key, _, how in variants:
+            if how is None:
+                times[key].append(_cat(files))
+                continue
+            how = dict(how)
+            reporter = None
+            if how.pop("progress", False):
+                reporter = _TimedProgress(ProgressReporter(io.StringIO(), tty=False, interval_s=1.0))
+            s, st = _load(path, model, quant, threads, how["strategy"], progress=reporter,
+                          raw=how.get("raw", True))
+            times[key].append(s)
+            if reporter is not None:
+                callback_s.append(reporter.seconds / s)
+            if key == "loader":
+                stats = st
+    med = {k: statistics.median(v) for k, v in times.items()}
+    plain = med["cat"]
+    rows = [{"key": k, "reader": reader, "mb_s": nbytes / 1e6 / med[k], "ratio": plain / med[k],
+             "seconds": times[k]} for k, reader, _ in variants]
     out = {
         "bytes": nbytes,
         "gb": gb,
-        "loader_mb_s": nbytes / 1e6 / loader,
+        "loader_mb_s": nbytes / 1e6 / med["loader"],
         "plain_read_mb_s": nbytes / 1e6 / plain,
-        "ratio": plain / loader,                  # loader rate / cat rate
-        "progress_overhead": statistics.median(c / t for c, t in zip(callback_s, progress_s)),
-        "progress_callback_s": callback_s,
+        "ratio": plain / med["loader"],           # loader rate / cat rate
+        "progress_overhead": statistics.median(callback_s),
+        "progress_ratio": plain / med["progress"],
+        "float32_loader_mb_s": nbytes / 1e6 / med["float32"],
+        "float32_ratio": plain / med["float32"],
+        f"{other}_loader_mb_s": nbytes / 1e6 / med["other"],
+        f"{other}_ratio": plain / med["other"],
         "first_touch_mb_s": nbytes / 1e6 / first_touch_s,
         "first_load_s": first_load_s,
-        "loader_s": loader_s,
-        "loader_with_progress_s": progress_s,
-        "plain_read_s": cat_s,
+        "loader_s": times["loader"],
+        "loader_with_progress_s": times["progress"],
+        "plain_read_s": times["cat"],
+        "rows": rows,
         "threads": threads,
         "strategy": strategy,
-        "repeats": len(loader_s),
+        "repeats": int(repeats),
         "shards": len(files),
         "tensors": stats.tensors if stats else 0,
         "checkpoint": str(path),
         "build_s": build_s,
         "cpus": os.cpu_count(),
     }
-    # Hot cache measures memory bandwidth (cat copies into one small, cache-resident buffer; a loader must
-    # write every byte to its final buffer in DRAM, and widen bf16 to float32). Cold cache measures the disk.
-    out.update(_cold_rounds(path, files, model, quant, threads, strategy, max(1, int(repeats))) if cold
+    out.update(_cold_rounds(path, files, model, quant, threads, strategy, int(repeats)) if cold
                else {"cold": False, "cold_skipped": "cold=false"})
     Path(ctx.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(ctx.run_dir) / "bench_load.json").write_text(json.dumps(out, indent=2) + "\n")
-    print(f"bench_load {nbytes / 1e9:.2f} GB in {len(files)} shards, {threads} threads, {strategy}: "
-          f"loader {out['loader_mb_s']:.0f} MB/s, cat {out['plain_read_mb_s']:.0f} MB/s, "
-          f"ratio {out['ratio']:.2f} (hot cache), progress overhead {100 * out['progress_overhead']:+.1f}%")
-    if out["cold"]:
-        print(f"bench_load cold cache (page cache dropped before each read): loader {out['cold_loader_mb_s']:.0f} MB/s, "
-              f"cat {out['cold_plain_read_mb_s']:.0f} MB/s, ratio {out['cold_ratio']:.2f}")
-    else:
-        print(f"bench_load cold cache: skipped ({out['cold_skipped']})")
-    keys = ("bytes", "loader_mb_s", "plain_read_mb_s", "ratio", "progress_overhead", "cold_ratio")
+    (Path(ctx.run_dir) / "bench_load.md").write_text(table(out) + "\n")
+    print(f"bench_load: {nbytes / 1e9:.2f} GB K2-layout checkpoint (INT4 experts, BF16 rest) in {len(files)} "
+          f"shards, {threads} threads, median of {int(repeats)} alternating rounds")
+    print(table(out))
+    print(f"loader / cat (hot cache): {out['ratio']:.2f}; progress overhead {100 * out['progress_overhead']:.2f}% "
+          f"of the load" + ("" if out["cold"] else f"; cold cache skipped ({out['cold_skipped']})"))
+    keys = ("bytes", "loader_mb_s", "plain_read_mb_s", "ratio", "progress_overhead", "float32_ratio", "cold_ratio")
     ctx.emit("bench_load", **{k: out[k] for k in keys if k in out})
     return {k: out[k] for k in keys if k in out}

@@ -43,6 +43,13 @@ def test_stage_writes_bench_load_json_and_reuses_its_checkpoint(cache, tmp_path)
     assert abs(saved["bytes"] - GB * 1e9) < 0.15 * GB * 1e9
     assert saved["loader_mb_s"] > 0 and saved["plain_read_mb_s"] > 0
     assert saved["ratio"] == pytest.approx(saved["loader_mb_s"] / saved["plain_read_mb_s"])
+    rows = {r["key"]: r for r in saved["rows"]}
+    assert list(rows) == ["cat", "loader", "progress", "float32", "other"] and rows["cat"]["ratio"] == 1
+    assert rows["loader"]["mb_s"] == pytest.approx(saved["loader_mb_s"])
+    assert rows["float32"]["ratio"] == pytest.approx(saved["float32_ratio"])
+    assert saved["strategy"] == "mmap" and "eager_ratio" in saved
+    md = (tmp_path / "a" / "bench_load.md").read_text()
+    assert md.startswith("| reader | hot MB/s | hot × cat |") and "loader mmap, stored dtypes" in md
     if saved["cold"]:  # root: the page cache was dropped before each cold read
         assert saved["cold_ratio"] == pytest.approx(saved["cold_loader_mb_s"] / saved["cold_plain_read_mb_s"])
     else:

@@ -79,6 +79,9 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["model.path=/does/not/exist"], r"model.path=/does/not/exist does not exist"),
     (["model=k26"], r"model.path is empty for model=k26"),
     (["backend=cuda"], r"backend=cuda needs a CUDA device"),
+    (["load.strategy=fast"], r"load.strategy=fast is unknown; use load.strategy=mmap"),
+    (["load.threads=0"], r"load.threads=0 must be >= 1"),
+    (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
     cfg = _compose(*overrides)

@@ -168,3 +168,23 @@ def test_single_file_checkpoint_stays_single_file(tmp_path, tiny_cfg, make_quant
     assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["config.json", "model.safetensors"]
     with safe_open(str(tmp_path / "q" / "model.safetensors"), framework="np") as f:
         assert f.get_slice("model.layers.1.mlp.experts.0.up_proj.weight_packed").get_dtype() == "I32"
+
+
+@pytest.mark.parametrize("strategy", ["mmap", "eager"])
+def test_raw_load_returns_the_stored_parts_and_the_default_load_assembles_them(int4_checkpoint, tiny_cfg,
+                                                                               make_quant_cfg, strategy):
+    from kdtree.checkpoint.loader import load_checkpoint
+
+    dst, _ = int4_checkpoint
+    _, stored = _all(dst)
+    quant = make_quant_cfg("int4_w4a16")
+    raw, _ = load_checkpoint(dst, tiny_cfg, quant, strategy=strategy, raw=True)
+    assert set(raw) == set(stored)
+    for name, a in stored.items():
+        assert raw[name].dtype == a.dtype and np.array_equal(raw[name], a), name
+    loaded, _ = load_checkpoint(dst, tiny_cfg, quant, strategy=strategy)
+    m = next(n[: -len(".weight_packed")] for n in stored if n.endswith(".weight_packed"))
+    W = loaded[f"{m}.weight"]
+    assert isinstance(W, Int4Weight)
+    assert np.array_equal(W.dequantize(), Int4Weight.from_tensors(m, raw[f"{m}.weight_packed"], raw[f"{m}.weight_scale"],
+                                                                  raw[f"{m}.weight_shape"], 32).dequantize())
