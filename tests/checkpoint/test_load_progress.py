@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import io
+import time
+
+import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.progress import ProgressReporter
@@ -23,11 +26,30 @@ def test_mmap_progress_reaches_the_total(write, cfg, fp32):
     assert calls[-1] == (stats.bytes_read, stats.bytes_read, 4, 4)
 
 
-def test_throttle_caps_the_rate(write, cfg, fp32):
+@pytest.mark.parametrize("strategy", ["mmap", "eager"])
+def test_throttle_caps_the_rate(write, cfg, fp32, strategy):
     d = write()
-    _, stats = load_checkpoint(d, cfg, fp32, throttle_mb_s=40)  # 12.5 MB at 40 MB/s: at least ~0.3 s
+    _, stats = load_checkpoint(d, cfg, fp32, throttle_mb_s=40, strategy=strategy)  # 12.5 MB at 40 MB/s: >= ~0.3 s
     assert stats.seconds >= 0.9 * stats.bytes_read / 40e6
     assert stats.bytes_read == stats.bytes_total
+
+
+@pytest.mark.parametrize("strategy", ["mmap", "eager"])
+def test_eta_printed_after_a_quarter_is_within_15_percent_on_a_steady_disk(write, cfg, fp32, strategy):
+    out = io.StringIO()
+    reporter = ProgressReporter(out, tty=False, interval_s=0.0)
+    seen = []
+
+    def progress(*args):
+        reporter(*args)
+        seen.append((time.monotonic(), args[0], args[1], reporter.eta(), reporter.last_line))
+
+    load_checkpoint(write(), cfg, fp32, throttle_mb_s=6, strategy=strategy, progress=progress)  # ~2 s
+    end = time.monotonic()
+    at, done, total, eta, line = next(s for s in seen if s[1] >= s[2] / 4)
+    assert "ETA" in line and line in out.getvalue()
+    print(f"ETA at {done / total:.0%}: {eta:.3f} s, took {end - at:.3f} s")
+    assert abs(eta - (end - at)) <= 0.15 * (end - at), (eta, end - at, done / total)
 
 
 class Clock:
