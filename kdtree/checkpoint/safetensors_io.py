@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
@@ -172,13 +173,22 @@ def write_file(path, tensors: Mapping[str, object], dtypes: Optional[Mapping[str
         offset += arr.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # pad so the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in order:
-            arr = arrays[name][0]
-            if arr.nbytes:
-                f.write(memoryview(arr.reshape(-1)).cast("B"))
+    # a new file renamed over the old one: an engine that maps the old file keeps its (unlinked) pages
+    # instead of seeing it truncated under it (SIGBUS)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name in order:
+                arr = arrays[name][0]
+                if arr.nbytes:
+                    f.write(memoryview(arr.reshape(-1)).cast("B"))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return offset
 
 

@@ -76,3 +76,15 @@ def test_column_slices_under_mmap_and_eager_agree(write, cfg, fp32, weights, str
     assert part[name].flags.c_contiguous
     assert np.array_equal(part[name], weights[name][:, cols // 4: cols // 2])
     assert stats.bytes_read == stats.bytes_total - weights[name].nbytes * 3 // 4
+
+
+def test_rewriting_a_mapped_checkpoint_leaves_the_loaded_weights_intact(write, cfg, fp32, weights):
+    d = write()
+    loaded, _ = load_checkpoint(d, cfg, fp32, strategy="mmap")
+    before = {k: np.array(v) for k, v in loaded.items()}
+    changed = {k: w + 1 for k, w in weights.items()}
+    write(tensors=changed)                       # the same directory, rewritten (new files renamed in)
+    assert all(np.array_equal(loaded[k], before[k]) for k in weights)   # not truncated under us (no SIGBUS)
+    again, _ = load_checkpoint(d, cfg, fp32, strategy="mmap")
+    assert all(np.array_equal(again[k], changed[k]) for k in weights)
+    assert not list(d.glob(".*.tmp-*"))
