@@ -527,8 +527,12 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
     for f in sorted({file_no[job.info.path] for job in jobs}):
         if files[f].stat().st_size == 0:    # cannot be mapped; holds no tensor bytes either
             continue
-        with open(files[f], "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            with open(files[f], "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{files[f]}: cannot be memory-mapped ({e}); use load.strategy=eager on this "
+                                  f"filesystem") from None
         try:
             mm.madvise(mmap.MADV_SEQUENTIAL)
         except (AttributeError, OSError):
