@@ -57,7 +57,7 @@ class Engine:
     def from_config(cls, cfg, status: Any = None,
                     progress: Optional[Callable[[int, int, int, int], None]] = None) -> "Engine":
         from kdtree.backends import get_ops
-        from kdtree.checkpoint.loader import load_checkpoint, load_drafter
+        from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
         from kdtree.model.drafter import DFlashDrafter
         from kdtree.model.k2 import K2Model
         from kdtree.tokenizer import load_tokenizer
@@ -72,13 +72,12 @@ class Engine:
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
         else:
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
-                                             threads=cfg.load.threads, strategy=cfg.load.strategy,
-                                             throttle_mb_s=cfg.load.throttle_mb_s)
+                                             **load_options(cfg.load))
             model = K2Model(cfg.model, weights, ops)
         try:
             drafter = None
             if cfg.tree.kind != "ar":
-                dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, threads=cfg.load.threads)
+                dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
                 stats.bytes_read += dstats.bytes_read
                 drafter = DFlashDrafter.from_target(model, dweights)
             tokenizer = load_tokenizer(cfg.model, ckpt)

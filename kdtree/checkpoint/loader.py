@@ -395,31 +395,41 @@ class _Resident:
 
     MADV_POPULATE_READ = 22
 
-    def __init__(self):
-        self.madvise = None
+    def __init__(self, lock: bool = False):
+        self.madvise = self.mlock = None
         if sys.platform.startswith("linux"):
             try:
                 libc = ctypes.CDLL(None, use_errno=True)
-                self.madvise = libc.madvise
+                self.madvise, self.mlock = libc.madvise, libc.mlock
                 self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-                self.madvise.restype = ctypes.c_int
+                self.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             except (OSError, AttributeError):
-                self.madvise = None
+                self.madvise = self.mlock = None
+        if lock and self.mlock is None:
+            raise CheckpointError("load.mlock=true needs mlock(2) (Linux); set load.mlock=false")
+        self.lock = lock
 
     def __call__(self, fd: int, base: int, pages: np.ndarray, a: int, b: int, path: Path) -> None:
         try:
             os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_WILLNEED)
         except (AttributeError, OSError):
             pass
+        populated = False
         if self.madvise is not None:
-            if self.madvise(ctypes.c_void_p(base + a), b - a, self.MADV_POPULATE_READ) == 0:
-                return
+            populated = self.madvise(ctypes.c_void_p(base + a), b - a, self.MADV_POPULATE_READ) == 0
             err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            if not populated and err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
                 raise CheckpointError(f"{path}: reading bytes {a}..{b} failed ({os.strerror(err)}); the shard "
                                       f"is truncated or its storage is failing: check the file, or re-download it")
-            self.madvise = None     # an older kernel: fall back to touching the pages
-        int(pages[a:b:_PAGE].max())
+            if not populated:
+                self.madvise = None     # an older kernel: fall back to touching the pages
+        if not populated:
+            int(pages[a:b:_PAGE].max())
+        if self.lock and self.mlock(ctypes.c_void_p(base + a), b - a) != 0:
+            err = ctypes.get_errno()
+            raise CheckpointError(f"{path}: cannot lock bytes {a}..{b} in memory ({os.strerror(err)}); raise the "
+                                  f"memlock limit (ulimit -l unlimited; LimitMEMLOCK=infinity under systemd) or "
+                                  f"set load.mlock=false")
 
 
 def _execute(units: List[_Unit], nfiles: int, jobs: List[_Job], threads: int, io: Callable[[_Unit], None],
@@ -515,7 +525,7 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
 
 def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads: int, chunk: int,
                throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
-               shard_stats: List[Dict], assembler: "_Assembler") -> int:
+               shard_stats: List[Dict], assembler: "_Assembler", lock: bool = False) -> int:
     """Map the shards, make the needed pages resident from `threads` threads, tensors are views of the map.
 
     Tensors kept in their stored dtype and row slices are zero-copy, read-only views of the page cache
@@ -552,7 +562,7 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
 
     units = _plan_mmap(jobs, runs, chunk)
     fds = _open_all(files)
-    resident = _Resident()
+    resident = _Resident(lock)
 
     def io(u: _Unit) -> None:
         _, pages, base = maps[u.file]
@@ -573,11 +583,15 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
 # ---------------------------------------------------------------- public entry points
 
 def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], progress: Optional[ProgressFn],
-          threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float, raw: bool = False):
+          threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float, raw: bool = False,
+          mlock: bool = False):
     if strategy not in ("eager", "mmap"):
         raise ValueError(f"strategy={strategy!r}; use 'eager' or 'mmap'")
     if chunk_mb <= 0:
         raise ValueError(f"chunk_mb={chunk_mb!r}; use a positive number of MiB (32 is the default)")
+    if mlock and strategy != "mmap":
+        raise ValueError("mlock=True locks the mapped shards: it needs strategy='mmap' (eager's copies are "
+                         "anonymous memory, which only swap can evict)")
     t_start = time.monotonic()
     idx = open_checkpoint(path)
     m = plain(cfg)
@@ -628,7 +642,7 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
         nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats, assembler)
     else:
         nread = _read_mmap(files, jobs, runs, slices, threads, chunk, throttle, progress, total, shard_stats,
-                           assembler)
+                           assembler, mlock)
     weights = assembler.weights(jobs)
     seconds = time.monotonic() - t_start
     per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
@@ -701,22 +715,31 @@ def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: 
 
 def load_checkpoint(path, model_cfg, quant_cfg, *, shard: Optional[ShardFn] = None,
                     progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
-                    throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False):
+                    throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False):
     """Target checkpoint at `path` -> ({name: float32 ndarray | Int4Weight}, LoadStats).
 
     raw=True: {on-disk name: ndarray as stored} (BF16 as uint16 bits, INT4 modules as their three parts),
     nothing converted or assembled: what a backend that uploads the stored format as is takes.
+    mlock=True (mmap): the mapped pages are locked in RAM, so memory pressure cannot evict weights.
     """
     return _load(Path(path), model_cfg, quant_cfg, False, shard, progress, threads, strategy, throttle_mb_s,
-                 chunk_mb, raw)
+                 chunk_mb, raw, mlock)
 
 
 def load_drafter(path, model_cfg, quant_cfg=None, *, shard: Optional[ShardFn] = None,
                  progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
-                 throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False):
+                 throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False):
     """DFlash drafter in `<path>/drafter` -> ({name: float32 ndarray}, LoadStats)."""
     return _load(Path(path) / DRAFTER_DIR, model_cfg, quant_cfg, True, shard, progress, threads, strategy,
-                 throttle_mb_s, chunk_mb, raw)
+                 throttle_mb_s, chunk_mb, raw, mlock)
+
+
+def load_options(load_cfg, throttle: bool = True) -> Dict[str, object]:
+    """The `load:` config section -> load_checkpoint/load_drafter keyword arguments."""
+    opts = {"threads": int(load_cfg.threads), "strategy": str(load_cfg.strategy), "mlock": bool(load_cfg.mlock)}
+    if throttle:
+        opts["throttle_mb_s"] = float(load_cfg.throttle_mb_s)
+    return opts
 
 
 def checkpoint_bytes(path) -> int:

@@ -134,6 +134,7 @@ class LoadConfig:
     strategy: str = "mmap"  # mmap (zero-copy page-cache views, made resident by parallel reads) | eager (copies)
     threads: int = 4
     throttle_mb_s: float = 0.0  # 0 = no throttle; for tests and demos of slow disks
+    mlock: bool = False  # mmap: lock the weights in RAM (needs ulimit -l unlimited) so pressure cannot evict them
     progress: bool = True
 
 

@@ -150,6 +150,9 @@ def validate_load(cfg: DictConfig) -> None:
         raise ConfigError(f"load.threads={ld.threads} must be >= 1 (parallel reads per process; 4 is the default)")
     if ld.throttle_mb_s < 0:
         raise ConfigError(f"load.throttle_mb_s={ld.throttle_mb_s} must be >= 0 (0 = no throttle)")
+    if ld.mlock and ld.strategy != "mmap":
+        raise ConfigError(f"load.mlock=true with load.strategy={ld.strategy}: mlock pins the mapped shards, use "
+                          f"load.strategy=mmap (eager's copies are anonymous memory, only swap evicts them)")
 
 
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:

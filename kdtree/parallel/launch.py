@@ -120,7 +120,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     """Start ranks 1..N-1, load rank 0's slices here -> (TPModel, rank 0's LoadStats with bytes_read of ALL ranks)."""
     import torch.distributed as dist
 
-    from kdtree.checkpoint.loader import load_checkpoint
+    from kdtree.checkpoint.loader import load_checkpoint, load_options
     from kdtree.config.validate import validate_tp
     from kdtree.model.k2 import K2Model
     from omegaconf import OmegaConf
@@ -158,8 +158,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         _await(workers, "joined", timeout_s)           # every rank is up and about to join the group
         init_group(store, 0, tp, dist_backend, timeout_s)
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
-                                         progress=progress, threads=cfg.load.threads, strategy=cfg.load.strategy,
-                                         throttle_mb_s=cfg.load.throttle_mb_s)
+                                         progress=progress, **load_options(cfg.load))
         local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(tp, dist_backend))
         del weights
         ready = _await(workers, "ready", None)         # loading takes as long as it takes; a dead rank raises

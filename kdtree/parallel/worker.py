@@ -42,7 +42,7 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     from omegaconf import OmegaConf
 
     from kdtree.backends import get_ops
-    from kdtree.checkpoint.loader import load_checkpoint
+    from kdtree.checkpoint.loader import load_checkpoint, load_options
     from kdtree.model.k2 import K2Model
     from kdtree.parallel.comm import init_group, ordered_all_reduce
     from kdtree.parallel.sharding import shard_fn
@@ -61,8 +61,7 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     t0 = time.monotonic()
     ops = get_ops(cfg.backend)
     weights, stats = load_checkpoint(setup["checkpoint"], cfg.model, cfg.quant, shard=shard_fn(cfg.model, rank, world),
-                                     threads=cfg.load.threads, strategy=cfg.load.strategy,
-                                     throttle_mb_s=cfg.load.throttle_mb_s)
+                                     **load_options(cfg.load))
     model = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(world, setup["dist_backend"]))
     del weights
     # rank 0 alone turns the last hidden state into logits (accept, drafter); skip lm_head's GEMV here

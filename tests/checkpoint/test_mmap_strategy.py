@@ -6,6 +6,8 @@ checkpoint in memory (the mapping's pages are the page cache's, not private anon
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,22 @@ def test_rewriting_a_mapped_checkpoint_leaves_the_loaded_weights_intact(write, c
     again, _ = load_checkpoint(d, cfg, fp32, strategy="mmap")
     assert all(np.array_equal(again[k], changed[k]) for k in weights)
     assert not list(d.glob(".*.tmp-*"))
+
+
+def test_mlock_pins_the_mapped_weights_or_names_the_limit(write, cfg, fp32):
+    import resource
+
+    from kdtree.errors import CheckpointError
+
+    d = write()
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < need:
+        with pytest.raises(CheckpointError, match=r"cannot lock .* ulimit -l unlimited"):
+            load_checkpoint(d, cfg, fp32, strategy="mmap", mlock=True)
+        return
+    loaded, _ = load_checkpoint(d, cfg, fp32, strategy="mmap", mlock=True)
+    for f in sorted(d.glob("*.safetensors")):
+        assert _mapped(f.resolve())["Locked"] >= (f.stat().st_size - read_header(f).data_start) // 1024, f.name
+    with pytest.raises(ValueError, match="needs strategy='mmap'"):
+        load_checkpoint(d, cfg, fp32, strategy="eager", mlock=True)
