@@ -543,11 +543,7 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{files[f]}: cannot be memory-mapped ({e}); use load.strategy=eager on this "
                                   f"filesystem") from None
-        try:
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-        except (AttributeError, OSError):
-            pass
-        pages = np.frombuffer(mm, np.uint8)
+        pages = np.frombuffer(mm, np.uint8)   # (no MADV_SEQUENTIAL: it lets reclaim take weight pages first)
         maps[f] = (mm, pages, pages.ctypes.data)
 
     def view(j: int) -> np.ndarray:
