@@ -418,9 +418,13 @@ class _Resident:
         if self.madvise is not None:
             populated = self.madvise(ctypes.c_void_p(base + a), b - a, self.MADV_POPULATE_READ) == 0
             err = ctypes.get_errno()
+            if not populated and err == errno.EFAULT:   # pages past the end of the file
+                raise CheckpointError(f"{path}: truncated shard, bytes {a}..{b} are past its end (it has "
+                                      f"{os.fstat(fd).st_size} bytes now: changed while loading?); re-download "
+                                      f"or regenerate this shard")
             if not populated and err not in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
-                raise CheckpointError(f"{path}: reading bytes {a}..{b} failed ({os.strerror(err)}); the shard "
-                                      f"is truncated or its storage is failing: check the file, or re-download it")
+                raise CheckpointError(f"{path}: reading bytes {a}..{b} failed ({os.strerror(err)}); its storage "
+                                      f"is failing: check the disk, or re-download the shard")
             if not populated:
                 self.madvise = None     # an older kernel: fall back to touching the pages
         if not populated:

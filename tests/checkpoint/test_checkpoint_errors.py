@@ -15,12 +15,13 @@ NAME = "model.layers.2.mlp.experts.5.up_proj.weight"
 
 
 def fails(d, cfg, quant, *needles):
-    with pytest.raises(CheckpointError) as e:
-        load_checkpoint(d, cfg, quant)
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, msg
+    for strategy in ("mmap", "eager"):     # the same line from either load strategy
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(d, cfg, quant, strategy=strategy)
+        msg = str(e.value)
+        assert "\n" not in msg, msg
+        for n in needles:
+            assert str(n) in msg, msg
     return msg
 
 
@@ -113,3 +114,17 @@ def test_unquantized_checkpoint_with_int4_config(write, cfg):
 def test_not_a_checkpoint_directory(tmp_path, cfg, fp32):
     fails(tmp_path / "nope", cfg, fp32, "nope", "does not exist")
     fails(tmp_path, cfg, fp32, str(tmp_path), "model.safetensors")
+
+
+@pytest.mark.parametrize("strategy", ["mmap", "eager"])
+def test_shard_truncated_while_loading_is_an_error_not_a_crash(write, cfg, fp32, strategy):
+    d = write()
+    f = shard_of(d, NAME)
+
+    def truncate_once(done, *_):
+        if done == 0:                       # after validation and mapping, before the first read
+            with open(f, "r+b") as fh:
+                fh.truncate(f.stat().st_size // 2)
+
+    with pytest.raises(CheckpointError, match=rf"{f.name}: truncated shard, .* re-download"):
+        load_checkpoint(d, cfg, fp32, strategy=strategy, progress=truncate_once, chunk_mb=0.25)
