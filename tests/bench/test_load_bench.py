@@ -78,13 +78,16 @@ def _cat_mb_s(files) -> float:
     return sum(f.stat().st_size for f in files) / 1e6 / (time.perf_counter() - t0)
 
 
+@pytest.mark.parametrize("strategy,raw", [("mmap", True), ("mmap", False), ("eager", True)],
+                         ids=["mmap-stored", "mmap-float32", "eager-stored"])
 @pytest.mark.parametrize("threads", [1, 4])
-def test_bench_load_synthetic(benchmark, cache, threads):
+def test_bench_load_synthetic(benchmark, cache, threads, strategy, raw):
     path, model, quant = bench_load.ensure_bench_checkpoint(0.2, 8, str(cache))
     files = sorted(path.glob("*.safetensors"))
     _cat_mb_s(files)  # hot cache
-    _, stats = benchmark(load_checkpoint, path, model, quant, threads=threads)
-    benchmark.extra_info.update(bytes=stats.bytes_read, cat_mb_s=_cat_mb_s(files), threads=threads)
+    _, stats = benchmark(load_checkpoint, path, model, quant, threads=threads, strategy=strategy, raw=raw)
+    benchmark.extra_info.update(bytes=stats.bytes_read, cat_mb_s=_cat_mb_s(files), threads=threads,
+                                strategy=strategy, raw=raw)
 
 
 def test_bench_load_tiny(benchmark, cache):
