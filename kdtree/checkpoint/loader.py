@@ -31,6 +31,7 @@ Rates are MB/s with MB = 10^6 bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -436,22 +437,40 @@ class _Resident:
                                   f"set load.mlock=false")
 
 
-def _execute(units: List[_Unit], nfiles: int, jobs: List[_Job], threads: int, io: Callable[[_Unit], None],
-             finish: Callable[[int], None], throttle: Optional[_Throttle], progress: Optional[ProgressFn],
-             total: int, shard_stats: List[Dict]) -> int:
-    """Run `io` on every unit from `threads` threads; `finish(j)` runs (in the thread) once job j is complete."""
+@contextlib.contextmanager
+def _opened(files: List[Path]):
+    """The files opened read-only (sequential-read hint), closed on the way out."""
+    fds: List[int] = []
+    try:
+        for p in files:
+            fds.append(os.open(p, os.O_RDONLY))
+            try:
+                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except (AttributeError, OSError):
+                pass
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _execute(files: List[Path], units: List[_Unit], jobs: List[_Job], threads: int,
+             io: Callable[[List[int], _Unit], None], finish: Callable[[int], None], throttle: Optional[_Throttle],
+             progress: Optional[ProgressFn], total: int, shard_stats: List[Dict]) -> int:
+    """Run `io(fds, unit)` on every unit from `threads` threads (fds: `files` opened, in order);
+    `finish(j)` runs (in the thread) once job j is complete."""
     for j, job in enumerate(jobs):
         if job.pieces == 0:
             finish(j)
-    left_per_file = [0] * nfiles
+    left_per_file = [0] * len(files)
     for u in units:
         left_per_file[u.file] += 1
     shards_total = sum(1 for n in left_per_file if n)
     lock = threading.Lock()
 
-    def work(u: _Unit) -> _Unit:
+    def work(fds: List[int], u: _Unit) -> _Unit:
         t0 = time.monotonic()
-        io(u)
+        io(fds, u)
         if throttle:
             throttle.after_read(u.nbytes)
         done = []
@@ -471,8 +490,9 @@ def _execute(units: List[_Unit], nfiles: int, jobs: List[_Job], threads: int, io
     bytes_done = shards_done = 0
     if progress:
         progress(0, total, 0, shards_total)
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kdtree-load") as pool:
-        pending = {pool.submit(work, u) for u in units}
+    with _opened(files) as fds, ThreadPoolExecutor(max_workers=max(1, threads),
+                                                   thread_name_prefix="kdtree-load") as pool:
+        pending = {pool.submit(work, fds, u) for u in units}
         try:
             while pending:
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -490,29 +510,10 @@ def _execute(units: List[_Unit], nfiles: int, jobs: List[_Job], threads: int, io
     return bytes_done
 
 
-def _open_all(files: List[Path]) -> List[int]:
-    fds = []
-    try:
-        for p in files:
-            fds.append(os.open(p, os.O_RDONLY))
-            try:
-                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except (AttributeError, OSError):
-                pass
-    except OSError:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
-
-
 def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: int,
                 throttle: Optional[_Throttle], progress: Optional[ProgressFn], total: int,
                 shard_stats: List[Dict], assembler: "_Assembler") -> int:
-    units = _plan(jobs, runs, chunk)
-    fds = _open_all(files)
-
-    def io(u: _Unit) -> None:
+    def io(fds: List[int], u: _Unit) -> None:
         for c in u.calls:
             _preadv_full(fds[u.file], list(c.views), c.offset, files[u.file], jobs[c.jobs[0]].info.name)
 
@@ -520,11 +521,8 @@ def _read_eager(files: List[Path], jobs: List[_Job], runs, threads: int, chunk: 
         jobs[j].finish()
         assembler.done(jobs[j])
 
-    try:
-        return _execute(units, len(files), jobs, threads, io, finish, throttle, progress, total, shard_stats)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return _execute(files, _plan(jobs, runs, chunk), jobs, threads, io, finish, throttle, progress, total,
+                    shard_stats)
 
 
 def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads: int, chunk: int,
@@ -560,11 +558,9 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
             full = np.empty(job.info.shape, job.info.storage)
         return full if sl is None else full[tuple(slice(a, b) for a, b in sl)]
 
-    units = _plan_mmap(jobs, runs, chunk)
-    fds = _open_all(files)
     resident = _Resident(lock)
 
-    def io(u: _Unit) -> None:
+    def io(fds: List[int], u: _Unit) -> None:
         _, pages, base = maps[u.file]
         for a, b in u.spans:
             resident(fds[u.file], base, pages, a, min(b, pages.size), files[u.file])
@@ -573,11 +569,8 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
         jobs[j].from_view(view(j))
         assembler.done(jobs[j])
 
-    try:
-        return _execute(units, len(files), jobs, threads, io, finish, throttle, progress, total, shard_stats)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    return _execute(files, _plan_mmap(jobs, runs, chunk), jobs, threads, io, finish, throttle, progress, total,
+                    shard_stats)
 
 
 # ---------------------------------------------------------------- public entry points
