@@ -186,6 +186,14 @@ class BenchConfig:
 
 
 @dataclass
+class BenchLoadConfig:
+    gb: float = 2.0  # size of the synthetic K2-layout checkpoint (built once, cached under cache_dir)
+    repeats: int = 3  # alternating rounds (cat, loader variants); medians are reported
+    shards: int = 8  # about this many shard files
+    cold: bool = True  # also drop the page cache before each read (root only; skipped with a note otherwise)
+
+
+@dataclass
 class StopConfig:
     run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
     timeout_s: float = 10.0  # SIGTERM, wait this long, then SIGKILL the engine's process group
@@ -210,6 +218,7 @@ class RootConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
     extra: Optional[Any] = None
 
 

@@ -155,6 +155,13 @@ def validate_load(cfg: DictConfig) -> None:
                           f"load.strategy=mmap (eager's copies are anonymous memory, only swap evicts them)")
 
 
+def validate_bench_load(cfg: DictConfig) -> None:
+    b = cfg.bench_load
+    for key, value, least in (("gb", b.gb, "0.01"), ("repeats", b.repeats, "1"), ("shards", b.shards, "1")):
+        if not value > 0:
+            raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
     if cfg.quant.method not in QUANT_METHODS:
@@ -170,6 +177,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_bench_load(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:

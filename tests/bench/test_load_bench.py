@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -94,3 +95,14 @@ def test_bench_load_tiny(benchmark, cache):
     path = ensure_tiny_checkpoint(model_cfg(), quant_cfg(), str(cache))
     _, stats = benchmark(load_checkpoint, path, model_cfg(), quant_cfg())
     benchmark.extra_info.update(bytes=stats.bytes_read)
+
+
+def test_the_command_line_sizes_the_checkpoint_and_prints_the_table(cache, tmp_path):
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "kdtree.run", "pipeline=bench_load", "bench_load.gb=0.03",
+                        "bench_load.repeats=1", "bench_load.cold=false", "load.threads=2", f"cache_dir={cache}",
+                        f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = json.loads((run_dir / "bench_load.json").read_text())
+    assert abs(saved["bytes"] - 0.03e9) < 0.15 * 0.03e9 and saved["threads"] == 2 and saved["repeats"] == 1
+    assert "| `cat shards > /dev/null` |" in r.stdout and "loader / cat (hot cache)" in r.stdout

@@ -82,6 +82,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["load.strategy=fast"], r"load.strategy=fast is unknown; use load.strategy=mmap"),
     (["load.threads=0"], r"load.threads=0 must be >= 1"),
     (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
+    (["bench_load.gb=0"], r"bench_load.gb=0.0 must be positive; use e.g. bench_load.gb=0.01"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
