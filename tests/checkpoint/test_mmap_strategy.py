@@ -101,7 +101,7 @@ def test_mlock_pins_the_mapped_weights_or_names_the_limit(write, cfg, fp32):
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need = sum(f.stat().st_size for f in d.glob("*.safetensors"))
     if os.geteuid() != 0 and soft != resource.RLIM_INFINITY and soft < need:
-        with pytest.raises(CheckpointError, match=r"cannot lock .* ulimit -l unlimited"):
+        with pytest.raises(CheckpointError, match=r"cannot lock .*memlock limit \(ulimit -l unlimited"):
             load_checkpoint(d, cfg, fp32, strategy="mmap", mlock=True)
         return
     loaded, _ = load_checkpoint(d, cfg, fp32, strategy="mmap", mlock=True)
