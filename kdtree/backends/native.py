@@ -1,8 +1,9 @@
 """The native kernel library (native/include/kdtree.h) through cffi, and `NativeOps` for backend=cpu|cuda.
 
 cffi ABI mode (`ffi.dlopen`), not API mode: the .so is built by `make native` (plain gcc/nvcc, no Python
-headers), so installing kdtree never needs a compiler and one wheel serves both libraries; the price is that
-the declarations below must match kdtree.h by hand, which `kd_version()` == ABI_VERSION guards at load.
+headers), so installing kdtree never needs a compiler and one wheel serves both libraries. The declarations
+cffi uses are read from kdtree.h itself (one source for both builds and Python); `kd_version()` == ABI_VERSION
+at load guards against a library built from an older header.
 
     lib = load_library("cpu")                  # NativeError if missing or mismatched
     tree = lib.tree_build(logp, ids, budget)   # thin typed wrappers: check, call, raise NativeError
@@ -15,6 +16,7 @@ stream and copies the result back. Callers holding torch CUDA tensors call the C
 """
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 from pathlib import Path
@@ -29,38 +31,19 @@ from kdtree.errors import ConfigError, NativeError
 ABI_VERSION = 1
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
-_CDEF = """
-int kd_version(void);
-const char *kd_backend(void);
-const char *kd_last_error(void);
-int kd_device_count(void);
-int kd_malloc(void **ptr, size_t bytes);
-int kd_free(void *ptr);
-int kd_memcpy_h2d(void *dst, const void *src, size_t bytes, void *stream);
-int kd_memcpy_d2h(void *dst, const void *src, size_t bytes, void *stream);
-int kd_synchronize(void *stream);
-int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
-                  int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,
-                  int64_t *n_nodes);
-int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_nodes, const int32_t *target_argmax,
-                   int32_t *path, int64_t *path_len, int32_t *bonus);
-int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
-                  void *stream);
-int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
-                    int64_t n_in, int64_t n_out, int64_t group, void *stream);
-int kd_linear_w4a16_half(const void *x, int act_dtype, const int32_t *packed, const float *scales, float *out,
-                         int64_t T, int64_t n_in, int64_t n_out, int64_t group, void *stream);
-int kd_rms_norm(const float *x, const float *w, float *out, int64_t T, int64_t D, float eps, void *stream);
-int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t I, void *stream);
-int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
-                     int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream);
-int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, const float *const *gate,
-               const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
-               const float *shared_up, const float *shared_down, float *out, int64_t T, int64_t D, int64_t I,
-               int64_t Is, int64_t k, void *stream);
-int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
-                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
-"""
+HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
+
+
+def _cdef(header: Path = HEADER) -> str:
+    """The C ABI's declarations for cffi, from the one header both builds compile against (comments,
+    preprocessor lines and the extern "C" wrapper dropped; cffi parses plain declarations only)."""
+    try:
+        text = header.read_text()
+    except OSError as e:
+        raise NativeError(f"native header {header} is unreadable ({e.strerror}); reinstall kdtree") from None
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines()
+                     if line.strip() and not line.lstrip().startswith("#") and line.strip() not in ('extern "C" {', "}"))
 
 _ffi = None
 _LIBS: Dict[Tuple[str, str], "NativeLibrary"] = {}
@@ -72,7 +55,7 @@ def _get_ffi():
     if _ffi is None:
         import cffi
         _ffi = cffi.FFI()
-        _ffi.cdef(_CDEF)
+        _ffi.cdef(_cdef())
     return _ffi
 
 
