@@ -144,7 +144,7 @@ def tiny_weights(tiny_cfg):
     """Seeded random weights of the tiny target, with non-unit norms so a norm applied to the wrong rows shows."""
     import numpy as np
 
-    from kdtree.checkpoint.names import init_weights, target_tensor_shapes
+    from kdtree.model.names import init_weights, target_tensor_shapes
 
     w = init_weights(target_tensor_shapes(tiny_cfg), seed=0)
     rng = np.random.default_rng(7)

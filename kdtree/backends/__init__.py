@@ -6,6 +6,8 @@ kdtree/backends/native.py; `get_ops` imports that module the first time an unreg
 from __future__ import annotations
 
 import importlib
+import shutil
+import subprocess
 from typing import Any, Callable, Dict
 
 from kdtree.backends.base import Ops
@@ -43,4 +45,28 @@ def get_ops(backend_cfg: Any) -> Ops:
     return _REGISTRY[name](backend_cfg)
 
 
-__all__ = ["Ops", "get_ops", "register_backend"]
+def cuda_device_problem() -> str:
+    """'' when a CUDA device is usable, else the reason (never raises)."""
+    try:
+        from kdtree.backends import native  # the native library's own answer (cffi: optional)
+        n = native.cuda_device_count()
+        return "" if n > 0 else (native.CUDA_REASON or "no CUDA device")
+    except ImportError:
+        pass
+    except Exception as e:  # a broken library is a reason, not a crash
+        return f"{type(e).__name__}: {e}"
+    if shutil.which("nvidia-smi") is None:
+        return "no CUDA device (nvidia-smi not found)"
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    return "" if r.returncode == 0 and "GPU" in r.stdout else "no CUDA device (nvidia-smi lists none)"
+
+
+def check_device(cfg: Any) -> None:
+    """ConfigError (one line) when cfg.backend needs a device this machine lacks; run before loading a model."""
+    if str(cfg.backend.name) == "cuda":
+        problem = cuda_device_problem()
+        if problem:
+            raise ConfigError(f"backend=cuda needs a CUDA device: {problem}; use backend=cpu or backend=numpy here")
+
+
+__all__ = ["Ops", "check_device", "cuda_device_problem", "get_ops", "register_backend"]

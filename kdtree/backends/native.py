@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
-from kdtree.decode.tree import Tree as _Tree
+from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
 ABI_VERSION = 1
@@ -147,7 +147,7 @@ class NativeLibrary:
 
     # ---- tree ops (host arrays in both builds) -----------------------------------------------------------
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
-        """-> Tree, identical to kdtree.decode.tree.tree_build. Output buffers are reused per (thread, size):
+        """-> Tree, identical to kdtree.tree.tree_build. Output buffers are reused per (thread, size):
         this runs once per decode round and its Python overhead is most of its cost."""
         _c_contig(logp, np.float32, "tree_build logp", 2)
         _c_contig(ids, np.int32, "tree_build ids", 2)

@@ -13,7 +13,7 @@ Layout: `<cache>/checkpoints/<name>-<quant>-<hash>/` in HF layout (config.json, 
 shapes the weights and, for quantized checkpoints, the quant config, so a changed config never
 reuses stale weights. Generation writes into a private temp dir and renames it into place: the
 rename is atomic, so two processes racing both end with one complete checkpoint. INT4 checkpoints
-are the fp32 one passed through kdtree.quant.int4.quantize_checkpoint.
+are the fp32 one passed through kdtree.checkpoint.quantize.quantize_checkpoint.
 """
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.hf_config import (check_drafter_config, check_target_config, drafter_config_json, plain,
                                          target_config_json)
 from kdtree.checkpoint.loader import DRAFTER_DIR
+from kdtree.checkpoint.quantize import quantize_checkpoint
 from kdtree.checkpoint.writer import write_checkpoint
 from kdtree.errors import CheckpointError
 
@@ -71,15 +72,6 @@ def _publish(tmp: Path, final: Path) -> Path:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _quantizer():
-    """The INT4 engineer's quantize_checkpoint(src_dir, dst_dir, quant_cfg, model_cfg=None)."""
-    try:
-        from kdtree.quant.int4 import quantize_checkpoint
-    except ImportError:
-        from kdtree.quant.checkpoint import quantize_checkpoint
-    return quantize_checkpoint
 
 
 def trained_tiny(model_cfg) -> Optional[Path]:
@@ -131,7 +123,7 @@ def ensure_tiny_checkpoint(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
             write_tiny_checkpoint(tmp, model_cfg)
         else:
             src = ensure_tiny_checkpoint(model_cfg, None, cache_dir)
-            _quantizer()(src, tmp, quant_cfg, model_cfg=model_cfg)
+            quantize_checkpoint(src, tmp, quant_cfg, model_cfg=model_cfg)
             if not (tmp / DRAFTER_DIR).exists():  # the drafter stays unquantized
                 shutil.copytree(src / DRAFTER_DIR, tmp / DRAFTER_DIR)
         return _publish(tmp, final)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kdtree.decode.result import GenerationResult
-from kdtree.decode.tree import draft_topk
+from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
 

@@ -29,7 +29,7 @@ import math
 import re
 from typing import Callable, Optional, Tuple
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.errors import ConfigError
 
 ROWS, COLS = 0, 1   # the axis of a [out, in] weight that is split

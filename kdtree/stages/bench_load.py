@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.hf_config import target_config_json
 from kdtree.checkpoint.index import CONFIG_FILE
 from kdtree.checkpoint.loader import load_checkpoint

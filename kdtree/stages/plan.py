@@ -61,7 +61,7 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
 
 def computed_tensors(model, quant, float_bytes: int) -> Iterator[Tuple[str, int]]:
     """(tensor name, bytes) in file order for a checkpoint of this config (INT4 modules as packed/scale/shape)."""
-    from kdtree.checkpoint.names import target_linear_shapes, target_tensor_shapes
+    from kdtree.model.names import target_linear_shapes, target_tensor_shapes
     from kdtree.quant.int4 import module_is_quantized
 
     group = int(quant.group_size)

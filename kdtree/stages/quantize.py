@@ -28,7 +28,7 @@ def _source(cfg) -> Path:
 
 
 def run(ctx, src: str = "", dst: str = "") -> dict:
-    from kdtree.quant.checkpoint import quantize_checkpoint
+    from kdtree.checkpoint.quantize import quantize_checkpoint
 
     cfg = ctx.cfg
     if cfg.quant.method != "int4_w4a16":

@@ -13,7 +13,7 @@ from typing import Dict, Mapping, Optional
 import numpy as np
 
 from kdtree.checkpoint.hf_config import drafter_config_json, target_config_json
-from kdtree.checkpoint.names import drafter_tensor_shapes, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, target_tensor_shapes
 from kdtree.checkpoint.writer import write_checkpoint
 
 SHARD_BYTES = 4 * 2 ** 20   # the same shard size as the generated tiny checkpoint
@@ -51,7 +51,7 @@ def training_md(info: dict, commands: str = "") -> str:
     L = ["# The trained tiny K2 checkpoint", "",
          "Target: the tiny K2 (DeepSeek-V3 architecture, conf/model/tiny.yaml) trained as a byte-level LM;",
          "drafter: its DFlash block drafter distilled on the target's own greedy continuations.",
-         "Code: kdtree/train/ (torch, CPU). Weights fp32, tensor names of kdtree/checkpoint/names.py.", "",
+         "Code: kdtree/train/ (torch, CPU). Weights fp32, tensor names of kdtree/model/names.py.", "",
          "## Data", "",
          f"* {c['source']}; Python {c['python']} ({c['stdlib']}), {c['n_files']} files, each as",
          "  bos(256) + utf-8 bytes + eos(257)" + (f", at most {c['max_bytes_per_file']} bytes per file" if c.get("max_bytes_per_file") else "") + ".",

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.train.data import Corpus
 from kdtree.train.drafter_torch import DrafterTorch
 from kdtree.train.k2_torch import K2Torch

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint
-from kdtree.checkpoint.names import target_linear_shapes
+from kdtree.model.names import target_linear_shapes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 from tests.checkpoint.configs import int4_available, quant_cfg
 

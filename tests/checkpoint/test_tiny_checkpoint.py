@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint, load_drafter
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 from tests.checkpoint.configs import ROOT, int4_available, model_cfg, quant_cfg
 

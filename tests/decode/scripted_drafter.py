@@ -12,7 +12,7 @@ from typing import Callable, Dict, Optional, Sequence
 import numpy as np
 import pytest
 
-from kdtree.checkpoint.names import is_moe_layer
+from kdtree.model.names import is_moe_layer
 
 PROMPTS = {
     "text": list(b"The quick brown fox jumps over"),

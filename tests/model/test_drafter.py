@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.config.schema import ModelConfig
 from kdtree.errors import CheckpointError, KdtreeError
 from kdtree.model.drafter import DFlashDrafter

@@ -1,7 +1,7 @@
 """Parity suite of the native library (in the spirit of llama.cpp's test-backend-ops).
 
 Every op x several shapes x every available backend ("cpu"; "cuda" is marked gpu and skipped without a device)
-against the numpy reference: kdtree/decode/tree.py for the tree ops, kdtree.backends.numpy_ops for the dense
+against the numpy reference: kdtree/tree.py for the tree ops, kdtree.backends.numpy_ops for the dense
 ops, kdtree.quant.int4.dequantize for W4A16. Integer outputs are bit-exact; float outputs are within a per-op
 tolerance (justified where it is computed); every output buffer is surrounded by sentinel guard regions that
 must survive the call. A case id re-runs one case:
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from kdtree.backends import native
-from kdtree.backends.numpy_ops import NumpyOps, unpack_visibility
-from kdtree.decode import tree as tree_ref
+from kdtree.backends.numpy_ops import NumpyOps
+from kdtree import tree as tree_ref
+from kdtree.tree import unpack_visibility
 from kdtree.errors import NativeError
 from kdtree.quant import int4
 

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.hf_config import drafter_config_json, target_config_json
 from kdtree.checkpoint.writer import write_checkpoint
 from kdtree.config.schema import ModelConfig, QuantConfig

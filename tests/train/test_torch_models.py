@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kdtree.backends.numpy_ops import NumpyOps
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.config.schema import ModelConfig
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model

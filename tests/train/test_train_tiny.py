@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint.names import drafter_tensor_shapes, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, target_tensor_shapes
 from kdtree.config.schema import ModelConfig
 from kdtree.train import loop
 from kdtree.train.data import Corpus
