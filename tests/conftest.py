@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fail_stage():
+    """The test-only stage `fail` (tests/pipeline/fail_stage.py), known to this process and to the engine and
+    kdtree.run processes it starts (the registration travels in KDTREE_STAGES)."""
+    from kdtree.pipeline.registry import register_stage, unregister_stage
+
+    register_stage("fail", "tests.pipeline.fail_stage")
+    yield "fail"
+    unregister_stage("fail")
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

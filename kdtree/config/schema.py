@@ -6,7 +6,7 @@ compose time. Cross-field rules live in kdtree/config/validate.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import List
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -167,11 +167,6 @@ class HealthConfig:
 
 
 @dataclass
-class GenerateConfig:
-    seed: int = 0
-
-
-@dataclass
 class PlanConfig:
     disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
     float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
@@ -214,12 +209,10 @@ class RootConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
-    extra: Optional[Any] = None
 
 
 GROUPS = {

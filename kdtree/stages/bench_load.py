@@ -40,8 +40,8 @@ from kdtree.checkpoint.hf_config import target_config_json
 from kdtree.checkpoint.index import CONFIG_FILE
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.progress import ProgressReporter
-from kdtree.checkpoint.tiny import cache_root
 from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.config.paths import cache_root
 from kdtree.config.schema import ModelConfig, QuantConfig
 
 SIDE = "controller"
