@@ -19,12 +19,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from kdtree.backends import check_device
-from kdtree.config.schema import GROUPS, register
+from kdtree.config.schema import CONF_DIR, GROUPS, register
 from kdtree.config.validate import check_group_overrides, loads_model, validate
 from kdtree.errors import KdtreeError
 from kdtree.pipeline.runner import run_pipeline
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def _fail(message: str, code: int = 2) -> None:

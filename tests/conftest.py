@@ -142,12 +142,11 @@ def ssh_host_yaml(sshd, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    """conf/model/tiny.yaml on the ModelConfig schema (no Hydra composition)."""
-    from omegaconf import OmegaConf
+    """conf/model/tiny.yaml on the ModelConfig schema (no Hydra composition); the one tiny model config of the
+    tests (a test that changes it works on a copy.deepcopy)."""
+    from kdtree.config.schema import group_config
 
-    from kdtree.config.schema import ModelConfig
-
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+    return group_config("model", "tiny")
 
 
 @pytest.fixture(scope="session")

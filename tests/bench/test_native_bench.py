@@ -21,8 +21,9 @@ from kdtree.backends import native
 from kdtree.backends.numpy_ops import NumpyOps
 from kdtree import tree as tree_ref
 from kdtree.quant import int4
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 EPS = float(np.finfo(np.float32).eps)
 REF = NumpyOps()
 
