@@ -24,6 +24,7 @@ from kdtree.decode.result import GenerationResult
 from kdtree.errors import ConfigError
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model
+from kdtree.parallel.launch import launch_tp
 from kdtree.tokenizer import load_tokenizer
 
 AR_TREE = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})  # plain greedy, no drafter
@@ -64,7 +65,6 @@ class Engine:
         ckpt = resolve_checkpoint(cfg)
         ops = get_ops(cfg.backend)
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
-            from kdtree.parallel.launch import launch_tp
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
         else:
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,

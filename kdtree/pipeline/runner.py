@@ -34,14 +34,6 @@ EXIT_OK, EXIT_STAGE_FAILED, EXIT_BAD_PLAN, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait for an engine whose stages declare no STOP_GRACE_S
 
 
-def _cfg_get(cfg, dotted: str, default=None):
-    try:
-        value = OmegaConf.select(cfg, dotted, default=default)
-    except Exception:
-        return default
-    return default if value is None else value
-
-
 def save_config(cfg, run_dir: Path) -> Path:
     """run_dir/config.yaml: the composed config with interpolations resolved (what the engine process reads)."""
     try:
@@ -55,7 +47,7 @@ def save_config(cfg, run_dir: Path) -> Path:
 
 def plan_pipeline(cfg) -> PipelineSpec:
     """The checked spec of cfg.pipeline; raises PipelineError (one line) when it cannot run."""
-    return load_pipeline(str(_cfg_get(cfg, "pipeline", "serve")), cfg)
+    return load_pipeline(str(cfg.pipeline), cfg)
 
 
 def _last_failure(run_dir: Path, where: Optional[str] = None) -> Optional[Dict[str, Any]]:
