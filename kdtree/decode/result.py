@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List
+from typing import Dict, Iterable, List, Optional
 
 STAGES = ("prefill", "draft", "tree_build", "verify", "accept", "commit")
 
@@ -26,3 +26,23 @@ class GenerationResult:
         d = asdict(self)
         d["mean_acceptance_length"] = self.mean_acceptance_length
         return d
+
+
+def commit_tokens(res: GenerationResult, tokens: Iterable[int], max_new_tokens: int, eos_id: Optional[int],
+                  stop_ids: Iterable[int]) -> bool:
+    """Append committed tokens to res.tokens with AR's stop rules (eos and stop ids are not kept; at most
+    max_new_tokens); sets res.finish_reason and returns True when generation is over."""
+    stops = stop_ids if isinstance(stop_ids, (set, frozenset)) else set(int(s) for s in stop_ids)
+    for t in tokens:
+        t = int(t)
+        if eos_id is not None and t == eos_id:
+            res.finish_reason = "eos"
+            return True
+        if t in stops:
+            res.finish_reason = "stop"
+            return True
+        res.tokens.append(t)
+        if len(res.tokens) >= max_new_tokens:
+            res.finish_reason = "length"
+            return True
+    return False

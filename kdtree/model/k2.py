@@ -9,7 +9,7 @@ the AR context gets bit-identical logits (see docs/engine-contracts.md, "Batch i
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -225,44 +225,82 @@ class K2Model:
         tokens i32[T], positions i32[T], visibility u64[T, ceil(T/64)] over the block (None = causal).
         Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
         """
+        seq = self._check_seq(0, tokens, positions, cache, visibility)
+        h, hiddens = self._forward_rows([seq], hidden_layers)
+        return self.logits(h), hiddens
+
+    def forward_batch(self, seqs: Sequence[Tuple[np.ndarray, np.ndarray, LatentCache, Optional[np.ndarray]]],
+                      hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
+        """Rows of several sequences in ONE forward: seqs = [(tokens i32[T_s], positions i32[T_s], cache,
+        visibility u64[T_s, ceil(T_s/64)] | None = causal)], distinct caches. Row-wise ops run once over the N
+        concatenated rows; attention runs per sequence over its own cache and its own block (block-diagonal), so
+        every row equals its sequence's forward alone, bit for bit (tests/model/test_forward_batch.py).
+        Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
+        if not seqs:
+            raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
+        checked = [self._check_seq(s, *seq) for s, seq in enumerate(seqs)]
+        if len({id(c[2]) for c in checked}) != len(checked):
+            raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
+        h, hiddens = self._forward_rows(checked, hidden_layers)
+        logits = self.logits(h)
+        return logits, np.argmax(logits, axis=-1).astype(np.int32), hiddens
+
+    def _check_seq(self, s: int, tokens, positions, cache: LatentCache, visibility):
+        """One sequence's arguments, checked and converted: (tokens i64[T], positions i64[T], cache, visibility)."""
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         T = tokens.shape[0]
         if positions.shape != (T,):
-            raise ValueError(f"positions shape {positions.shape} != tokens shape ({T},)")
+            raise ValueError(f"sequence {s}: positions shape {positions.shape} != tokens shape ({T},)")
         if cache.length + T > cache.max_len:
             raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
                               f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
         if visibility is not None and np.shape(visibility) != (T, (T + 63) // 64):
-            raise ValueError(f"visibility shape {np.shape(visibility)} != ({T}, {(T + 63) // 64})")
+            raise ValueError(f"sequence {s}: visibility shape {np.shape(visibility)} != ({T}, {(T + 63) // 64})")
+        return tokens, positions, cache, visibility
+
+    def _forward_rows(self, seqs: List[tuple], hidden_layers: Iterable[int]
+                      ) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
+        """The layer loop over the concatenated rows of checked sequences; appends each one's latent rows to its
+        cache. Returns the last residual stream f32[N, D] and the wanted hidden states {layer: f32[N, D]}."""
         want = set(hidden_layers)
-        cos, sin = self.rotary.cos_sin(positions)                           # [T, R/2]
-        rot = rope_tables(cos, sin)                                         # [T, R] each, shared by the layers
-        n_prefix = cache.length
-        h = self.embed(tokens)                                              # [T, D]
+        tokens = np.concatenate([s[0] for s in seqs])                       # [N]
+        positions = np.concatenate([s[1] for s in seqs])                    # [N]
+        bounds = np.cumsum([0] + [len(s[0]) for s in seqs])                 # sequence s = rows bounds[s]..bounds[s+1]
+        # (row0, row1, cache, n_prefix, visibility) of each sequence; n_prefix = its cache rows before this forward
+        segments = [(int(bounds[j]), int(bounds[j + 1]), s[2], s[2].length, s[3]) for j, s in enumerate(seqs)]
+        cos, sin = self.rotary.cos_sin(positions)                           # [N, R/2]
+        rot = rope_tables(cos, sin)                                         # [N, R] each, shared by the layers
+        h = self.embed(tokens)                                              # [N, D]
         hiddens: Dict[int, np.ndarray] = {}
         for i, layer in enumerate(self.layers):
             x = self.ops.rms_norm(h, layer["in_norm"], self.eps)
-            h = h + self._attention(layer["attn"], x, cos, sin, cache.kv[i], n_prefix, visibility, rot)
+            h = h + self._attention_rows(layer["attn"], x, i, segments, rot)
             x = self.ops.rms_norm(h, layer["post_norm"], self.eps)
             m = self._moe(layer["moe"], x) if layer["moe"] is not None else self._mlp(layer["mlp"], x)
             h = h + (self.all_reduce(m) if self.all_reduce else m)
             if i in want:
                 hiddens[i] = h.copy()
-        cache.length = n_prefix + T
-        return self.logits(h), hiddens
+        for r0, r1, cache, n_prefix, _ in segments:
+            cache.length = n_prefix + (r1 - r0)
+        return h, hiddens
 
     def _attention(self, a: _Attn, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
-                   n_prefix: int, visibility: Optional[np.ndarray],
-                   rot: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
-        if rot is None:
-            rot = rope_tables(cos, sin)
+                   n_prefix: int, visibility: Optional[np.ndarray]) -> np.ndarray:
+        """MLA of one sequence's T rows over one layer's latent rows kv f32[max_len, L+R] (writes its rows)."""
+        one = SimpleNamespace(kv=[kv])
+        return self._attention_rows(a, x, 0, [(0, x.shape[0], one, n_prefix, visibility)], rope_tables(cos, sin))
+
+    def _attention_rows(self, a: _Attn, x: np.ndarray, layer: int, segments: List[tuple],
+                        rot: Tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """MLA of layer `layer` over N rows: projections over all rows, then each sequence's rows attend to its
+        own cache (segments: (row0, row1, cache, n_prefix, visibility)). Returns f32[N, D]."""
         ops, L, nope, T = self.ops, self.kv_lora, self.nope, x.shape[0]
         q = ops.linear(ops.rms_norm(ops.linear(x, a.q_a), a.q_a_norm, self.eps), a.q_b)
         q = q.reshape(T, a.heads, nope + self.rope_dim)                     # q: [T, H, nope+R]
         kv_a = ops.linear(x, a.kv_a)                                        # kv_a: [T, L+R]
-        kv[n_prefix:n_prefix + T, :L] = ops.rms_norm(kv_a[:, :L], a.kv_a_norm, self.eps)
-        kv[n_prefix:n_prefix + T, L:] = rope_apply(kv_a[:, L:], *rot)       # k_pe shared by all heads
+        c_kv = ops.rms_norm(kv_a[:, :L], a.kv_a_norm, self.eps)            # [T, L]
+        k_pe = rope_apply(kv_a[:, L:], *rot)                                # [T, R] shared by all heads
         q_full = np.empty((T, a.heads, L + self.rope_dim), np.float32)      # q_full: [T, H, L+R]
         q_full[:, :, L:] = rope_apply(q[:, :, nope:], *rot)
         # absorbed q and o: one batched matmul over (t, h); numpy runs each (t, h) item as its own small
@@ -271,7 +309,12 @@ class K2Model:
         head_linear = self._head_linear
         if head_linear is None or not head_linear(q[:, :, :nope], a.w_uk_t, q_full[:, :, :L]):
             q_full[:, :, :L] = np.matmul(q[:, :, None, :nope], a.w_uk)[:, :, 0]  # W_uk[h]^T q_nope[h]: [T, H, L]
-        o_lat = ops.mla_attention(q_full, kv[:n_prefix + T], n_prefix, visibility, self.scale, L)  # [T, H, L]
+        o_lat = np.empty((T, a.heads, L), np.float32)                       # [T, H, L]
+        for r0, r1, cache, n_prefix, visibility in segments:                # each sequence: its own cache only
+            kv, n = cache.kv[layer], r1 - r0
+            kv[n_prefix:n_prefix + n, :L] = c_kv[r0:r1]
+            kv[n_prefix:n_prefix + n, L:] = k_pe[r0:r1]
+            o_lat[r0:r1] = ops.mla_attention(q_full[r0:r1], kv[:n_prefix + n], n_prefix, visibility, self.scale, L)
         o = np.empty((T, a.heads, a.w_uv.shape[1]), np.float32)
         if head_linear is None or not head_linear(o_lat, a.w_uv, o):
             o = np.matmul(a.w_uv, o_lat[:, :, :, None])                     # W_uv[h] o_lat[h]: [T, H, v]
