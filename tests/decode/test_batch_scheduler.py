@@ -1,0 +1,196 @@
+"""Continuous batching is exact under load: with random arrival steps, mixed prompt and output lengths, mixed trees
+(ddtree, chain, ar), chunked prefill, a small cache pool (requests wait), multi-token stop strings and
+cancellations mid-generation, every request's tokens, finish reason and acceptance lengths equal its solo run
+(Engine.generate), on numpy and the native cpu backend, fp32 and INT4, on the trained tiny model.
+Also: admission (context_length_exceeded, waiting for the pool), the wall-clock limit, cancellation within one step.
+
+Run: .venv/bin/python -m pytest -q tests/decode/test_batch_scheduler.py
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from kdtree.decode.batch import (BatchRequest, BatchScheduler, ContextLengthExceeded, RequestCancelled,
+                                 RequestTimeout)
+from kdtree.engine import AR_TREE, Engine
+from tests.native_lib import CPU_SKIPPED
+
+TEXT = (Path(json.__file__).parent / "decoder.py").read_text()   # source text like the tiny model's corpus
+TREES = {"ddtree": None,                                           # None = the engine's tree (ddtree w4 d7 b8)
+         "chain": OmegaConf.create({"kind": "chain", "width": 1, "depth": 5, "budget": 5}),
+         "ar": AR_TREE}
+CONFIGS = [("numpy", "fp32"), ("numpy", "int4_w4a16")] + ([] if CPU_SKIPPED else [("cpu", "fp32"), ("cpu", "int4_w4a16")])
+
+_engines = {}
+
+
+def engine_for(compose_cfg, backend, quant) -> Engine:
+    key = (backend, quant)
+    if key not in _engines:
+        _engines[key] = Engine.from_config(compose_cfg(f"backend={backend}", f"quant={quant}", "tree=ddtree",
+                                                       "tree.width=4", "tree.depth=7", "tree.budget=8",
+                                                       "load.progress=false"))
+    return _engines[key]
+
+
+def scheduler(engine, **kw) -> BatchScheduler:
+    kw.setdefault("max_batch_tokens", 48)      # small: long prompts are prefilled in chunks beside decoding rows
+    return BatchScheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context, **kw)
+
+
+def stop_check_for(tokenizer, stop: str):
+    """Committed tokens -> the shortest prefix whose text contains `stop` (None = not yet): a multi-token stop."""
+    def check(tokens):
+        if stop not in tokenizer.decode(tokens):
+            return None
+        return next(k for k in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:k]))
+    return check
+
+
+def solo_with_stop(engine, req_spec):
+    """The solo run of a request spec, its tokens cut the way a stop string cuts them."""
+    ids, max_new, tree, stop = req_spec["ids"], req_spec["max_new"], req_spec["tree"], req_spec["stop"]
+    res = engine.generate(ids, max_new, tree=tree)
+    if stop is not None:
+        keep = stop_check_for(engine.tokenizer, stop)(res.tokens)
+        if keep is not None:
+            del res.tokens[keep:]
+            res.finish_reason = "stop"
+    return res
+
+
+def random_specs(engine, rng, n):
+    specs = []
+    for i in range(n):
+        a = int(rng.integers(0, len(TEXT) - 400))
+        ids = engine.tokenizer.encode(TEXT[a:a + int(rng.choice([1, 3, 17, 60, 130, 250]))])
+        kind = ["ddtree", "chain", "ar"][i % 3]
+        specs.append({"ids": ids, "max_new": int(rng.choice([1, 2, 9, 24, 40])), "tree": TREES[kind],
+                      "arrive": int(rng.integers(0, 25)), "stop": None, "cancel": None})
+    return specs
+
+
+@pytest.mark.parametrize("backend,quant", CONFIGS)
+def test_every_request_equals_its_solo_run_under_load(compose_cfg, backend, quant):
+    engine = engine_for(compose_cfg, backend, quant)
+    rng = np.random.default_rng(18)
+    specs = random_specs(engine, rng, 14)
+    solos = [solo_with_stop(engine, s) for s in specs]
+    for s, solo in zip(specs[:4], solos[:4]):      # multi-token stop strings inside four solo outputs
+        text = engine.tokenizer.decode(solo.tokens)
+        if len(text) >= 8:
+            s["stop"] = text[len(text) // 2:len(text) // 2 + 3]
+    solos = [solo_with_stop(engine, s) for s in specs]
+    for s in specs[4:7]:                           # three cancelled mid-generation
+        s["max_new"], s["cancel"] = 40, s["arrive"] + int(rng.integers(2, 6))
+    solos = [solo_with_stop(engine, s) for s in specs]
+    sched = scheduler(engine, pool_tokens=900)     # about three long requests at once: the rest wait
+    reqs = [None] * len(specs)
+    step, max_running, max_waiting = 0, 0, 0
+    while step < 30 or any(r is not None and not r.done.is_set() for r in reqs):
+        for i, s in enumerate(specs):
+            if s["arrive"] == step:
+                reqs[i] = sched.submit(BatchRequest(
+                    s["ids"], s["max_new"], tree=s["tree"],
+                    stop_check=stop_check_for(engine.tokenizer, s["stop"]) if s["stop"] else None))
+            if s["cancel"] == step:
+                reqs[i].cancel()
+        sched.step()
+        snap = sched.snapshot()
+        max_running, max_waiting = max(max_running, snap["running"]), max(max_waiting, snap["waiting"])
+        step += 1
+        assert step < 2000
+    assert max_running >= 3 and max_waiting >= 1   # batching really happened, and the pool made requests wait
+    for s, r, solo in zip(specs, reqs, solos):
+        if s["cancel"] is not None:
+            assert isinstance(r.error, RequestCancelled)
+            assert r.result.tokens == solo.tokens[:len(r.result.tokens)]
+            continue
+        assert r.error is None
+        assert (r.result.tokens, r.result.finish_reason) == (solo.tokens, solo.finish_reason), s
+        if s["stop"] is None:                      # same drafts and trees as solo: same acceptance lengths
+            assert r.result.acceptance_lengths == solo.acceptance_lengths
+    assert any(s["stop"] and r.result.finish_reason == "stop" for s, r in zip(specs, reqs))
+    assert sched.pool_used == 0 and sched.running == sched.waiting == 0
+
+
+def test_threaded_clients_at_random_times_get_their_solo_tokens(compose_cfg):
+    """The engine thread runs steps while client threads submit at random wall-clock times and stream."""
+    engine = engine_for(compose_cfg, "numpy", "fp32")
+    specs = random_specs(engine, np.random.default_rng(7), 10)
+    solos = [engine.generate(s["ids"], s["max_new"], tree=s["tree"]) for s in specs]
+    sched = scheduler(engine)
+    stop = threading.Event()
+    worker = threading.Thread(target=sched.run, args=(stop,))
+    worker.start()
+    streamed = [[] for _ in specs]
+    reqs = [None] * len(specs)
+
+    def client(i):
+        time.sleep(specs[i]["arrive"] * 0.01)
+        reqs[i] = sched.submit(BatchRequest(specs[i]["ids"], specs[i]["max_new"], tree=specs[i]["tree"],
+                                            on_tokens=streamed[i].extend))
+        reqs[i].wait(60)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(len(specs))]
+    try:
+        [c.start() for c in clients]
+        [c.join(90) for c in clients]
+    finally:
+        stop.set()
+        worker.join(10)
+    for i, solo in enumerate(solos):
+        assert reqs[i].done.is_set() and reqs[i].error is None
+        assert reqs[i].result.tokens == streamed[i] == solo.tokens
+
+
+def test_a_request_that_can_never_fit_is_refused(compose_cfg):
+    engine = engine_for(compose_cfg, "numpy", "fp32")
+    with pytest.raises(ContextLengthExceeded, match="exceeds the context of 2048 tokens; shorten the prompt") as e:
+        scheduler(engine, pool_tokens=100000).submit(BatchRequest([65] * 10, engine.max_context))
+    assert e.value.code == "context_length_exceeded"
+    sched = scheduler(engine, pool_tokens=300)
+    with pytest.raises(ContextLengthExceeded, match=r"cache pool of 300 tokens \(serve.kv_pool_tokens\)"):
+        sched.submit(BatchRequest([65] * 250, 60))
+    with pytest.raises(ContextLengthExceeded, match=r"\+ tree budget 9 = 299"):    # 250 + 40 + 9 > 298
+        scheduler(engine, pool_tokens=298).submit(BatchRequest([65] * 250, 40))
+
+
+def test_a_request_waits_for_the_pool_then_runs(compose_cfg):
+    engine = engine_for(compose_cfg, "numpy", "fp32")
+    sched = scheduler(engine, pool_tokens=100)
+    ids = engine.tokenizer.encode("def __init__(self, ")
+    first, second = (sched.submit(BatchRequest(ids, 40)) for _ in range(2))   # 19 + 40 + 9 rows each
+    sched.step()
+    assert sched.snapshot()["running"] == 1 and sched.snapshot()["waiting"] == 1
+    while not second.done.is_set():
+        sched.step()
+    assert first.result.tokens == second.result.tokens == engine.generate(ids, 40).tokens
+
+
+def test_cancel_and_timeout_end_a_request_at_the_next_step(compose_cfg):
+    engine = engine_for(compose_cfg, "numpy", "fp32")
+    sched = scheduler(engine, request_timeout_s=30)
+    ids = engine.tokenizer.encode("import os\n")
+    keep, gone = sched.submit(BatchRequest(ids, 30)), sched.submit(BatchRequest(ids, 300))
+    late = sched.submit(BatchRequest(ids, 300, timeout_s=0.2))
+    for _ in range(3):
+        sched.step()
+    gone.cancel()
+    sched.step()                                   # one step: the cancelled request has left
+    assert gone.done.is_set() and isinstance(gone.error, RequestCancelled)
+    assert sched.snapshot()["running"] == 2
+    time.sleep(0.25)
+    sched.step()
+    assert isinstance(late.error, RequestTimeout) and "serve.request_timeout_s" in str(late.error)
+    while not keep.done.is_set():
+        sched.step()
+    assert keep.error is None and keep.result.tokens == engine.generate(ids, 30).tokens
+    assert sched.pool_used == 0
