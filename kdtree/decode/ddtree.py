@@ -18,7 +18,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kdtree.decode.result import GenerationResult, commit_tokens
+from kdtree.decode.result import GenerationResult
 from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
@@ -70,7 +70,22 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
     def emit(tokens) -> bool:
         """Append committed tokens with AR's stop rules (and report them); True when generation is over."""
         n0 = len(res.tokens)
-        over = commit_tokens(res, tokens, max_new_tokens, eos_id, stops)
+        over = False
+        for t in tokens:
+            t = int(t)
+            if eos_id is not None and t == eos_id:
+                res.finish_reason = "eos"
+                over = True
+                break
+            if t in stops:
+                res.finish_reason = "stop"
+                over = True
+                break
+            res.tokens.append(t)
+            if len(res.tokens) >= max_new_tokens:
+                res.finish_reason = "length"
+                over = True
+                break
         if on_tokens is not None and len(res.tokens) > n0:
             on_tokens(res.tokens[n0:])
         return over
