@@ -242,8 +242,9 @@ class K2Model:
         if len({id(c[2]) for c in checked}) != len(checked):
             raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
         h, hiddens = self._forward_rows(checked, hidden_layers)
-        logits = self.logits(h)
-        return logits, np.argmax(logits, axis=-1).astype(np.int32), hiddens
+        logits = self.logits(h)                                             # [N, 0] on tp ranks 1..N-1
+        argmax = np.argmax(logits, axis=-1) if logits.shape[1] else np.zeros(len(logits))
+        return logits, argmax.astype(np.int32), hiddens
 
     def _check_seq(self, s: int, tokens, positions, cache: LatentCache, visibility):
         """One sequence's arguments, checked and converted: (tokens i64[T], positions i64[T], cache, visibility)."""

@@ -3,6 +3,7 @@
     model = launch_tp(cfg, checkpoint, ops)          # kdtree/parallel/launch.py
     cache = model.new_cache(64)                      # a latent cache on every rank (same id)
     logits, hid = model.forward(tokens, positions, cache, visibility, hidden_layers)   # all ranks run it
+    logits, argmax, hid = model.forward_batch([(tokens, positions, cache, visibility), ...], hidden_layers)
     cache.keep(start, rows); cache.truncate(n)       # mirrored on every rank
     model.embed / final_norm / lm_head / logits      # rank 0 only (replicated weights; drafter, accept)
     model.close()                                    # shutdown to every worker, reap them, leave the group
@@ -122,6 +123,27 @@ class TPModel:
                                           hidden_layers=hidden_layers)
             except Exception as e:
                 raise self._fail(f"forward on rank 0: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def forward_batch(self, seqs, hidden_layers=()):
+        """K2Model.forward_batch on every rank: seqs = [(tokens, positions, TPCache, visibility)]; rank 0's
+        logits f32[N, V], argmax i32[N] and hiddens {layer: f32[N, D]}."""
+        hidden_layers = tuple(int(i) for i in hidden_layers)
+        local, remote = [], []
+        for s, (tokens, positions, cache, visibility) in enumerate(seqs):
+            # K2Model's per-sequence checks, made before any rank starts (a rank raising alone would hang the rest)
+            t, p, _, v = self.local._check_seq(s, tokens, positions, cache.local, visibility)
+            v = None if v is None else np.asarray(v, np.uint64)
+            local.append((t, p, cache.local, v))
+            remote.append((cache.id, t.astype(np.int32), p.astype(np.int32), v))
+        if not local or len({id(c) for _, _, c, _ in local}) != len(local):
+            raise ValueError("forward_batch: pass at least one sequence, each with its own cache")
+        with self._lock:
+            self._send("forward_batch", remote, hidden_layers)
+            try:
+                return self.local.forward_batch(local, hidden_layers)
+            except Exception as e:
+                raise self._fail(f"forward_batch on rank 0: {type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''}")
 
     # -- plumbing --------------------------------------------------------------------------------------
     def _send(self, op: str, *args) -> None:

@@ -5,7 +5,8 @@ Started by kdtree/parallel/launch.py (never by hand):
 
 FD is this rank's end of a socketpair with rank 0 (a multiprocessing Connection carrying pickled tuples):
     rank 0 -> worker  ("setup", {...}) once, then (op, args, dropped_cache_ids) per command:
-                      forward(cache_id, tokens, positions, visibility, hidden_layers), new_cache(cache_id, max_len),
+                      forward(cache_id, tokens, positions, visibility, hidden_layers), forward_batch([(cache_id, tokens,
+                      positions, visibility)], hidden_layers), new_cache(cache_id, max_len),
                       keep(cache_id, start, rows), truncate(cache_id, n), shutdown()
     worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds}) after loading,
                       ("error", "one line") before exiting 1 on any failure
@@ -79,6 +80,9 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
         if op == "forward":
             cid, tokens, positions, visibility, hidden_layers = args
             model.forward(tokens, positions, caches[cid], visibility=visibility, hidden_layers=hidden_layers)
+        elif op == "forward_batch":
+            seqs, hidden_layers = args
+            model.forward_batch([(t, p, caches[cid], v) for cid, t, p, v in seqs], hidden_layers=hidden_layers)
         elif op == "new_cache":
             cid, max_len = args
             caches[cid] = model.new_cache(max_len)

@@ -79,9 +79,22 @@ def random_specs(engine, rng, n):
 
 @pytest.mark.parametrize("backend,quant", CONFIGS)
 def test_every_request_equals_its_solo_run_under_load(compose_cfg, backend, quant):
-    engine = engine_for(compose_cfg, backend, quant)
+    run_under_load(engine_for(compose_cfg, backend, quant), n=14)
+
+
+def test_under_tensor_parallelism_too(compose_cfg):
+    """tp=2 (a real gloo rank): every step is ONE forward_batch on both ranks."""
+    engine = Engine.from_config(compose_cfg("backend=numpy", "tp='2'", "tree=ddtree", "tree.width=4", "tree.depth=7",
+                                            "tree.budget=8", "load.progress=false"))
+    try:
+        run_under_load(engine, n=8, pool_tokens=500)
+    finally:
+        engine.close()
+
+
+def run_under_load(engine, n, pool_tokens=900):
     rng = np.random.default_rng(18)
-    specs = random_specs(engine, rng, 14)
+    specs = random_specs(engine, rng, n)
     solos = [solo_with_stop(engine, s) for s in specs]
     for s, solo in zip(specs[:4], solos[:4]):      # multi-token stop strings inside four solo outputs
         text = engine.tokenizer.decode(solo.tokens)
@@ -91,7 +104,7 @@ def test_every_request_equals_its_solo_run_under_load(compose_cfg, backend, quan
     for s in specs[4:7]:                           # three cancelled mid-generation
         s["max_new"], s["cancel"] = 40, s["arrive"] + int(rng.integers(2, 6))
     solos = [solo_with_stop(engine, s) for s in specs]
-    sched = scheduler(engine, pool_tokens=900)     # about three long requests at once: the rest wait
+    sched = scheduler(engine, pool_tokens=pool_tokens)   # a few long requests at once: the rest wait
     reqs = [None] * len(specs)
     step, max_running, max_waiting = 0, 0, 0
     while step < 30 or any(r is not None and not r.done.is_set() for r in reqs):
