@@ -1,0 +1,124 @@
+"""The server's engine thread with continuous batching: every accepted request is decoded together.
+
+Same seam as request_queue.EngineWorker (submit(Job) / drain / depth / in_flight / finished): the HTTP routes
+submit a Job and wait on it; this worker turns it into a kdtree.decode.batch.BatchRequest and one thread runs
+BatchScheduler.step() while there is work. A job's cancel() (its client went away, its stream hit a stop string)
+ends it at the next step; its multi-token stop strings end generation in the step they complete in (the same
+tokens streamed or not, so usage agrees). Each request's tokens equal its solo run (tests/decode).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from kdtree.decode.batch import BatchRequest, BatchScheduler, RequestCancelled
+from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
+
+
+def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
+    """Committed tokens -> how many to keep once a stop string appears in their text (the shortest prefix whose
+    text contains it; the text itself is cut at the stop string's start by the route), else None."""
+    stops = [s for s in stops if s]
+    if not stops:
+        return None
+
+    def check(tokens):
+        text = tokenizer.decode(tokens)
+        if not any(s in text for s in stops):
+            return None
+        return next(k for k in range(1, len(tokens) + 1) if any(s in tokenizer.decode(tokens[:k]) for s in stops))
+    return check
+
+
+class BatchWorker:
+    def __init__(self, engine: Any, max_queue: int = 256, on_done=None, max_batch_tokens: int = 512,
+                 kv_pool_tokens: int = 16384, request_timeout_s: float = 0.0):
+        self.engine = engine
+        self.on_done = on_done                     # fn(job) after each finished job (metrics)
+        self.max_queue = max(1, int(max_queue))
+        self.scheduler = BatchScheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id,
+                                        engine.max_context, max_batch_tokens=max_batch_tokens,
+                                        pool_tokens=kv_pool_tokens, request_timeout_s=request_timeout_s)
+        self._accepting = True
+        self._lock = threading.Lock()
+        self.finished = 0                          # jobs ended with a result (metrics, drain report)
+        self._jobs = {}                            # id(request) -> job, while it runs or waits
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="engine-batch",
+                                        daemon=True)
+        self._thread.start()
+
+    running = None                                 # no single running job: see snapshot()
+
+    @property
+    def depth(self) -> int:
+        return self.scheduler.waiting
+
+    @property
+    def in_flight(self) -> int:
+        return self.scheduler.running
+
+    def snapshot(self) -> dict:
+        return self.scheduler.snapshot()
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job; raises Draining, QueueFull, or the scheduler's ContextLengthExceeded (a 400)."""
+        with self._lock:
+            if not self._accepting:
+                raise Draining()
+            if self.scheduler.waiting >= self.max_queue:
+                raise QueueFull()
+            req = BatchRequest(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
+                               stop_check=stop_string_check(self.engine.tokenizer, getattr(job, "stops", ())),
+                               on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled)
+            job.started_at = time.monotonic()
+            self._jobs[id(req)] = job
+            try:
+                self.scheduler.submit(req)
+            except BaseException:
+                self._jobs.pop(id(req), None)
+                raise
+        return job
+
+    def _done(self, req: BatchRequest) -> None:
+        job = self._jobs.pop(id(req))
+        job.result = req.result
+        job.error = Cancelled() if isinstance(req.error, RequestCancelled) else req.error
+        job.finished_at = req.finished_at
+        if job.error is None:
+            self.finished += 1
+            if self.on_done is not None:
+                try:
+                    self.on_done(job)
+                except Exception:
+                    pass
+        if job.stream is not None:
+            job.stream.put(None)
+        job.done.set()
+        if job.notify is not None:
+            job.notify()
+
+    def stop_accepting(self) -> None:
+        with self._lock:
+            self._accepting = False
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Refuse new jobs, finish every accepted one, stop the thread. True when it finished in time; on a
+        timeout the jobs still waiting or running are cancelled (their requests end with an error)."""
+        self.stop_accepting()
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.scheduler.running + self.scheduler.waiting and (end is None or time.monotonic() < end):
+            time.sleep(0.01)
+        finished = not (self.scheduler.running + self.scheduler.waiting)
+        if not finished:
+            for job in list(self._jobs.values()):
+                job.cancel()                       # they leave at the next step
+            self.scheduler.wake()
+            stop_by = time.monotonic() + 5.0
+            while self._jobs and time.monotonic() < stop_by:
+                time.sleep(0.01)
+        self._stop.set()
+        self.scheduler.wake()
+        self._thread.join(5.0)
+        return finished
