@@ -188,6 +188,15 @@ class BenchConfig:
 
 
 @dataclass
+class BenchServeConfig:
+    clients: List[int] = field(default_factory=lambda: [1, 4, 16, 64])  # concurrent streaming clients per round
+    requests: int = 2  # completions per client per round
+    max_tokens: int = 64  # per completion
+    short_tokens: int = 4  # short_latency_ratio: this request's latency beside a long_tokens one, over alone
+    long_tokens: int = 1000
+
+
+@dataclass
 class BenchLoadConfig:
     gb: float = 2.0  # size of the synthetic K2-layout checkpoint (built once, cached under cache_dir)
     repeats: int = 3  # alternating rounds (cat, loader variants); medians are reported
@@ -220,6 +229,7 @@ class RootConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
+    bench_serve: BenchServeConfig = field(default_factory=BenchServeConfig)
 
 
 GROUPS = {

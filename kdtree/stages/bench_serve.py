@@ -1,0 +1,168 @@
+"""bench_serve: the serving benchmark -- N concurrent clients against this run's real server process (issue 18).
+
+    python -m kdtree.run pipeline=bench_serve backend=cpu            # N = 1, 4, 16, 64; bench_serve.json + .png
+
+After health_poll says READY: every fixed prompt once alone (the solo answers), then for each N in `clients` N
+client threads each send `requests` streamed completions (prompts in turn, `max_tokens` each) at once. Per N:
+output tokens/s and requests/s over the wall time of the round, time to first token and time per output token
+(p50/p95, per request: (end - first token) / (tokens - 1)), `exact` (every answer's text equals its solo answer);
+`scaling` = tokens/s at N / tokens/s at 1. `short_latency_ratio`: a `short_tokens` request's latency while a
+`long_tokens` request streams, over its latency alone (median of 3 each). Then the engine is stopped (SIGTERM:
+it drains) so the pipeline ends. Figures are ratios within one run; a shared machine varies between runs.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from kdtree.errors import PipelineError
+
+SIDE = "controller"
+NEEDS_ENGINE = True
+PARAMS = {"clients": list, "requests": int, "max_tokens": int, "short_tokens": int, "long_tokens": int,
+          "prompts": str}
+PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
+
+
+def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Event] = None) -> Dict[str, float]:
+    """One streamed completion: its text, tokens (usage), seconds to the first token and to the end."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    text, tokens, first = "", 0, None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise PipelineError(f"bench_serve: the server answered an error: {ev['error'].get('message')}")
+            if ev.get("usage"):
+                tokens = int(ev["usage"]["completion_tokens"])
+            piece = "".join(c.get("text") or "" for c in ev.get("choices", []))
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text += piece
+            if stop is not None and stop.is_set():      # the caller is done with it: hang up (cancels it)
+                break
+    end = time.perf_counter() - t0
+    return {"text": text, "tokens": tokens, "ttft": first if first is not None else end, "seconds": end}
+
+
+def _pct(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
+
+
+def round_of(url: str, n: int, prompts: List[str], requests: int, max_tokens: int, solo: Dict[str, str]) -> dict:
+    jobs = [prompts[(c * requests + k) % len(prompts)] for c in range(n) for k in range(requests)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        out = list(pool.map(lambda p: (p, stream(url, p, max_tokens)), jobs))
+    wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for _, r in out)
+    tpot = [(r["seconds"] - r["ttft"]) / (r["tokens"] - 1) for _, r in out if r["tokens"] > 1]
+    ttft = [r["ttft"] for _, r in out]
+    return {"clients": n, "requests": len(out), "seconds": round(wall, 3), "output_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(out) / wall, 3),
+            "ttft_p50_s": round(_pct(ttft, 0.5), 4), "ttft_p95_s": round(_pct(ttft, 0.95), 4),
+            "tpot_p50_s": round(_pct(tpot, 0.5), 5), "tpot_p95_s": round(_pct(tpot, 0.95), 5),
+            "exact": all(r["text"] == solo[p] for p, r in out)}
+
+
+def short_latency_ratio(url: str, prompt: str, short_tokens: int, long_tokens: int) -> dict:
+    alone = statistics.median(stream(url, prompt, short_tokens)["seconds"] for _ in range(3))
+    beside = []
+    for _ in range(3):
+        hang_up, started = threading.Event(), threading.Event()
+
+        def long_request():
+            try:
+                stream(url, prompt, long_tokens, stop=hang_up)
+            finally:
+                started.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.3)                                  # the long request is admitted and decoding
+        beside.append(stream(url, prompt, short_tokens)["seconds"])
+        hang_up.set()
+        t.join(600)
+    return {"short_alone_s": round(alone, 4), "short_beside_long_s": round(statistics.median(beside), 4),
+            "short_latency_ratio": round(statistics.median(beside) / alone, 3)}
+
+
+def plot(rounds: List[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ns = [r["clients"] for r in rounds]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(ns, [r["tokens_per_s"] for r in rounds], "o-")
+    a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
+    for key, style in (("ttft_p50_s", "o-"), ("ttft_p95_s", "o--"), ("tpot_p50_s", "s-"), ("tpot_p95_s", "s--")):
+        b.plot(ns, [r[key] for r in rounds], style, label=key.replace("_s", ""))
+    b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="seconds", title="latency")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _engine_url(ctx) -> str:
+    engine = ctx.engine_process
+    status = Path(engine.run_dir) / "status.json" if engine is not None else Path(ctx.run_dir) / "status.json"
+    url = json.loads(status.read_text()).get("url") if status.is_file() else None
+    if not url:
+        raise PipelineError(f"bench_serve: {status} names no server url; run it after serve and health_poll")
+    return url
+
+
+def run(ctx, clients: Optional[list] = None, requests: int = 2, max_tokens: int = 64, short_tokens: int = 4,
+        long_tokens: int = 1000, prompts: str = "") -> dict:
+    clients = [int(n) for n in (clients or [1, 4, 16, 64])]
+    if not clients or min(clients) < 1 or requests < 1 or max_tokens < 2:
+        raise PipelineError(f"bench_serve: clients={clients} requests={requests} max_tokens={max_tokens}; "
+                            f"use clients >= 1, requests >= 1, max_tokens >= 2")
+    texts = json.loads(Path(prompts or PROMPTS).read_text())["prompts"]
+    url = _engine_url(ctx)
+    try:
+        solo = {p: stream(url, p, max_tokens)["text"] for p in texts}
+        rounds = [round_of(url, n, texts, requests, max_tokens, solo) for n in sorted(set([1] + clients))]
+        base = rounds[0]["tokens_per_s"]
+        for r in rounds:
+            r["scaling"] = round(r["tokens_per_s"] / base, 3)
+            print(f"[bench_serve] N={r['clients']:>3}: {r['tokens_per_s']:8.1f} tok/s ({r['scaling']:.2f}x) "
+                  f"{r['requests_per_s']:6.2f} req/s  TTFT p50/p95 {r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f} s  "
+                  f"TPOT p50/p95 {r['tpot_p50_s'] * 1e3:.1f}/{r['tpot_p95_s'] * 1e3:.1f} ms  exact {r['exact']}",
+                  flush=True)
+        short = short_latency_ratio(url, texts[0], short_tokens, long_tokens)
+    finally:
+        engine = ctx.engine_process                      # the pipeline ends with the bench: stop the server
+        if engine is not None:
+            from kdtree.pipeline.engine_process import stop_engine
+            stop_engine(engine.host, engine.pid, grace_s=float(ctx.cfg.stop.timeout_s) + 30.0)
+    out = {"url": url, "max_tokens": max_tokens, "requests_per_client": requests, "rounds": rounds,
+           "scaling": {str(r["clients"]): r["scaling"] for r in rounds},
+           "exact": all(r["exact"] for r in rounds), **short,
+           "backend": str(ctx.cfg.backend.name) if "name" in ctx.cfg.backend else "",
+           "tree": {k: ctx.cfg.tree[k] for k in ("kind", "width", "depth", "budget")},
+           "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens")}}
+    run_dir = Path(ctx.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "bench_serve.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rounds, run_dir / "bench_serve.png")
+    print(f"[bench_serve] short_latency_ratio {out['short_latency_ratio']:.2f} "
+          f"({out['short_alone_s']:.3f} s alone, {out['short_beside_long_s']:.3f} s beside a {long_tokens}-token "
+          f"request); exact {out['exact']}; {run_dir / 'bench_serve.json'}", flush=True)
+    return {k: out[k] for k in ("scaling", "exact", "short_latency_ratio")}
