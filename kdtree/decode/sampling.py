@@ -1,0 +1,335 @@
+"""Sampling that stays lossless: a counter-based random stream and the target's processed distribution.
+
+Random stream. The uniform number used at output position p (0 = the first generated token) of a request is
+
+    uniform(seed, p) = (mix64(seed + (p + 1) * 0x9E3779B97F4A7C15 mod 2^64) >> 11) * 2^-53      in [0, 1), 53 bits
+
+i.e. the (p+1)-th output of splitmix64 (Steele, Lea & Flood 2014; Vigna's splitmix64.c) started from `seed`. It
+is a pure function of (seed, p): it never depends on how many numbers were drawn before, on the batch or on
+the tree, so AR (one position per forward) and DDTree (many positions per verify) use the same number for
+the same output position. Sample i of n uses sample_seed(seed, i) (i = 0: the request's seed itself).
+
+Distribution (vLLM's documented order: penalties on the raw logits, then temperature, then top-k, then top-p):
+    repetition_penalty r: tokens in the prompt or the output so far: logit > 0 -> logit / r, else logit * r
+    frequency_penalty f, presence_penalty q: logit -= f * count_in_output + q * (count_in_output > 0)
+    z = logits / temperature (float64)
+    top_k k > 0: keep tokens with z >= the k-th largest z (ties at the boundary are kept, as vLLM's mask does)
+    top_p p < 1: keep a token iff the probability of the tokens before it in the fixed order is < p
+                 (vLLM drops the ascending-cumsum prefix <= 1 - p; the most likely token is always kept)
+Fixed token order: probability descending, equal values by ascending token id. The sample is the inverse CDF
+in that order: the first token whose cumulative kept probability exceeds u * (kept total). Temperature 0 never
+comes here: the loops keep their greedy argmax path.
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7).resolved()
+    s = Sampler(params, prompt_ids, vocab)       # per request (per sample of n)
+    tok = s.sample(logits_row)                   # uses uniform(seed, s.position), then commits tok
+"""
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from kdtree.errors import ConfigError
+
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15          # splitmix64's increment (2^64 / golden ratio, odd)
+MAX_LOGPROBS = 20                   # top logprobs per position (OpenAI chat's top_logprobs bound; vLLM's default)
+MAX_N = 128                         # samples per request
+GREEDY_BELOW = 1e-5                 # temperatures below this decode greedily (vLLM's _SAMPLING_EPS): z / T overflows
+SEED_BITS = 53                      # random seeds fit a JSON number any client reads exactly (2^53)
+
+
+class SamplingError(ConfigError):
+    """A bad sampling field: `param` names it (the HTTP front end answers 400 with param=field)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def mix64(z: int) -> int:
+    """splitmix64's output function on a 64-bit integer."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def random_bits(seed: int, position: int) -> int:
+    """The (position+1)-th 64-bit output of splitmix64 seeded with `seed` (any int, taken mod 2^64)."""
+    return mix64((int(seed) + (int(position) + 1) * GAMMA) & MASK64)
+
+
+def uniform(seed: int, position: int) -> float:
+    """Uniform float64 in [0, 1) with 53 random bits for output position `position` of the stream `seed`."""
+    return (random_bits(seed, position) >> 11) * (1.0 / (1 << 53))
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of n: the request's seed for index 0, a splitmix64-mixed one after."""
+    return int(seed) if index == 0 else mix64((int(seed) & MASK64) ^ mix64(int(index) * GAMMA & MASK64))
+
+
+def random_seed() -> int:
+    return secrets.randbits(SEED_BITS)
+
+
+def _number(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise SamplingError(name, f"{name} must be a finite number; got {v!r}")
+    return float(v)
+
+
+def _integer(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise SamplingError(name, f"{name} must be an integer; got {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling. temperature 0 = greedy (the unchanged argmax path; other fields but logprobs,
+    echo and n are then ignored). Bounds are vLLM's/OpenAI's; validate() says which field is wrong."""
+    temperature: float = 1.0            # >= 0; 0 (anything < 1e-5) = greedy argmax
+    top_p: float = 1.0                  # (0, 1]; 1 = all tokens
+    top_k: int = 0                      # 0 or -1 = all tokens, else >= 1
+    seed: Optional[int] = None          # None = a random one, drawn by resolved() and reported back
+    presence_penalty: float = 0.0       # [-2, 2]
+    frequency_penalty: float = 0.0      # [-2, 2]
+    repetition_penalty: float = 1.0     # (0, 2]; 1 = off
+    logprobs: Optional[int] = None      # top logprobs per emitted token, 0..20 (0 = only the chosen token's)
+    echo: bool = False                  # with logprobs: also the prompt's logprobs (from the prefill)
+    n: int = 1                          # independent samples of the prompt, 1..128
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def validate(self) -> None:
+        """One SamplingError line per bad value, naming the field, the value and the valid range."""
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise SamplingError("temperature", f"temperature={t} must be >= 0 (0 = greedy); use e.g. 0.7")
+        p = _number("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise SamplingError("top_p", f"top_p={p} must be in (0, 1] (1 = all tokens); use e.g. 0.95")
+        k = _integer("top_k", self.top_k)
+        if k < -1:
+            raise SamplingError("top_k", f"top_k={k} must be -1 or 0 (all tokens) or >= 1")
+        for name, lo in (("presence_penalty", -2.0), ("frequency_penalty", -2.0)):
+            v = _number(name, getattr(self, name))
+            if not lo <= v <= 2.0:
+                raise SamplingError(name, f"{name}={v} must be in [-2, 2] (0 = off)")
+        r = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < r <= 2.0:
+            raise SamplingError("repetition_penalty", f"repetition_penalty={r} must be in (0, 2] (1 = off)")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        if self.logprobs is not None:
+            lp = _integer("logprobs", self.logprobs)
+            if not 0 <= lp <= MAX_LOGPROBS:
+                raise SamplingError("logprobs", f"logprobs={lp} must be in 0..{MAX_LOGPROBS} (top logprobs per "
+                                                f"token; 0 = only the chosen token's)")
+        if not isinstance(self.echo, bool):
+            raise SamplingError("echo", f"echo must be true or false; got {self.echo!r}")
+        n = _integer("n", self.n)
+        if not 1 <= n <= MAX_N:
+            raise SamplingError("n", f"n={n} must be in 1..{MAX_N}")
+        if n > 1 and t < GREEDY_BELOW:
+            raise SamplingError("n", f"n={n} with temperature=0: greedy decoding has one answer; use n=1 or "
+                                     f"temperature > 0")
+
+    def resolved(self) -> "SamplingParams":
+        """These params with a seed: the given one, else a random one (reported back so the run replays)."""
+        return self if self.seed is not None else replace(self, seed=random_seed())
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Params of sample `index` of n: n=1 and a seed derived from this (resolved) seed."""
+        base = self.resolved()
+        return replace(base, n=1, seed=sample_seed(base.seed, index))
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def merged(cls, *layers: Optional[Mapping[str, Any]], **base: Any) -> "SamplingParams":
+        """Later layers override earlier ones; None values mean "not set" and do not override."""
+        values: Dict[str, Any] = dict(base)
+        known = {f.name for f in fields(cls)}
+        for layer in layers:
+            for k, v in (layer or {}).items():
+                if k in known and v is not None:
+                    values[k] = v
+        return cls(**values)
+
+    @classmethod
+    def from_openai(cls, body: Mapping[str, Any], defaults: Optional[Mapping[str, Any]] = None,
+                    chat: bool = False) -> "SamplingParams":
+        """OpenAI request fields -> params. Omitted fields come from `defaults` (engine.sampling_defaults():
+        the operator's sampling config, the checkpoint's generation_config.json, OpenAI's temperature 1).
+        completions: logprobs = int (top count), echo; chat: logprobs = bool + top_logprobs = int.
+        top_k, repetition_penalty are vLLM's extensions. best_of must be absent or equal n."""
+        fields_: Dict[str, Any] = {}
+        for k in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "n"):
+            if body.get(k) is not None:
+                fields_[k] = body[k]
+        if chat:
+            lp = body.get("logprobs")
+            if lp is not None and not isinstance(lp, bool):
+                raise SamplingError("logprobs", f"logprobs must be true or false in chat completions; got {lp!r} "
+                                                f"(use top_logprobs=N for the top N)")
+            top = body.get("top_logprobs")
+            if top is not None and not lp:
+                raise SamplingError("top_logprobs", f"top_logprobs={top!r} needs logprobs=true")
+            if lp:
+                fields_["logprobs"] = top if top is not None else 0
+        else:
+            lp = body.get("logprobs")
+            if lp is not None and lp is not False:
+                if lp is True:
+                    raise SamplingError("logprobs", "logprobs must be an integer 0..5 in completions; got true")
+                fields_["logprobs"] = lp
+            if body.get("echo") is not None:
+                fields_["echo"] = body["echo"]
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != fields_.get("n", 1):
+            raise SamplingError("best_of", f"best_of={best_of!r} is not supported unless it equals n; omit it")
+        return cls.merged(defaults, fields_)
+
+
+# -- the distribution --------------------------------------------------------------------------------------
+
+def penalized_logits(logits: np.ndarray, params: SamplingParams, output_counts: Optional[np.ndarray],
+                     prompt_mask: Optional[np.ndarray]) -> np.ndarray:
+    """f32[V] raw logits -> f64[V] after vLLM's repetition / frequency / presence penalties.
+    output_counts i64[V]: occurrences of each token in the output so far; prompt_mask bool[V]: in the prompt."""
+    z = np.asarray(logits, np.float64).copy()
+    if not params.penalized or output_counts is None:
+        return z
+    if params.repetition_penalty != 1.0:
+        seen = output_counts > 0
+        if prompt_mask is not None:
+            seen = seen | prompt_mask
+        r = params.repetition_penalty
+        z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
+    z -= params.frequency_penalty * output_counts + params.presence_penalty * (output_counts > 0)
+    return z
+
+
+def distribution(logits: np.ndarray, params: SamplingParams, output_counts: Optional[np.ndarray] = None,
+                 prompt_mask: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids i64[K], probs f64[K]) of the kept tokens in the fixed order (probability descending, ties by id);
+    probs sum to 1. Penalties, then temperature, then top-k, then top-p."""
+    if params.greedy:
+        raise ValueError("distribution() of temperature 0: greedy decoding takes the argmax, it does not sample")
+    z = penalized_logits(logits, params, output_counts, prompt_mask) / params.temperature
+    order = np.argsort(-z, kind="stable")                 # i64[V] descending, equal values by ascending id
+    zs = z[order]
+    k = params.top_k if params.top_k > 0 else zs.size
+    if k < zs.size:
+        keep = int(np.searchsorted(-zs, -zs[k - 1], side="right"))   # ties with the k-th value stay
+        order, zs = order[:keep], zs[:keep]
+    probs = np.exp(zs - zs[0])                             # f64, largest first so no overflow
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])      # mass of the tokens ahead of each
+        keep = max(1, int(np.count_nonzero(before < params.top_p)))
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return order, probs
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, u: float, output_counts: Optional[np.ndarray] = None,
+                 prompt_mask: Optional[np.ndarray] = None) -> int:
+    """Inverse CDF of distribution(...) at u in [0, 1): a pure function of (logits, params, history, u)."""
+    ids, probs = distribution(logits, params, output_counts, prompt_mask)
+    cdf = np.cumsum(probs)
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return int(ids[min(i, ids.size - 1)])
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """f32[..., V] -> f64 log-probabilities of the target's raw distribution (before any sampling transform)."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def token_logprob(logits_row: np.ndarray, token: int, top: int) -> dict:
+    """{"token", "logprob", "top": [[id, logprob], ...]} of one position; top = `top` best, ties by id."""
+    lp = log_softmax(logits_row)
+    out = {"token": int(token), "logprob": float(lp[token])}
+    if top > 0:
+        best = np.argsort(-lp, kind="stable")[:top]
+        out["top"] = [[int(i), float(lp[i])] for i in best]
+    else:
+        out["top"] = []
+    return out
+
+
+def prompt_logprobs(prompt: Sequence[int], logits: np.ndarray, top: int) -> List[Optional[dict]]:
+    """Logprobs of prompt tokens 1..P-1 from the prefill's rows 0..P-2 (token 0 has none: None)."""
+    return [None] + [token_logprob(logits[i], int(prompt[i + 1]), top) for i in range(len(prompt) - 1)]
+
+
+class Sampler:
+    """One sample's state: params (resolved seed), the prompt mask and output counts for the penalties, and
+    the output position. sample(row) draws with uniform(seed, position) and commits the token."""
+
+    def __init__(self, params: SamplingParams, prompt: Sequence[int], vocab: int):
+        if params.seed is None:
+            raise ValueError("Sampler needs resolved params (params.resolved()) so the seed can be reported")
+        self.params, self.seed, self.position = params, int(params.seed), 0
+        self.counts = self.mask = None
+        if params.penalized:
+            self.counts = np.zeros(vocab, np.int64)
+            self.mask = np.zeros(vocab, bool)
+            self.mask[np.asarray(list(prompt), np.int64)] = True
+
+    def peek(self, logits_row: np.ndarray) -> int:
+        """The token this position would draw, without committing it."""
+        return sample_token(logits_row, self.params, uniform(self.seed, self.position), self.counts, self.mask)
+
+    def commit(self, token: int) -> None:
+        if self.counts is not None:
+            self.counts[int(token)] += 1
+        self.position += 1
+
+    def sample(self, logits_row: np.ndarray) -> int:
+        tok = self.peek(logits_row)
+        self.commit(tok)
+        return tok
+
+
+def sampled_walk(parents: np.ndarray, tokens: np.ndarray, draw: Callable[[int], int]) -> Tuple[np.ndarray, int]:
+    """The sampling accept walk: from the root (row 0) draw the target's token at the current row
+    (draw(row) samples and commits), follow the first child (node order) whose token equals it, stop at the
+    first draw no child matches; that draw is the bonus. Returns (path i32[k] node indices, bonus); only the
+    k + 1 visited rows are ever sampled. Greedy decoding keeps ops.tree_accept (the same rule with argmax)."""
+    parents = np.asarray(parents, np.int32)
+    tokens = np.asarray(tokens, np.int32)
+    path: List[int] = []
+    cur = -1
+    while True:
+        want = draw(cur + 1)
+        nxt = next((i for i in range(cur + 1, len(parents)) if parents[i] == cur and tokens[i] == want), None)
+        if nxt is None:
+            return np.array(path, np.int32), int(want)
+        path.append(nxt)
+        cur = nxt
+
+
+__all__ = ["SamplingParams", "SamplingError", "Sampler", "uniform", "random_bits", "sample_seed", "mix64",
+           "distribution", "sample_token", "log_softmax", "token_logprob", "prompt_logprobs", "sampled_walk"]
