@@ -3,6 +3,10 @@
     engine = Engine.from_config(cfg, status=status_file)   # resolve/generate the checkpoint, load, build
     result = engine.generate(engine.tokenizer.encode("2+2="), max_new_tokens=16)
     text = engine.tokenizer.decode(result.tokens)
+    # sampling (HTTP front end): fields -> SamplingParams (one-line SamplingError naming the field, .param)
+    params = SamplingParams.from_openai(body, defaults=engine.sampling_defaults())
+    result = engine.generate(ids, 16, sampling=params)      # tokens, logprobs, seed, finish_reason
+    results = engine.generate_n(ids, 16, sampling=params)   # params.n samples sharing one prefill
 
 Stages (load, generate, warmup, serve, bench) share one Engine through ctx.state["model_engine"].
 """
@@ -14,7 +18,14 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
 from kdtree.decode.result import GenerationResult
+from kdtree.decode.sampling import SamplingParams
 from kdtree.errors import ConfigError
+
+# HF generation_config.json keys that set sampling defaults (the ones vLLM's --generation-config reads)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# sampling.* keys that shape the distribution (server defaults); seed, logprobs, echo, n are per run/request
+DISTRIBUTION_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
 def cache_dir(cfg) -> Path:
@@ -34,6 +45,20 @@ def resolve_checkpoint(cfg) -> Path:
     from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 
     return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
+
+
+def generation_config_defaults(checkpoint: Path) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets ({} when it has none)."""
+    import json
+
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e}); fix or remove it") from None
+    return {k: data[k] for k in GENERATION_CONFIG_KEYS if data.get(k) is not None}
 
 
 @dataclass
@@ -98,20 +123,58 @@ class Engine:
         if close is not None:
             close()
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
-        """Greedy generation with the configured tree (ar | chain | ddtree); output is identical for all.
-        on_tokens(new_ids) is called after each commit with the tokens it added (the server's live stream)."""
-        from kdtree.decode import generate
+    def sampling_defaults(self) -> dict:
+        """Defaults of an HTTP request's omitted sampling fields: OpenAI's (temperature 1), overridden by the
+        checkpoint's generation_config.json, overridden by the operator's sampling.* config keys
+        (the distribution's keys only: seed, logprobs, echo and n stay per request)."""
+        out = dict(OPENAI_DEFAULTS)
+        out.update(generation_config_defaults(self.checkpoint))
+        conf = self.cfg.get("sampling") or {}
+        out.update({k: conf.get(k) for k in DISTRIBUTION_KEYS if conf.get(k) is not None})
+        return out
 
+    def pipeline_sampling(self) -> SamplingParams:
+        """The generate/bench pipelines' sampling: greedy unless sampling.temperature is set (so their results
+        stay the greedy ones by default); with it, unset fields as sampling_defaults(). Seed resolved."""
+        conf = self.cfg.get("sampling") or {}
+        run = {k: conf.get(k) for k in ("seed", "logprobs", "echo", "n")}
+        if conf.get("temperature") is None:
+            return SamplingParams.merged(run, temperature=0.0)
+        return SamplingParams.merged(self.sampling_defaults(), run).resolved()
+
+    def _check_request(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         if not prompt_ids:
             raise ConfigError("prompt is empty; give at least one token")
         budget = int(self.cfg.tree.budget) + 1 if self.drafter is not None else 0
         if len(prompt_ids) + max_new_tokens + budget > self.max_context:
             raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                               f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 on_tokens: Optional[Callable[[List[int]], None]] = None,
+                 sampling: Optional[SamplingParams] = None) -> GenerationResult:
+        """One completion with the configured tree (ar | chain | ddtree); output is identical for all.
+        sampling None / temperature 0: greedy; else sampled (result.seed = the seed used, result.logprobs when
+        sampling.logprobs is set). on_tokens(new_ids) is called after each commit with the tokens it added (the
+        server's live stream). n > 1: use generate_n."""
+        from kdtree.decode import generate
+
+        self._check_request(prompt_ids, max_new_tokens)
+        if sampling is not None and sampling.n != 1:
+            raise ConfigError(f"n={sampling.n}: Engine.generate returns one completion; use Engine.generate_n")
         return generate(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens),
-                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
+                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, sampling=sampling)
+
+    def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                   stop_ids: Sequence[int] = (),
+                   on_tokens: Optional[Callable[[int, List[int]], None]] = None) -> List[GenerationResult]:
+        """sampling.n samples of one prompt sharing its prefill; sample i's seed = sampling.for_sample(i).seed
+        (sample 0: the request's seed). on_tokens(i, new_ids) streams sample i."""
+        from kdtree.decode import generate_n
+
+        self._check_request(prompt_ids, max_new_tokens)
+        return generate_n(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens), sampling,
+                          eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
         """Text in, (text out, GenerationResult)."""

@@ -172,6 +172,23 @@ class GenerateConfig:
 
 
 @dataclass
+class SamplingConfig:
+    """Sampling of the generate/bench pipelines and the server's defaults (kdtree/decode/sampling.py).
+    Unset (null) fields: the pipelines decode greedily unless temperature is set, then take the others from
+    the checkpoint's generation_config.json, else OpenAI's; the server's requests fall back the same way."""
+    temperature: Optional[float] = None  # >= 0; 0 = greedy argmax; null = pipelines greedy, server 1 (OpenAI)
+    top_p: Optional[float] = None  # (0, 1]
+    top_k: Optional[int] = None  # -1/0 = all tokens
+    seed: Optional[int] = None  # null = a random seed per run, written to result.json/bench.json
+    presence_penalty: Optional[float] = None  # [-2, 2]
+    frequency_penalty: Optional[float] = None  # [-2, 2]
+    repetition_penalty: Optional[float] = None  # (0, 2]
+    logprobs: Optional[int] = None  # top logprobs per generated token (0..20) in result.json
+    echo: bool = False  # with logprobs: also the prompt tokens' logprobs
+    n: int = 1  # samples of the prompt (generate pipeline), sharing one prefill
+
+
+@dataclass
 class PlanConfig:
     disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
     float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
@@ -215,6 +232,7 @@ class RootConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)

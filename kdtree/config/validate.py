@@ -162,6 +162,27 @@ def validate_bench_load(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
 
 
+SAMPLING_ONLY_WITH_TEMPERATURE = ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty")
+
+
+def validate_sampling(cfg: DictConfig, stages: Sequence[str]) -> None:
+    """The sampling section as kdtree.decode.sampling.SamplingParams checks it, each error as sampling.<key>."""
+    from kdtree.decode.sampling import SamplingError, SamplingParams
+
+    s = cfg.sampling
+    values = {k: v for k, v in OmegaConf.to_container(s, resolve=True).items() if v is not None}
+    try:
+        SamplingParams.merged(values, temperature=0.0 if s.temperature is None else 1.0)
+    except SamplingError as e:
+        raise ConfigError(f"sampling.{e}") from None
+    if s.temperature is None and "serve" not in stages and {"generate", "bench"}.intersection(stages):
+        for key in SAMPLING_ONLY_WITH_TEMPERATURE:
+            if s.get(key) is not None:
+                raise ConfigError(f"sampling.{key}={s.get(key)} has no effect: pipeline={cfg.pipeline} decodes "
+                                  f"greedily unless sampling.temperature is set; add e.g. sampling.temperature=1.0")
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
     if cfg.quant.method not in QUANT_METHODS:
@@ -182,6 +203,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     validate_tree(cfg)
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline)
+    validate_sampling(cfg, stages)
     if MODEL_STAGES.intersection(stages):
         validate_backend(cfg)
         validate_checkpoint_path(cfg)

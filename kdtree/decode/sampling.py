@@ -14,11 +14,11 @@ Distribution (vLLM's documented order: penalties on the raw logits, then tempera
     frequency_penalty f, presence_penalty q: logit -= f * count_in_output + q * (count_in_output > 0)
     z = logits / temperature (float64)
     top_k k > 0: keep tokens with z >= the k-th largest z (ties at the boundary are kept, as vLLM's mask does)
-    top_p p < 1: keep a token iff the probability of the tokens before it in the fixed order is < p
-                 (vLLM drops the ascending-cumsum prefix <= 1 - p; the most likely token is always kept)
-Fixed token order: probability descending, equal values by ascending token id. The sample is the inverse CDF
-in that order: the first token whose cumulative kept probability exceeds u * (kept total). Temperature 0 never
-comes here: the loops keep their greedy argmax path.
+    top_p p < 1: keep a token iff the mass of the more probable tokens (equal probabilities: lower ids first)
+                 is < p (vLLM drops the ascending-cumsum prefix <= 1 - p; the most likely token is always kept)
+The sample is the inverse CDF in ascending token id order (fixed, and needs no sort): the first kept token
+whose cumulative probability exceeds u * (kept total). Temperature 0 (below 1e-5) never comes here: the
+loops keep their greedy argmax path. Logprobs are the raw target distribution's (log-softmax of the logits).
 
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7).resolved()
     s = Sampler(params, prompt_ids, vocab)       # per request (per sample of n)
@@ -231,24 +231,26 @@ def penalized_logits(logits: np.ndarray, params: SamplingParams, output_counts: 
 
 def distribution(logits: np.ndarray, params: SamplingParams, output_counts: Optional[np.ndarray] = None,
                  prompt_mask: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
-    """(ids i64[K], probs f64[K]) of the kept tokens in the fixed order (probability descending, ties by id);
-    probs sum to 1. Penalties, then temperature, then top-k, then top-p."""
+    """(ids i64[K] ascending, probs f64[K]) of the kept tokens; probs sum to 1. Penalties, then temperature,
+    then top-k, then top-p. Only top-p sorts (its candidates); everything else is O(V)."""
     if params.greedy:
         raise ValueError("distribution() of temperature 0: greedy decoding takes the argmax, it does not sample")
-    z = penalized_logits(logits, params, output_counts, prompt_mask) / params.temperature
-    order = np.argsort(-z, kind="stable")                 # i64[V] descending, equal values by ascending id
-    zs = z[order]
-    k = params.top_k if params.top_k > 0 else zs.size
-    if k < zs.size:
-        keep = int(np.searchsorted(-zs, -zs[k - 1], side="right"))   # ties with the k-th value stay
-        order, zs = order[:keep], zs[:keep]
-    probs = np.exp(zs - zs[0])                             # f64, largest first so no overflow
+    z = penalized_logits(logits, params, output_counts, prompt_mask) / params.temperature      # f64[V]
+    V = z.size
+    keep = np.ones(V, bool)
+    if 0 < params.top_k < V:
+        kth = np.partition(z, V - params.top_k)[V - params.top_k]     # the k-th largest value
+        keep = z >= kth                                               # ties with it stay (vLLM's mask)
+    probs = np.where(keep, np.exp(z - z.max()), 0.0)                  # the max is always kept: no overflow
     probs /= probs.sum()
     if params.top_p < 1.0:
-        before = np.concatenate([[0.0], np.cumsum(probs)[:-1]])      # mass of the tokens ahead of each
-        keep = max(1, int(np.count_nonzero(before < params.top_p)))
-        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-    return order, probs
+        cand = np.flatnonzero(keep)
+        order = cand[np.argsort(-probs[cand], kind="stable")]        # probability descending, ties by id
+        ahead = np.concatenate([[0.0], np.cumsum(probs[order])[:-1]])  # mass of the tokens ahead of each
+        keep[order[ahead >= params.top_p]] = False                     # the most likely token has 0 ahead
+    ids = np.flatnonzero(keep)
+    kept = probs[ids]
+    return ids, kept / kept.sum()
 
 
 def sample_token(logits: np.ndarray, params: SamplingParams, u: float, output_counts: Optional[np.ndarray] = None,
