@@ -150,3 +150,35 @@ def test_numeric_group_choices_are_quoted_for_hydra():
 
     assert quote_for_hydra(["tp=8", "tp=1,8", "tree.depth=4", "model=k26"]) == \
         ["tp='8'", "tp='1','8'", "tree.depth=4", "model=k26"]
+
+
+@pytest.mark.parametrize("overrides,stages,match", [
+    (["sampling.temperature=-1"], ["generate"], r"^sampling.temperature=-1.0 must be >= 0"),
+    (["sampling.temperature=1", "sampling.top_p=1.5"], ["generate"], r"^sampling.top_p=1.5 must be in \(0, 1\]"),
+    (["sampling.temperature=1", "sampling.top_k=-3"], ["bench"], r"^sampling.top_k=-3 must be -1 or 0"),
+    (["sampling.temperature=1", "sampling.repetition_penalty=3"], ["generate"],
+     r"^sampling.repetition_penalty=3.0 must be in \(0, 2\]"),
+    (["sampling.temperature=1", "sampling.presence_penalty=-2.5"], ["generate"],
+     r"^sampling.presence_penalty=-2.5 must be in \[-2, 2\]"),
+    (["sampling.logprobs=21"], ["generate"], r"^sampling.logprobs=21 must be in 0..20"),
+    (["sampling.n=0", "sampling.temperature=1"], ["generate"], r"^sampling.n=0 must be in 1..128"),
+    (["sampling.n=3"], ["generate"], r"^sampling.n=3 with temperature=0: greedy decoding has one answer"),
+    (["sampling.top_p=0.9"], ["load", "generate"], r"^sampling.top_p=0.9 has no effect: .* add e.g. sampling.temperature"),
+    (["sampling.seed=7"], ["load", "bench"], r"^sampling.seed=7 has no effect"),
+])
+def test_sampling_keys_are_checked_in_one_line(overrides, stages, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(_compose(*overrides), stages=stages)
+    assert "\n" not in str(e.value)
+
+
+def test_sampling_section_types_and_defaults():
+    cfg = _compose("sampling.temperature=0.8", "sampling.seed=7", "sampling.top_k=40")
+    assert (cfg.sampling.temperature, cfg.sampling.seed, cfg.sampling.top_k, cfg.sampling.top_p) == (0.8, 7, 40, None)
+    validate(cfg, stages=["generate"])
+    validate(_compose("sampling.top_p=0.9"), stages=["load", "serve"])   # a server default: fine without T
+    assert _compose().sampling.temperature is None                        # pipelines stay greedy by default
+    with pytest.raises(Exception, match="sampling.temperature"):
+        _compose("sampling.temperature=hot")
+    with pytest.raises(Exception, match="nope"):
+        _compose("sampling.nope=1")
