@@ -46,7 +46,7 @@ def generate_ar(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: O
     res.stage_seconds["prefill"] += time.perf_counter() - t0
     sampler = None
     if sampling is not None and not sampling.greedy:
-        sampler = Sampler(sampling.resolved(), prompt, row.shape[-1])
+        sampler = Sampler(sampling.resolved(), prompt)
         res.seed = sampler.seed
     pos = len(prompt)
     while True:

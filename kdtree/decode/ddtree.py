@@ -110,7 +110,7 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
     cache, last, hid = prefill_forward(model, prompt, P + max_new_tokens + budget, prefill, res, sampling, layers)
     sampler = None
     if sampling is not None and not sampling.greedy:
-        sampler = Sampler(sampling.resolved(), prompt, last.shape[-1])
+        sampler = Sampler(sampling.resolved(), prompt)
         res.seed = sampler.seed
     bonus = int(np.argmax(last)) if sampler is None else sampler.sample(last)
     st["prefill"] += time.perf_counter() - t0

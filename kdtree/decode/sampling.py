@@ -17,11 +17,11 @@ Distribution (vLLM's documented order: penalties on the raw logits, then tempera
     top_p p < 1: keep a token iff the mass of the more probable tokens (equal probabilities: lower ids first)
                  is < p (vLLM drops the ascending-cumsum prefix <= 1 - p; the most likely token is always kept)
 The sample is the inverse CDF in ascending token id order (fixed, and needs no sort): the first kept token
-whose cumulative probability exceeds u * (kept total). Temperature 0 (below 1e-5) never comes here: the
+whose cumulative weight exceeds u * (kept total weight). Temperature 0 (below 1e-5) never comes here: the
 loops keep their greedy argmax path. Logprobs are the raw target distribution's (log-softmax of the logits).
 
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7).resolved()
-    s = Sampler(params, prompt_ids, vocab)       # per request (per sample of n)
+    s = Sampler(params, prompt_ids)              # per request (per sample of n)
     tok = s.sample(logits_row)                   # uses uniform(seed, s.position), then commits tok
 """
 from __future__ import annotations
@@ -212,54 +212,80 @@ class SamplingParams:
 
 # -- the distribution --------------------------------------------------------------------------------------
 
-def penalized_logits(logits: np.ndarray, params: SamplingParams, output_counts: Optional[np.ndarray],
-                     prompt_mask: Optional[np.ndarray]) -> np.ndarray:
+def penalized_logits(logits: np.ndarray, params: SamplingParams, output_counts: Optional[Mapping[int, int]] = None,
+                     prompt_ids: Optional[Sequence[int]] = None) -> np.ndarray:
     """f32[V] raw logits -> f64[V] after vLLM's repetition / frequency / presence penalties.
-    output_counts i64[V]: occurrences of each token in the output so far; prompt_mask bool[V]: in the prompt."""
-    z = np.asarray(logits, np.float64).copy()
-    if not params.penalized or output_counts is None:
+    output_counts {token: occurrences in the output so far}; prompt_ids: the prompt's tokens. Touches only the
+    seen tokens (O(seen), not O(V))."""
+    z = np.array(logits, np.float64)
+    if not params.penalized:
         return z
+    counts = output_counts or {}
     if params.repetition_penalty != 1.0:
-        seen = output_counts > 0
-        if prompt_mask is not None:
-            seen = seen | prompt_mask
-        r = params.repetition_penalty
-        z[seen] = np.where(z[seen] > 0, z[seen] / r, z[seen] * r)
-    z -= params.frequency_penalty * output_counts + params.presence_penalty * (output_counts > 0)
+        seen = np.fromiter(set(counts) | set(int(t) for t in (prompt_ids or ())), np.int64)
+        v = z[seen]
+        z[seen] = np.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if counts:
+        ids = np.fromiter(counts.keys(), np.int64, len(counts))
+        n = np.fromiter(counts.values(), np.float64, len(counts))
+        z[ids] -= params.frequency_penalty * n + params.presence_penalty
     return z
 
 
-def distribution(logits: np.ndarray, params: SamplingParams, output_counts: Optional[np.ndarray] = None,
-                 prompt_mask: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
-    """(ids i64[K] ascending, probs f64[K]) of the kept tokens; probs sum to 1. Penalties, then temperature,
-    then top-k, then top-p. Only top-p sorts (its candidates); everything else is O(V)."""
+def _top_p(w: np.ndarray, p: float) -> np.ndarray:
+    """Zero the weights outside the nucleus: keep a token iff the weight of the tokens ahead of it (weight
+    descending, ties by id) is < p * total. Sorts only a growing top-M candidate set, never the vocabulary,
+    with the same result as a full sort (candidates are every token >= the M-th weight, ties included)."""
+    total = w.sum()
+    nonzero = int(np.count_nonzero(w))
+    m = 64
+    while True:
+        if m >= nonzero:
+            cand = np.flatnonzero(w)
+        else:
+            cand = np.flatnonzero(w >= np.partition(w, w.size - m)[w.size - m])
+        order = cand[np.argsort(-w[cand], kind="stable")]       # weight descending, equal weights by id
+        csum = np.cumsum(w[order])
+        if csum[-1] >= p * total or cand.size >= nonzero:
+            ahead = np.concatenate([[0.0], csum[:-1]])
+            out = np.zeros_like(w)
+            keep = order[ahead < p * total]                       # the heaviest token has 0 ahead: always kept
+            out[keep] = w[keep]
+            return out
+        m *= 4
+
+
+def weights(logits: np.ndarray, params: SamplingParams, output_counts: Optional[Mapping[int, int]] = None,
+            prompt_ids: Optional[Sequence[int]] = None) -> np.ndarray:
+    """f64[V] unnormalised probabilities of the sampling distribution, 0 for tokens top-k/top-p dropped.
+    Penalties, then temperature, then top-k, then top-p."""
     if params.greedy:
-        raise ValueError("distribution() of temperature 0: greedy decoding takes the argmax, it does not sample")
-    z = penalized_logits(logits, params, output_counts, prompt_mask) / params.temperature      # f64[V]
-    V = z.size
-    keep = np.ones(V, bool)
+        raise ValueError("temperature 0: greedy decoding takes the argmax, it does not sample")
+    z = penalized_logits(logits, params, output_counts, prompt_ids)
+    z /= params.temperature
+    w = np.exp(z - z.max())                                       # the max is 1: no overflow, never dropped
+    V = w.size
     if 0 < params.top_k < V:
-        kth = np.partition(z, V - params.top_k)[V - params.top_k]     # the k-th largest value
-        keep = z >= kth                                               # ties with it stay (vLLM's mask)
-    probs = np.where(keep, np.exp(z - z.max()), 0.0)                  # the max is always kept: no overflow
-    probs /= probs.sum()
+        w[z < np.partition(z, V - params.top_k)[V - params.top_k]] = 0.0   # ties with the k-th value stay
     if params.top_p < 1.0:
-        cand = np.flatnonzero(keep)
-        order = cand[np.argsort(-probs[cand], kind="stable")]        # probability descending, ties by id
-        ahead = np.concatenate([[0.0], np.cumsum(probs[order])[:-1]])  # mass of the tokens ahead of each
-        keep[order[ahead >= params.top_p]] = False                     # the most likely token has 0 ahead
-    ids = np.flatnonzero(keep)
-    kept = probs[ids]
-    return ids, kept / kept.sum()
+        w = _top_p(w, params.top_p)
+    return w
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, u: float, output_counts: Optional[np.ndarray] = None,
-                 prompt_mask: Optional[np.ndarray] = None) -> int:
-    """Inverse CDF of distribution(...) at u in [0, 1): a pure function of (logits, params, history, u)."""
-    ids, probs = distribution(logits, params, output_counts, prompt_mask)
-    cdf = np.cumsum(probs)
-    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    return int(ids[min(i, ids.size - 1)])
+def distribution(logits: np.ndarray, params: SamplingParams, output_counts: Optional[Mapping[int, int]] = None,
+                 prompt_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids i64[K] ascending, probs f64[K]) of the kept tokens; probs sum to 1."""
+    w = weights(logits, params, output_counts, prompt_ids)
+    ids = np.flatnonzero(w)
+    return ids, w[ids] / w[ids].sum()
+
+
+def sample_token(logits: np.ndarray, params: SamplingParams, u: float,
+                 output_counts: Optional[Mapping[int, int]] = None, prompt_ids: Optional[Sequence[int]] = None) -> int:
+    """Inverse CDF at u in [0, 1) in token id order: the first token whose cumulative weight exceeds u * total
+    (dropped tokens weigh 0 and are never chosen). A pure function of (logits, params, history, u)."""
+    cdf = np.cumsum(weights(logits, params, output_counts, prompt_ids))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.size - 1))
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -269,15 +295,23 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
+def top_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """i64[k] indices of the k largest values, descending, equal values by ascending index (no full sort)."""
+    if k >= z.size:
+        return np.argsort(-z, kind="stable")
+    cand = np.flatnonzero(z >= np.partition(z, z.size - k)[z.size - k])
+    return cand[np.argsort(-z[cand], kind="stable")][:k]
+
+
 def token_logprob(logits_row: np.ndarray, token: int, top: int) -> dict:
-    """{"token", "logprob", "top": [[id, logprob], ...]} of one position; top = `top` best, ties by id."""
-    lp = log_softmax(logits_row)
-    out = {"token": int(token), "logprob": float(lp[token])}
+    """{"token", "logprob", "top": [[id, logprob], ...]} of one position from the raw distribution
+    log_softmax(logits); top = the `top` most likely tokens, equal values by id."""
+    z = np.asarray(logits_row, np.float64)
+    m = z.max()
+    lse = m + np.log(np.exp(z - m).sum())                        # f64 log-sum-exp: one pass over V
+    out = {"token": int(token), "logprob": float(z[token] - lse), "top": []}
     if top > 0:
-        best = np.argsort(-lp, kind="stable")[:top]
-        out["top"] = [[int(i), float(lp[i])] for i in best]
-    else:
-        out["top"] = []
+        out["top"] = [[int(i), float(z[i] - lse)] for i in top_ids(z, top)]
     return out
 
 
@@ -287,26 +321,23 @@ def prompt_logprobs(prompt: Sequence[int], logits: np.ndarray, top: int) -> List
 
 
 class Sampler:
-    """One sample's state: params (resolved seed), the prompt mask and output counts for the penalties, and
-    the output position. sample(row) draws with uniform(seed, position) and commits the token."""
+    """One sample's state: params (resolved seed), the prompt and output counts for the penalties, and the
+    output position. sample(row) draws with uniform(seed, position) and commits the token."""
 
-    def __init__(self, params: SamplingParams, prompt: Sequence[int], vocab: int):
+    def __init__(self, params: SamplingParams, prompt: Sequence[int]):
         if params.seed is None:
             raise ValueError("Sampler needs resolved params (params.resolved()) so the seed can be reported")
         self.params, self.seed, self.position = params, int(params.seed), 0
-        self.counts = self.mask = None
-        if params.penalized:
-            self.counts = np.zeros(vocab, np.int64)
-            self.mask = np.zeros(vocab, bool)
-            self.mask[np.asarray(list(prompt), np.int64)] = True
+        self.prompt = sorted(set(int(t) for t in prompt)) if params.penalized else ()
+        self.counts: Dict[int, int] = {}
 
     def peek(self, logits_row: np.ndarray) -> int:
         """The token this position would draw, without committing it."""
-        return sample_token(logits_row, self.params, uniform(self.seed, self.position), self.counts, self.mask)
+        return sample_token(logits_row, self.params, uniform(self.seed, self.position), self.counts, self.prompt)
 
     def commit(self, token: int) -> None:
-        if self.counts is not None:
-            self.counts[int(token)] += 1
+        if self.params.penalized:
+            self.counts[int(token)] = self.counts.get(int(token), 0) + 1
         self.position += 1
 
     def sample(self, logits_row: np.ndarray) -> int:
@@ -334,4 +365,4 @@ def sampled_walk(parents: np.ndarray, tokens: np.ndarray, draw: Callable[[int], 
 
 
 __all__ = ["SamplingParams", "SamplingError", "Sampler", "uniform", "random_bits", "sample_seed", "mix64",
-           "distribution", "sample_token", "log_softmax", "token_logprob", "prompt_logprobs", "sampled_walk"]
+           "weights", "distribution", "sample_token", "log_softmax", "top_ids", "token_logprob", "prompt_logprobs", "sampled_walk"]

@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from kdtree.config.schema import register
 from kdtree.decode import generate, generate_n
 from kdtree.decode.sampling import (SamplingError, SamplingParams, Sampler, distribution, log_softmax,
-                                    penalized_logits, random_bits, sample_seed, sample_token, uniform)
+                                    penalized_logits, random_bits, sample_seed, sample_token, top_ids,
+                                    uniform)
 from kdtree.engine import Engine
 from tests.conftest import REPO
 
@@ -65,8 +66,8 @@ def test_uniform_is_a_pure_function_of_seed_and_position():
 
 def test_penalties_follow_vllm():
     logits = np.array([2.0, -1.0, 0.5, 3.0, -2.0], np.float32)
-    counts = np.array([0, 2, 1, 0, 0])
-    prompt = np.array([False, False, False, True, False])
+    counts = {1: 2, 2: 1}                          # output so far: token 1 twice, token 2 once
+    prompt = [3]
     p = SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     z = penalized_logits(logits, p, counts, prompt)
     # repetition: tokens in prompt or output; positive logits divided, negative multiplied; then f*count + q*seen
@@ -87,6 +88,20 @@ def test_top_k_and_top_p_keep_what_vllm_keeps():
     assert ids.tolist() == [1, 3]                  # top-p over the top-k renormalised: 0.47 + 0.35 ahead of 4
     tied = np.array([1.0, 2.0, 2.0, 0.0], np.float32)
     assert distribution(tied, SamplingParams(temperature=1.0, top_k=1))[0].tolist() == [1, 2]  # ties stay
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_without_sorting_the_vocabulary_equals_a_full_sort(top_p):
+    """The nucleus grows a top-M candidate set; a flat 20000-token distribution with ties needs many rounds."""
+    rng = np.random.default_rng(3)
+    logits = np.round(rng.standard_normal(20000) * 0.3, 2).astype(np.float32)   # many exactly equal values
+    p = SamplingParams(temperature=1.0, top_p=top_p)
+    w = np.exp(logits.astype(np.float64) - logits.max())
+    order = np.argsort(-w, kind="stable")
+    ahead = np.concatenate([[0.0], np.cumsum(w[order])[:-1]])
+    want = np.sort(order[ahead < top_p * w.sum()])
+    assert distribution(logits, p)[0].tolist() == want.tolist() and want.size > 64 * (top_p > 0.5)
+    assert top_ids(logits.astype(np.float64), 300).tolist() == np.argsort(-logits, kind="stable")[:300].tolist()
 
 
 def test_inverse_cdf_in_token_id_order():
@@ -123,8 +138,7 @@ def test_first_token_matches_the_target_distribution(prompt_logits, T, top_k, to
     params = SamplingParams(temperature=T, top_k=top_k, top_p=top_p)
     counts: dict = {}
     for seed in range(N_SEEDS):                    # deterministic seeds: the test cannot flake
-        tok = Sampler(SamplingParams(temperature=T, top_k=top_k, top_p=top_p, seed=seed), ids_prompt,
-                      row.size).sample(row)
+        tok = Sampler(SamplingParams(temperature=T, top_k=top_k, top_p=top_p, seed=seed), ids_prompt).sample(row)
         counts[tok] = counts.get(tok, 0) + 1
     # the expected distribution computed directly: softmax(logits / T) restricted by top-k then top-p
     z = row.astype(np.float64) / T
@@ -147,7 +161,7 @@ def test_chi_square_rejects_a_wrong_temperature(prompt_logits):
     ids_prompt, row = prompt_logits
     counts: dict = {}
     for seed in range(N_SEEDS):
-        tok = Sampler(SamplingParams(temperature=1.0, seed=seed), ids_prompt, row.size).sample(row)
+        tok = Sampler(SamplingParams(temperature=1.0, seed=seed), ids_prompt).sample(row)
         counts[tok] = counts.get(tok, 0) + 1
     ids, probs = distribution(row, SamplingParams(temperature=0.7))
     counts = {k: v for k, v in counts.items() if k in set(ids.tolist())}
