@@ -130,3 +130,15 @@ def test_greedy_is_unchanged_and_acceptance_falls_with_temperature(engines):
             lengths += r.acceptance_lengths
         acc[T] = sum(lengths) / len(lengths)
     assert acc[1.5] < acc[0.0]
+
+
+def test_n_samples_under_tensor_parallelism(engines):
+    """tp=2: the shared prefill is rewound on every rank (truncate is mirrored); each sample equals its own run."""
+    from kdtree.decode import generate_n
+
+    eng = engines("numpy", "fp32", 2)
+    ids = eng.tokenizer.encode(PROMPTS[3])
+    results = generate_n(eng.model, eng.drafter, TREES["ddtree"], ids, 12, SamplingParams(temperature=1.0, seed=4, n=2))
+    for r in results:
+        alone = generate(eng.model, None, AR, ids, 12, sampling=SamplingParams(temperature=1.0, seed=r.seed))
+        assert r.tokens == alone.tokens

@@ -97,3 +97,23 @@ def test_generation_config_json_sets_the_defaults(tmp_path, kdtree_cache):
         eng.sampling_defaults()
     (ckpt / "generation_config.json").unlink()
     assert eng.sampling_defaults() == {"temperature": 1.0, "top_p": 1.0, "top_k": 40}
+
+
+def test_sweep_over_temperature_and_its_report(tmp_path, kdtree_cache):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main("]}))
+    sweep = tmp_path / "multirun"
+    _kdtree("-m", "pipeline=bench", "sampling.temperature=0,1.5", "sampling.seed=3", "bench.max_new_tokens=8",
+            "bench.repeats=1", f"bench.prompts={prompts}", "load.progress=false", f"hydra.sweep.dir={sweep}",
+            runs=tmp_path / "runs", cache=kdtree_cache)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    subprocess.run([sys.executable, "-m", "kdtree.report", str(sweep)], check=True, cwd=REPO, env=env, timeout=120,
+                   capture_output=True)
+    import csv
+    with open(sweep / "report.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] != "ar"]
+    assert sorted(float(r["temperature"]) for r in rows) == [0.0, 1.5]
+    assert all(r["outputs_equal_ar"] == "True" for r in rows)
+    greedy = {float(r["temperature"]): float(r["greedy_mean_acceptance_length"]) for r in rows}
+    assert greedy[0.0] == greedy[1.5]                   # the greedy acceptance is reported next to the sampled one
+    assert "| temperature |" in (sweep / "report.md").read_text()
