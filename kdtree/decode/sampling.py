@@ -194,13 +194,15 @@ class SamplingParams:
             top = body.get("top_logprobs")
             if top is not None and not lp:
                 raise SamplingError("top_logprobs", f"top_logprobs={top!r} needs logprobs=true")
+            if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+                raise SamplingError("top_logprobs", f"top_logprobs={top!r} must be an integer in 0..{MAX_LOGPROBS}")
             if lp:
                 fields_["logprobs"] = top if top is not None else 0
         else:
             lp = body.get("logprobs")
             if lp is not None and lp is not False:
                 if lp is True:
-                    raise SamplingError("logprobs", "logprobs must be an integer 0..5 in completions; got true")
+                    raise SamplingError("logprobs", f"logprobs must be an integer 0..{MAX_LOGPROBS} in completions; got true")
                 fields_["logprobs"] = lp
             if body.get("echo") is not None:
                 fields_["echo"] = body["echo"]

@@ -336,7 +336,8 @@ def test_from_openai_completions_and_chat():
     assert SamplingParams.from_openai({"logprobs": False, "echo": True}, chat=True).logprobs is None
     for body, chat, param in (({"top_logprobs": 2}, True, "top_logprobs"), ({"logprobs": 3}, True, "logprobs"),
                               ({"logprobs": True}, False, "logprobs"), ({"n": 2, "best_of": 3}, False, "best_of"),
-                              ({"top_k": "x"}, False, "top_k")):
+                              ({"top_k": "x"}, False, "top_k"),
+                              ({"logprobs": True, "top_logprobs": 25}, True, "top_logprobs")):
         with pytest.raises(SamplingError) as e:
             SamplingParams.from_openai(body, chat=chat)
         assert e.value.param == param
