@@ -202,7 +202,8 @@ class SamplingParams:
             lp = body.get("logprobs")
             if lp is not None and lp is not False:
                 if lp is True:
-                    raise SamplingError("logprobs", f"logprobs must be an integer 0..{MAX_LOGPROBS} in completions; got true")
+                    raise SamplingError("logprobs", f"logprobs must be an integer 0..{MAX_LOGPROBS} in completions; "
+                                                    f"got true")
                 fields_["logprobs"] = lp
             if body.get("echo") is not None:
                 fields_["echo"] = body["echo"]
@@ -367,4 +368,5 @@ def sampled_walk(parents: np.ndarray, tokens: np.ndarray, draw: Callable[[int], 
 
 
 __all__ = ["SamplingParams", "SamplingError", "Sampler", "uniform", "random_bits", "sample_seed", "mix64",
-           "weights", "distribution", "sample_token", "log_softmax", "top_ids", "token_logprob", "prompt_logprobs", "sampled_walk"]
+           "weights", "distribution", "sample_token", "log_softmax", "top_ids", "token_logprob", "prompt_logprobs",
+           "sampled_walk"]

@@ -163,7 +163,8 @@ def test_numeric_group_choices_are_quoted_for_hydra():
     (["sampling.logprobs=21"], ["generate"], r"^sampling.logprobs=21 must be in 0..20"),
     (["sampling.n=0", "sampling.temperature=1"], ["generate"], r"^sampling.n=0 must be in 1..128"),
     (["sampling.n=3"], ["generate"], r"^sampling.n=3 with temperature=0: greedy decoding has one answer"),
-    (["sampling.top_p=0.9"], ["load", "generate"], r"^sampling.top_p=0.9 has no effect: .* add e.g. sampling.temperature"),
+    (["sampling.top_p=0.9"], ["load", "generate"],
+     r"^sampling.top_p=0.9 has no effect: .* add e.g. sampling.temperature"),
     (["sampling.seed=7"], ["load", "bench"], r"^sampling.seed=7 has no effect"),
 ])
 def test_sampling_keys_are_checked_in_one_line(overrides, stages, match):
