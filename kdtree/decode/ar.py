@@ -1,4 +1,4 @@
-"""Greedy autoregressive decoding: the baseline every speculative loop must reproduce token for token.
+"""Autoregressive decoding (greedy or sampled): the baseline every speculative loop must reproduce token for token.
 
 One prefill forward over the prompt (counted as one target forward), then one forward per new token.
 Greedy = np.argmax (ties -> lowest id). Stops at eos_id (finish "eos") or a token in stop_ids (finish

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding with a DFlash block drafter: DDTree (a best-first tree) and chain (width 1).
+"""Speculative decoding (greedy or sampled) with a DFlash block drafter: DDTree (a best-first tree) and chain
+(width 1).
 
 Per round (docs/engine-contracts.md, DESIGN.md §5):
   draft      drafter block forward after the committed context -> logits of the next depth tokens
@@ -52,8 +53,9 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
                     on_tokens: Optional[Callable[[List[int]], None]] = None,
                     sampling: Optional[SamplingParams] = None,
                     prefill: Optional[SharedPrefill] = None) -> GenerationResult:
-    """Greedy chain/DDTree decoding of `model` (K2Model) drafted by `drafter` (DFlashDrafter interface:
-    block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens), draft(cache, bonus)).
+    """Chain/DDTree decoding (greedy, or sampled with `sampling`) of `model` (K2Model) drafted by `drafter`
+    (DFlashDrafter interface: block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens),
+    draft(cache, bonus)).
 
     acceptance_lengths holds len(path) + 1 per verify round (before any max_new_tokens / eos cut).
     on_tokens(new_ids), when given, is called once per commit (the prefill's token, then each round's accepted
