@@ -38,6 +38,8 @@ def generate_ar(model, prompt_ids: Sequence[int], max_new_tokens: int, eos_id: O
     if top is not None:
         res.logprobs = []
     if max_new_tokens <= 0:
+        if top is not None and sampling.echo:      # scoring a prompt (echo, max_tokens 0): its logprobs only
+            prefill_forward(model, prompt, len(prompt), None, res, sampling)
         res.seconds = time.perf_counter() - t_start
         return res
 

@@ -77,6 +77,8 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
     if top is not None:
         res.logprobs = []
     if max_new_tokens <= 0:
+        if top is not None and sampling.echo:      # scoring a prompt (echo, max_tokens 0): its logprobs only
+            prefill_forward(model, prompt, len(prompt), None, res, sampling)
         res.seconds = time.perf_counter() - t_start
         return res
 

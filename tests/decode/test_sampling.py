@@ -229,6 +229,18 @@ def test_logprobs_equal_a_reference_forward_and_sum_with_echo(engine, kind, T):
         assert all(lp["top"][0][0] == lp["token"] for lp in r.logprobs)
 
 
+@pytest.mark.parametrize("kind", ["ar", "ddtree"])
+def test_echo_with_no_new_tokens_scores_the_prompt(engine, kind):
+    ids = engine.tokenizer.encode("import sys")
+    tree = AR if kind == "ar" else engine.cfg.tree
+    r = generate(engine.model, engine.drafter, tree, ids, 0, sampling=SamplingParams(temperature=0, logprobs=2,
+                                                                                     echo=True))
+    full = generate(engine.model, engine.drafter, tree, ids, 3, sampling=SamplingParams(temperature=0, logprobs=2,
+                                                                                        echo=True))
+    assert r.tokens == [] and r.target_forwards == 1 and r.prompt_logprobs == full.prompt_logprobs
+    assert len(r.prompt_logprobs) == len(ids)
+
+
 def test_no_logprobs_unless_asked(engine):
     r = generate(engine.model, engine.drafter, engine.cfg.tree, [65, 66], 4, sampling=SamplingParams(seed=1))
     assert r.logprobs is None and r.prompt_logprobs is None
