@@ -8,32 +8,37 @@
     result = engine.generate(ids, 16, sampling=params)      # tokens, logprobs, seed, finish_reason
     results = engine.generate_n(ids, 16, sampling=params)   # params.n samples sharing one prefill
 
-Stages (load, generate, warmup, serve, bench) share one Engine through ctx.state["model_engine"].
+Stages (load, generate, warmup, demo, serve, bench) share one Engine through EngineState.of(ctx).engine.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
+from omegaconf import OmegaConf
+
+from kdtree.backends import get_ops
+from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.config.paths import cache_dir
+from kdtree.decode import generate, generate_n
 from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import SamplingParams
 from kdtree.errors import ConfigError
+from kdtree.model.drafter import DFlashDrafter
+from kdtree.model.k2 import K2Model
+from kdtree.parallel.launch import launch_tp
+from kdtree.tokenizer import load_tokenizer
 
+AR_TREE = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})  # plain greedy, no drafter
 # HF generation_config.json keys that set sampling defaults (the ones vLLM's --generation-config reads)
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # sampling.* keys that shape the distribution (server defaults); seed, logprobs, echo, n are per run/request
 DISTRIBUTION_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
-
-
-def cache_dir(cfg) -> Path:
-    """Where generated checkpoints, the engine registry and cold-start history live:
-    cache_dir, else $KDTREE_CACHE, else ~/.cache/kdtree."""
-    from kdtree.checkpoint.tiny import cache_root
-
-    return cache_root((cfg.get("cache_dir") if hasattr(cfg, "get") else "") or "")
 
 
 def resolve_checkpoint(cfg) -> Path:
@@ -42,15 +47,11 @@ def resolve_checkpoint(cfg) -> Path:
         return Path(cfg.model.path).expanduser()
     if cfg.model.name != "tiny":
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/checkpoint")
-    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-
     return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
 
 
 def generation_config_defaults(checkpoint: Path) -> dict:
     """The sampling defaults a checkpoint's generation_config.json sets ({} when it has none)."""
-    import json
-
     path = Path(checkpoint) / "generation_config.json"
     if not path.is_file():
         return {}
@@ -81,19 +82,12 @@ class Engine:
     @classmethod
     def from_config(cls, cfg, status: Any = None,
                     progress: Optional[Callable[[int, int, int, int], None]] = None) -> "Engine":
-        from kdtree.backends import get_ops
-        from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
-        from kdtree.model.drafter import DFlashDrafter
-        from kdtree.model.k2 import K2Model
-        from kdtree.tokenizer import load_tokenizer
-
         t0 = time.perf_counter()
         if status is not None:
             status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
         ckpt = resolve_checkpoint(cfg)
         ops = get_ops(cfg.backend)
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
-            from kdtree.parallel.launch import launch_tp
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
         else:
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
@@ -142,38 +136,38 @@ class Engine:
             return SamplingParams.merged(run, temperature=0.0)
         return SamplingParams.merged(self.sampling_defaults(), run).resolved()
 
-    def _check_request(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    def _request(self, prompt_ids: Sequence[int], max_new_tokens: int, tree: Any) -> tuple:
+        """(tree config, drafter) of a request after the prompt and context checks."""
+        tree = self.cfg.tree if tree is None else tree
         if not prompt_ids:
             raise ConfigError("prompt is empty; give at least one token")
-        budget = int(self.cfg.tree.budget) + 1 if self.drafter is not None else 0
+        drafter = self.drafter if str(tree.kind) != "ar" else None
+        budget = int(tree.budget) + 1 if drafter is not None else 0
         if len(prompt_ids) + max_new_tokens + budget > self.max_context:
             raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                               f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
+        return tree, drafter
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Optional[Callable[[List[int]], None]] = None,
+                 on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None,
                  sampling: Optional[SamplingParams] = None) -> GenerationResult:
-        """One completion with the configured tree (ar | chain | ddtree); output is identical for all.
-        sampling None / temperature 0: greedy; else sampled (result.seed = the seed used, result.logprobs when
-        sampling.logprobs is set). on_tokens(new_ids) is called after each commit with the tokens it added (the
-        server's live stream). n > 1: use generate_n."""
-        from kdtree.decode import generate
-
-        self._check_request(prompt_ids, max_new_tokens)
+        """One completion with the configured tree (ar | chain | ddtree), or `tree` (a tree config, e.g.
+        AR_TREE) instead; output is identical for all. sampling None / temperature 0: greedy; else sampled
+        (result.seed = the seed used, result.logprobs when sampling.logprobs is set). on_tokens(new_ids) is
+        called after each commit with the tokens it added (the server's live stream). n > 1: use generate_n."""
+        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
         if sampling is not None and sampling.n != 1:
             raise ConfigError(f"n={sampling.n}: Engine.generate returns one completion; use Engine.generate_n")
-        return generate(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens),
+        return generate(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens),
                         eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, sampling=sampling)
 
     def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                   stop_ids: Sequence[int] = (),
-                   on_tokens: Optional[Callable[[int, List[int]], None]] = None) -> List[GenerationResult]:
+                   stop_ids: Sequence[int] = (), on_tokens: Optional[Callable[[int, List[int]], None]] = None,
+                   tree: Any = None) -> List[GenerationResult]:
         """sampling.n samples of one prompt sharing its prefill; sample i's seed = sampling.for_sample(i).seed
         (sample 0: the request's seed). on_tokens(i, new_ids) streams sample i."""
-        from kdtree.decode import generate_n
-
-        self._check_request(prompt_ids, max_new_tokens)
-        return generate_n(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens), sampling,
+        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
+        return generate_n(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens), sampling,
                           eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
@@ -181,3 +175,22 @@ class Engine:
         ids = self.tokenizer.encode(prompt)
         result = self.generate(ids, max_new_tokens)
         return self.tokenizer.decode(result.tokens), result
+
+
+@dataclass
+class EngineState:
+    """What the host stages of one engine process share (StageContext.shared): the loaded engine and the HTTP
+    server. The engine process closes it when it exits (tensor-parallel ranks end with it)."""
+    engine: Optional[Engine] = None
+    server: Optional[Any] = None        # the serve stage's server (kdtree.serve.app.ServeApp), port open
+
+    @classmethod
+    def of(cls, ctx) -> "EngineState":
+        """This process's state (created on first use)."""
+        if ctx.shared is None:
+            ctx.shared = cls()
+        return ctx.shared
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

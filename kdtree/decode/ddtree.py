@@ -1,7 +1,7 @@
 """Speculative decoding (greedy or sampled) with a DFlash block drafter: DDTree (a best-first tree) and chain
 (width 1).
 
-Per round (docs/engine-contracts.md, DESIGN.md §5):
+Per round (docs/engine-contracts.md):
   draft      drafter block forward after the committed context -> logits of the next depth tokens
   tree_build per-depth top-`width` log-probs -> best-first tree of `budget` nodes (ops.tree_build)
   verify     ONE target forward over [bonus, nodes] at positions start + depth, ancestor-only visibility
@@ -25,7 +25,7 @@ import numpy as np
 from kdtree.decode.prefill import SharedPrefill, prefill_forward
 from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
-from kdtree.decode.tree import draft_topk
+from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
 

@@ -11,6 +11,8 @@ from typing import Any, List, Optional
 
 import numpy as np
 
+from kdtree.decode.sampling import prompt_logprobs
+
 
 @dataclass
 class SharedPrefill:
@@ -36,8 +38,6 @@ def prefill_forward(model, prompt: np.ndarray, cache_len: int, shared: Optional[
     """The prompt's forward, or the shared one rewound. Returns (cache, last logits f32[V], hiddens | None);
     hiddens is None when the prefill was reused (the drafter's context is then already in shared.dcache).
     Counts the forward in res.target_forwards and fills res.prompt_logprobs when sampling asks for echo."""
-    from kdtree.decode.sampling import prompt_logprobs
-
     want_echo = sampling is not None and sampling.echo and sampling.logprobs is not None
     if shared is not None and shared.done:
         if shared.cache.max_len < cache_len:
