@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 
+from kdtree.config.secrets import api_key
 from kdtree.errors import PipelineError
 from kdtree.serve.app import ServeApp
 from kdtree.serve.sd_notify import SdNotifier
@@ -14,7 +15,6 @@ from kdtree.serve.status import StatusFile
 
 SIDE = "host"
 PARAMS = {}
-DRAIN_TIMEOUT_S = 300.0          # longest a SIGTERM waits for accepted requests before closing anyway
 
 
 def _status(ctx) -> StatusFile:
@@ -32,7 +32,9 @@ def on_process_start(ctx) -> ServeApp:
         notifier.on_status(status.snapshot())
     s = ctx.cfg.serve
     app = ServeApp(status, host=s.host, port=s.port, model_name=s.model_name or ctx.cfg.model.name,
-                   api_key=s.api_key, max_queue=s.max_queue).start()
+                   api_key=api_key(s), max_queue=s.max_queue, cors_origins=tuple(s.get("cors_origins") or ()),
+                   max_body_bytes=s.max_body_bytes, max_header_bytes=s.max_header_bytes,
+                   max_connections=s.max_connections, keepalive_s=s.keepalive_s).start()
     ctx.state["serve_app"] = app
     ctx.emit("serve_listening", url=app.url, phase=status.phase)
     return app
@@ -46,7 +48,8 @@ def run(ctx) -> dict:
     app.attach(engine)
     app.mark_ready()
     ctx.emit("ready", url=app.url, model=app.model_name)
-    print(f"serving {app.model_name} at {app.url}/v1/completions (SIGTERM or Ctrl-C to stop)", flush=True)
+    print(f"serving {app.model_name} at {app.url}/v1 (completions, chat/completions; SIGTERM or Ctrl-C to stop)",
+          flush=True)
 
     stop = threading.Event()
     previous = {}
@@ -60,8 +63,8 @@ def run(ctx) -> dict:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     ctx.emit("draining", url=app.url, queue_depth=app.worker.depth, in_flight=app.worker.in_flight)
-    finished = app.drain(DRAIN_TIMEOUT_S)
+    outcome = app.drain(float(ctx.cfg.serve.drain_timeout_s))
     m = app.metrics
-    ctx.emit("stopped", completions=m.completions, generated_tokens=m.generated_tokens, drained=finished)
-    return {"url": app.url, "completions": m.completions, "generated_tokens": m.generated_tokens,
-            "drained": finished}
+    print(f"drained {outcome['drained']} request(s), cut {outcome['cut']}", flush=True)
+    ctx.emit("stopped", completions=m.completions, generated_tokens=m.generated_tokens, **outcome)
+    return {"url": app.url, "completions": m.completions, "generated_tokens": m.generated_tokens, **outcome}
