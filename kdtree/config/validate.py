@@ -162,6 +162,19 @@ def validate_bench_load(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
 
 
+def validate_serve(cfg: DictConfig) -> None:
+    s = cfg.serve
+    if s.api_key:
+        raise ConfigError("serve.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set serve.api_key_file=<file with the key>")
+    for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if int(s[key]) < 1:
+            raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("drain_timeout_s", "keepalive_s"):
+        if not float(s[key]) > 0:
+            raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
     if cfg.quant.method not in QUANT_METHODS:
@@ -177,6 +190,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_serve(cfg)
     validate_bench_load(cfg)
     validate_tp(cfg)
     validate_tree(cfg)

@@ -49,8 +49,10 @@ def save_config(cfg, run_dir: Path) -> Path:
         text = OmegaConf.to_yaml(cfg, resolve=True)
     except Exception:  # an interpolation to a missing value: keep it unresolved rather than fail here
         text = OmegaConf.to_yaml(cfg, resolve=False)
+    from kdtree.config.secrets import redact, secrets
+
     path = run_dir / ep.CONFIG
-    path.write_text(text)
+    path.write_text(redact(text, secrets(cfg)))     # the engine reads its key from the environment or a file
     return path
 
 
@@ -206,7 +208,8 @@ class _Run:
         self.stop_following()
         if self.engine is None:
             return
-        grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
+        # the engine drains (finishes accepted requests) before it exits: SIGKILL only after that
+        grace = float(_cfg_get(self.cfg, "serve.drain_timeout_s", 0.0)) + float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
         how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
         self.events.emit("engine_stop", pid=self.engine.pid, why=why, outcome=how)
         ep.tail_log(self.engine, self.out)

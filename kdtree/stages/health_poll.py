@@ -13,11 +13,22 @@ PARAMS = {}
 NEEDS_ENGINE = True
 
 
+def _engine_key(serve_cfg) -> str:
+    """The key this run's engine checks, when the controller can read it (env, or a key file here too)."""
+    from kdtree.config.secrets import api_key
+    from kdtree.errors import ConfigError
+
+    try:
+        return api_key(serve_cfg)
+    except ConfigError:                       # the file is on the engine's host only: probes see 401 = answering
+        return ""
+
+
 def engine_target(cfg, engine: dict) -> Target:
     s, h = cfg.serve, cfg.health
     bind = "127.0.0.1" if s.host in ("0.0.0.0", "", "::") else s.host
     url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
-    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or s.api_key,
+    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or _engine_key(s),
                   pid=int(h.pid or engine.get("pid") or 0), status_path=f"{engine['run_dir']}/status.json",
                   log=h.log or engine.get("log", ""), unit=h.unit, unit_user=h.unit_user)
 
