@@ -204,12 +204,15 @@ class _Run:
                        f"see {engine.log}")
         return EXIT_STAGE_FAILED
 
-    def stop_engine(self, why: str) -> None:
+    def stop_engine(self, why: str, drain: bool = False) -> None:
+        """drain: the user stopped a working engine (Ctrl-C, SIGTERM): give it serve.drain_timeout_s to finish
+        accepted requests before any SIGKILL. After a failure it gets stop.timeout_s only."""
         self.stop_following()
         if self.engine is None:
             return
-        # the engine drains (finishes accepted requests) before it exits: SIGKILL only after that
-        grace = float(_cfg_get(self.cfg, "serve.drain_timeout_s", 0.0)) + float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
+        grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
+        if drain:
+            grace += float(_cfg_get(self.cfg, "serve.drain_timeout_s", 0.0))
         how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
         self.events.emit("engine_stop", pid=self.engine.pid, why=why, outcome=how)
         ep.tail_log(self.engine, self.out)
@@ -264,9 +267,9 @@ def run_pipeline(cfg, run_dir, out=None) -> int:
     run = _Run(cfg, run_dir, spec, events, out)
     try:
         code = run.run()
-    except KeyboardInterrupt:
-        events.emit("interrupted")
-        run.stop_engine("Ctrl-C")
+    except KeyboardInterrupt as e:                  # Ctrl-C, or SIGTERM/SIGHUP (kdtree.run turns them into this)
+        events.emit("interrupted", signal=str(e) or "SIGINT")
+        run.stop_engine(str(e) or "Ctrl-C", drain=True)
         code = EXIT_INTERRUPTED
     except KdtreeError as e:  # the host could not be reached, the engine could not start, ...
         events.emit("pipeline_error", error_type=type(e).__name__, error=str(e))
