@@ -37,7 +37,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 import h11
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
