@@ -95,3 +95,28 @@ def test_pipeline_stop_with_32_requests_in_flight_loses_none(tmp_path_factory, k
     m = [line for line in r.stdout.splitlines() if "drained" in line]
     assert m and m[-1].endswith("cut 0"), r.stdout[-1500:]
     assert 1 <= int(m[-1].split("drained ")[1].split()[0]) <= completed
+
+
+def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event(tmp_path_factory, kdtree_cache):
+    """serve.drain_timeout_s=1 and a stream of 1500 slow tokens: the stream is not silently cut, it gets an
+    `error` event (code cut_by_shutdown) and [DONE]; the engine still exits 0 and counts it as cut."""
+    s = start_served(tmp_path_factory, kdtree_cache, "model.init=random", "serve.drain_timeout_s=1")
+    try:
+        host, port = s.url.split("//", 1)[1].rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "cut me", "max_tokens": 1500, "stream": True}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        assert r.readline().startswith(b"data: ")           # streaming has begun
+        assert stop(s.pid, signal.SIGTERM, timeout=60)
+        events = [json.loads(line[6:]) if line[6:].strip() != b"[DONE]" else "[DONE]"
+                  for line in r if line.startswith(b"data: ")]
+        conn.close()
+    finally:
+        if alive(s.pid):
+            stop(s.pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "cut_by_shutdown", events[-3:]
+    assert (s.run_dir / "engine.exit").read_text().strip() == "0"
+    assert s.status()["cut"] == 1 and s.status()["drained"] == 0
