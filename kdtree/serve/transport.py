@@ -50,12 +50,14 @@ def _error_bytes(status: int, message: str, type_: str, extra_headers: str = "")
             f"connection: close\r\n{extra_headers}\r\n").encode() + body
 
 
-_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large", 501: "Not Implemented",
+            503: "Service Unavailable"}
 
 
 class JsonH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with kdtree's limits and JSON errors where uvicorn answers plain text itself:
-    a request the parser refuses (400; 431 when its head exceeds MAX_HEADER_BYTES), a socket over the
+    a request the parser refuses (400; 431 when its head exceeds MAX_HEADER_BYTES; 501 for a transfer coding
+    h11 does not implement), a socket over the
     connection limit (503), a connection idle for KEEPALIVE_S before its first request (closed)."""
 
     max_connections = MAX_CONNECTIONS
@@ -83,12 +85,15 @@ class JsonH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         err = getattr(self, "_h11_error", None)
-        if err is not None and err.error_status_hint == 431:
-            data = _error_bytes(431, f"request line and headers exceed {self.conn._max_incomplete_event_size} bytes "
-                                     f"(serve.max_header_bytes); send fewer or shorter headers", "invalid_request_error")
+        status = err.error_status_hint if err is not None and err.error_status_hint in _REASONS else 400
+        if status == 431:
+            text = (f"request line and headers exceed {self.conn._max_incomplete_event_size} bytes "
+                    f"(serve.max_header_bytes); send fewer or shorter headers")
+        elif status == 501:
+            text = f"not implemented by this server: {err}; send an identity or chunked body"
         else:
-            data = _error_bytes(400, f"malformed HTTP request: {err or msg}", "invalid_request_error")
-        self.transport.write(data)
+            text = f"malformed HTTP request: {err or msg}"
+        self.transport.write(_error_bytes(status, text, "invalid_request_error"))
         self.transport.close()
 
 

@@ -167,6 +167,8 @@ def test_http_level_errors_are_json_and_the_server_answers_after(served):
     assert got == 413 and "serve.max_body_bytes" in err["message"]
     got, err = json_error(raw_http(served, b"THIS IS NOT HTTP\r\n\r\n"))
     assert got == 400 and "malformed HTTP request" in err["message"]
+    got, err = json_error(raw_http(served, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n"))
+    assert got == 501 and "not implemented" in err["message"]
     # curl's default Content-Type (form) with a JSON body: told what to send
     out = subprocess.run(["curl", "-sS", "-d", '{"prompt":"x"}', url + "/v1/completions"], capture_output=True,
                          text=True, timeout=30)
