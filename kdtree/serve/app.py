@@ -409,14 +409,14 @@ def build_app(serve: ServeApp) -> FastAPI:
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
 
     # -- operator endpoints ----------------------------------------------------------------------------
-    @app.get("/health", tags=["operator"])
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=["operator"])
     async def health():
         snap = serve.status.snapshot()
         code = 503 if snap.get("phase") == "failed" else 200
         return JSONResponse({"status": "ok" if code == 200 else "failed", "phase": snap.get("phase"),
                              "pid": snap.get("pid"), "uptime_s": round(time.time() - snap["started_at"], 3)}, code)
 
-    @app.get("/ready", tags=["operator"])
+    @app.api_route("/ready", methods=["GET", "HEAD"], tags=["operator"])
     async def ready():
         snap = serve.status.snapshot()
         if serve.ready:

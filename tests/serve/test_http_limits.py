@@ -45,6 +45,7 @@ def test_port_answers_before_the_load_and_completions_are_503_until_ready(start)
     assert code == 503 and headers["Retry-After"] == "1"
     assert json.loads(body)["error"]["code"] == "not_ready" and "loading" in json.loads(body)["error"]["message"]
     assert request(app.url + "/health")[0] == 200 and request(app.url + "/ready")[0] == 503
+    assert request(app.url + "/health", "HEAD")[0] == 200              # load balancers' HEAD checks
     assert json.loads(request(app.url + "/status")[2])["phase"] == "loading"
 
 
