@@ -169,7 +169,7 @@ class HealthConfig:
     pid: int = 0
     unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
-    api_key: str = ""  # Bearer key for health.url (this run's engine uses serve.api_key)
+    api_key: str = ""  # Bearer key for health.url (this run's engine: KDTREE_API_KEY or serve.api_key_file); redacted when saved
     status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
 
 
