@@ -19,11 +19,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from kdtree.config.schema import GROUPS, register
-from kdtree.config.validate import check_group_overrides, validate
+from kdtree.backends import check_device
+from kdtree.config.schema import CONF_DIR, GROUPS, register
+from kdtree.config.secrets import redact, secrets
+from kdtree.config.validate import check_group_overrides, loads_model, validate
 from kdtree.errors import KdtreeError
+from kdtree.pipeline.runner import run_pipeline
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -39,8 +41,8 @@ def _main(cfg: DictConfig) -> None:
         signal.signal(sig, _interrupt)
     try:
         validate(cfg)
-        from kdtree.pipeline.runner import run_pipeline
-
+        if loads_model(cfg):
+            check_device(cfg)
         code = run_pipeline(cfg, run_dir)
     except KdtreeError as e:
         _fail(str(e))
@@ -56,8 +58,6 @@ def _interrupt(signum, frame):
 
 def _redact_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     """Hydra saved the overrides and the config under .hydra/ before kdtree ran: no secret stays in them."""
-    from kdtree.config.secrets import redact, secrets
-
     values = secrets(cfg)
     for f in (run_dir / ".hydra").glob("*.yaml") if values else ():
         text = f.read_text()

@@ -43,9 +43,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
+from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.metrics import Metrics
-from kdtree.serve.request_queue import Draining, EngineWorker, Job, QueueFull
+from kdtree.serve.request_queue import Cancelled, Draining, EngineWorker, Job, QueueFull
 from kdtree.serve.status import StatusFile, describe
 from kdtree.serve.text_stream import TextStream, cut_at_stop
 from kdtree.serve.transport import MAX_CONNECTIONS, Access, ApiError, Guard, JsonH11Protocol
@@ -121,8 +122,6 @@ class ServeApp:
         return f"http://{self.host}:{self.port}"
 
     def attach(self, engine: Any) -> None:
-        from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
-
         self.engine = engine
         try:
             self.chat_template = ChatTemplate.for_checkpoint(getattr(engine, "checkpoint", None),
@@ -264,8 +263,6 @@ class ServeApp:
 
     @staticmethod
     def job_error(job: Job) -> ApiError:
-        from kdtree.serve.request_queue import Cancelled
-
         if isinstance(job.error, Cancelled):
             return ApiError(503, "the server stopped before this completion finished (drain timeout, "
                                  "serve.drain_timeout_s); retry", "service_unavailable", code="cut_by_shutdown")
@@ -496,8 +493,6 @@ def build_app(serve: ServeApp) -> FastAPI:
         tpl = serve.chat_template
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
-        from kdtree.serve.chat_template import ChatTemplateError
-
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
