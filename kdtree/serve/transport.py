@@ -10,15 +10,12 @@ import json
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Dict, Optional
+from typing import Any, Dict, Optional
 
 import h11
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-if TYPE_CHECKING:
-    from kdtree.serve.app import ServeApp
 
 MAX_CONNECTIONS = 1024            # open sockets; one more is answered 503 and closed
 MONITOR_AGENT = "kdtree-monitor"  # the health monitor's User-Agent: its probes are not access-logged (see Access)
@@ -101,7 +98,7 @@ class Guard:
     """Before the body is read: the API key (401), the body limit (413 from Content-Length, or while reading a
     chunked body)."""
 
-    def __init__(self, app, serve: "ServeApp"):
+    def __init__(self, app, serve: Any):       # serve: the ServeApp (api_key, limits, metrics, active)
         self.app, self.serve = app, serve
 
     async def __call__(self, scope, receive, send):
@@ -147,7 +144,7 @@ class Access:
     The health monitor's own probes (User-Agent kdtree-monitor) are counted but not logged: its once-a-second
     lines would read as log growth, the monitor's evidence that a stuck engine still makes progress."""
 
-    def __init__(self, app, serve: "ServeApp"):
+    def __init__(self, app, serve: Any):       # serve: the ServeApp (api_key, limits, metrics, active)
         self.app, self.serve = app, serve
 
     async def __call__(self, scope, receive, send):
