@@ -18,7 +18,7 @@ from kdtree.errors import ConfigError
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -162,6 +162,13 @@ def validate_bench_load(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
 
 
+def validate_bench_peer(cfg: DictConfig) -> None:
+    b = cfg.bench_peer
+    for key, value in (("threads", b.threads), ("rounds", b.rounds)):
+        if not value >= 1:
+            raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
     if cfg.quant.method not in QUANT_METHODS:
@@ -178,6 +185,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
     validate_bench_load(cfg)
+    validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:
