@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -128,6 +129,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
     ar_cfg = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})
     has_tree = cfg.tree.kind != "ar"
     best: Dict[str, dict] = {}
+    load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
     for _ in range(max(1, rounds)):                             # alternate: machine drift hits all three alike
         runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
                 "ar": _run_set(engine, prompts_ids, max_new_tokens, ar_cfg)}
@@ -144,6 +146,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
         "gguf": str(path), "backend": cfg.backend.name, "model": cfg.model.name, "quant": cfg.quant.method,
         "tree": OmegaConf.to_container(cfg.tree, resolve=True), "threads": threads, "threads_set": set_threads,
         "prompts": texts, "max_new_tokens": max_new_tokens, "rounds": rounds,
+        "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],   # before, after the rounds
         "peer_ar_tokens_per_s": peer["tokens_per_s"],
         "ar_tokens_per_s": ar["tokens_per_s"],
         "tree_tokens_per_s": tree["tokens_per_s"],
@@ -164,7 +167,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
             (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"]),
             (f"kdtree backend={cfg.backend.name} {name}", tree["tokens_per_s"], out["tree_vs_peer"])]
     print(f"bench_peer: {len(texts)} prompts x {max_new_tokens} new tokens, {threads} thread(s), best of {rounds} "
-          f"alternating rounds, model={cfg.model.name}")
+          f"alternating rounds, model={cfg.model.name}, load average {load_before[0]:.1f} on {os.cpu_count()} cores")
     print(f"| {'engine':<40} | {'tokens/s':>9} | {'vs llama.cpp':>12} |")
     print(f"|{'-' * 42}|{'-' * 11}|{'-' * 14}|")
     for label, tps, ratio in rows:
