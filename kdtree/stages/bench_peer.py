@@ -172,7 +172,9 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
     print(f"|{'-' * 42}|{'-' * 11}|{'-' * 14}|")
     for label, tps, ratio in rows:
         print(f"| {label:<40} | {tps:>9.1f} | {ratio:>12.2f} |")
-    print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR), tree lossless={lossless} "
+    diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
+        f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
+    print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), tree lossless={lossless} "
           f"-> {Path(ctx.run_dir) / 'bench_peer.json'}")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
