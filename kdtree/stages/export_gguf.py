@@ -6,7 +6,9 @@
 
 Reads the checkpoint the engine would load (model.path, or the embedded tiny one for quant=...; INT4 experts
 are dequantized: the file is F32) and writes it with kdtree/checkpoint/to_gguf.py. path empty =
-<run_dir>/<model.name>-f32.gguf. The vocabulary's ids are the project tokenizer's ids.
+<run_dir>/<model.name>-f32.gguf. The vocabulary's ids are the project tokenizer's ids. The writer holds every
+tensor until it writes the file, and F32 Kimi K2 would be ~4 TB: this is for the tiny model and small checkpoints
+with K2's layout (the peer benchmark), not for exporting the real K2.
 """
 from __future__ import annotations
 

@@ -49,3 +49,21 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
         assert res[key] > 0
     assert res["ar_vs_peer"] == pytest.approx(res["ar_tokens_per_s"] / res["peer_ar_tokens_per_s"])
     assert "| llama.cpp F32 AR" in r.stdout and "tokens_equal=True" in r.stdout
+
+
+def test_threads_are_limited_for_kdtree_openmp(tmp_path):
+    # in a fresh process: the native library's OpenMP runtime then reports the limit bench_peer set
+    code = ("import ctypes, ctypes.util\n"
+            "from kdtree.backends.native import load_library\n"
+            "load_library('cpu')\n"
+            "from kdtree.stages.bench_peer import limit_threads\n"
+            "gomp = ctypes.CDLL(ctypes.util.find_library('gomp'))\n"
+            "for n in (1, 3):\n"
+            "    assert limit_threads(n)['openmp'] == n\n"
+            "    print(gomp.omp_get_max_threads())\n")
+    if not (REPO / "native" / "build" / "libkdtree_cpu.so").exists():
+        pytest.skip("native library not built (make native)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "3"]
