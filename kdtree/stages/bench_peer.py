@@ -95,13 +95,26 @@ def _first_difference(a: List[int], b: List[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def open_peer(path: str, threads: int, n_ctx: int, n_batch: int):
+def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: bool = False):
     """llama.cpp on the GGUF: CPU, F32 KV cache (the weights are F32 too), no flash attention, n threads."""
     llama_cpp = _llama_cpp()
     f32 = int(getattr(llama_cpp, "GGML_TYPE_F32", 0))
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                            n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32,
-                           flash_attn=False, logits_all=False, seed=0, verbose=False)
+                           flash_attn=False, logits_all=logits_all, seed=0, verbose=False)
+
+
+def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> float:
+    """max |llama.cpp logits - kdtree logits| over the prefill rows of one prompt (parity, not speed)."""
+    import numpy as np
+
+    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True)
+    llm.reset()
+    llm.eval(list(ids))
+    peer = np.asarray(llm.scores[:len(ids)], np.float32)                           # [T, V]
+    ours, _ = model.forward(np.asarray(ids, np.int32), np.arange(len(ids), dtype=np.int32),
+                            model.new_cache(len(ids)))
+    return float(np.abs(peer - ours).max())
 
 
 def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threads: int = 1,
@@ -138,6 +151,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
             if k not in best or r["seconds"] < best[k]["seconds"]:
                 best[k] = r
     peer, ar, tree = best["peer"], best["ar"], best["tree"]
+    logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads)
     first_diff = [_first_difference(p["tokens"], a["tokens"]) for p, a in zip(peer["per_prompt"], ar["per_prompt"])]
     tokens_equal = all(d < 0 for d in first_diff)
     lossless = all(t["tokens"] == a["tokens"] for t, a in zip(tree["per_prompt"], ar["per_prompt"]))
@@ -155,6 +169,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
         "tree_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
         "tokens_equal": tokens_equal,
         "first_difference": first_diff,                     # per prompt: first token where llama.cpp != kdtree AR
+        "prompt_logits_max_abs_diff": logits_diff,          # llama.cpp vs kdtree, prefill of the first prompt
         "outputs_equal_ar": lossless,
         "mean_acceptance_length": tree["mean_acceptance_length"],
         "peer_result": peer, "ar": ar, "result": tree,
@@ -174,7 +189,8 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
         print(f"| {label:<40} | {tps:>9.1f} | {ratio:>12.2f} |")
     diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
         f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
-    print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), tree lossless={lossless} "
+    print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "
+          f"(first prompt), tree lossless={lossless} "
           f"-> {Path(ctx.run_dir) / 'bench_peer.json'}")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "

@@ -44,6 +44,7 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     res = json.loads(out.read_text())
     assert res["tokens_equal"] is True and res["first_difference"] == [-1, -1]
     assert res["outputs_equal_ar"] is True and res["threads"] == 1
+    assert 0 < res["prompt_logits_max_abs_diff"] < 1e-4                    # llama.cpp's logits are kdtree's
     assert [len(p["tokens"]) for p in res["peer_result"]["per_prompt"]] == [24, 24]
     for key in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s"):
         assert res[key] > 0
