@@ -16,10 +16,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Mapping, Tuple
 
+import gguf
 import numpy as np
 
-from kdtree.checkpoint.names import is_moe_layer
 from kdtree.errors import CheckpointError, ConfigError
+from kdtree.model.names import is_moe_layer
 
 ARCH = "deepseek2"
 
@@ -116,8 +117,6 @@ SPECIAL_NAMES = {"bos": "[BOS]", "eos": "[EOS]", "mask": "[MASK]", "pad": "[PAD]
 
 def vocabulary(tokenizer, vocab_size: int) -> Tuple[List[str], List[int]]:
     """(token strings, gguf TokenType values) with id i = the project tokenizer's id i, `vocab_size` long."""
-    import gguf
-
     normal, control, unused = (int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL),
                                int(gguf.TokenType.UNUSED))
     tokens: List[str] = [f"[PAD{i}]" for i in range(vocab_size)]
@@ -154,8 +153,6 @@ def vocabulary(tokenizer, vocab_size: int) -> Tuple[List[str], List[int]]:
 
 def write_metadata(writer, cfg, tokenizer) -> None:
     """deepseek2 hyper-parameters, as convert_hf_to_gguf.py's DeepseekV2Model writes them, and the vocabulary."""
-    import gguf
-
     writer.add_name(str(cfg.name))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_block_count(int(cfg.num_hidden_layers))
@@ -206,10 +203,6 @@ def write_metadata(writer, cfg, tokenizer) -> None:
 def write_gguf(path, weights: Mapping[str, Any], cfg, tokenizer,
                progress: Callable[[str], None] = lambda name: None) -> dict:
     """Write the GGUF file at `path` (a temp name renamed in); -> {"path", "tensors", "bytes"}."""
-    try:
-        import gguf
-    except ImportError:
-        raise ConfigError("the GGUF export needs the gguf package: pip install gguf (or pip install -e .)") from None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -18,14 +18,18 @@ import ctypes.util
 import json
 import os
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Dict, List
 
+import numpy as np
 from omegaconf import OmegaConf
 
-from kdtree.engine import Engine
+from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 from kdtree.stages.bench import _run_set, load_prompts, provenance
+from kdtree.stages.export_gguf import export
 
 SIDE = "host"
 PARAMS = {"prompts": str, "max_new_tokens": int, "rounds": int, "threads": int, "gguf": str}
@@ -106,8 +110,6 @@ def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: boo
 
 def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> float:
     """max |llama.cpp logits - kdtree logits| over the prefill rows of one prompt (parity, not speed)."""
-    import numpy as np
-
     llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True)
     llm.reset()
     llm.eval(list(ids))
@@ -125,27 +127,27 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
         raise ConfigError(f"pipeline=bench_peer compares CPU engines at tp=1; got backend={cfg.backend.name} "
                           f"tp={cfg.tp.size}: use backend=cpu (or numpy) tp=1")
     set_threads = limit_threads(threads)
-    engine = ctx.state.get("model_engine") or Engine.from_config(cfg, status=ctx.status)
-    ctx.state["model_engine"] = engine
+    state = EngineState.of(ctx)
+    if state.engine is None:
+        state.engine = Engine.from_config(cfg, status=ctx.status)
+    engine = state.engine
     if gguf:
         path = Path(gguf).expanduser()
         if not path.is_file():
             raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
                               f"or leave bench_peer.gguf empty to export into the run dir")
     else:
-        from kdtree.stages.export_gguf import export
         path = Path(export(ctx)["path"])
     texts = load_prompts(prompts)
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
     llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32))
-    ar_cfg = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})
     has_tree = cfg.tree.kind != "ar"
     best: Dict[str, dict] = {}
     load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
     for _ in range(max(1, rounds)):                             # alternate: machine drift hits all three alike
         runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
-                "ar": _run_set(engine, prompts_ids, max_new_tokens, ar_cfg)}
+                "ar": _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)}
         runs["tree"] = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if has_tree else runs["ar"]
         for k, r in runs.items():
             if k not in best or r["seconds"] < best[k]["seconds"]:
@@ -200,7 +202,6 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
 
 
 def _version(dist: str) -> str:
-    from importlib import metadata
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

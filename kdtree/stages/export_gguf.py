@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.checkpoint.to_gguf import check_exportable, write_gguf
+from kdtree.engine import resolve_checkpoint
+from kdtree.tokenizer import load_tokenizer
+
 SIDE = "any"
 PARAMS = {"path": str}
 
@@ -24,11 +29,6 @@ def default_path(ctx) -> Path:
 
 def export(ctx, path: str = "") -> dict:
     """Write the GGUF of ctx.cfg's model at `path` (empty = default_path); -> {"path", "tensors", "bytes"}."""
-    from kdtree.checkpoint.loader import load_checkpoint, load_options
-    from kdtree.checkpoint.to_gguf import check_exportable, write_gguf
-    from kdtree.engine import resolve_checkpoint
-    from kdtree.tokenizer import load_tokenizer
-
     cfg = ctx.cfg
     check_exportable(cfg.model)
     ckpt = resolve_checkpoint(cfg)

@@ -7,22 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
-from kdtree.checkpoint import names
 from kdtree.checkpoint.hf_config import drafter_config_json, target_config_json
 from kdtree.checkpoint.loader import load_checkpoint
+from kdtree.checkpoint.quantize import quantize_checkpoint
 from kdtree.checkpoint.to_gguf import _byte_chars
 from kdtree.checkpoint.writer import write_checkpoint
 from kdtree.engine import resolve_checkpoint
 from kdtree.errors import ConfigError
+from kdtree.model import names
 from kdtree.pipeline.context import StageContext
 from kdtree.pipeline.spec import load_pipeline
 from kdtree.stages import export_gguf
 from tests.tokenizer.test_tokenizers import write_bpe
-
-gguf = pytest.importorskip("gguf")
 
 
 def _export(cfg, run_dir: Path):
@@ -167,8 +167,6 @@ K2_SMALL = ["model=k26", "model.tokenizer=tiktoken", "model.vocab_size=524", "mo
 @pytest.fixture
 def k2_layout_int4(compose_cfg, tmp_path):
     """A K2-layout checkpoint (k26 config scaled down) with INT4 routed experts and Kimi's tiktoken files."""
-    from kdtree.quant.checkpoint import quantize_checkpoint
-
     cfg = compose_cfg("pipeline=export_gguf", *K2_SMALL, "quant=int4_w4a16")
     fp32 = tmp_path / "fp32"
     write_checkpoint(fp32, names.init_weights(names.target_tensor_shapes(cfg.model), seed=3),
