@@ -142,6 +142,19 @@ def validate_bench_peer(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
 
 
+def validate_serve(cfg: DictConfig) -> None:
+    s = cfg.serve
+    if s.api_key:
+        raise ConfigError("serve.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set serve.api_key_file=<file with the key>")
+    for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if int(s[key]) < 1:
+            raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("drain_timeout_s", "keepalive_s"):
+        if not float(s[key]) > 0:
+            raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
+
+
 def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
     """True when the pipeline (or `stages`) loads the model's weights: it needs a checkpoint and a device."""
     return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline) if stages is None else stages))
@@ -163,6 +176,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_serve(cfg)
     validate_bench_load(cfg)
     validate_bench_peer(cfg)
     validate_tp(cfg)
