@@ -17,7 +17,7 @@ from kdtree.errors import ConfigError
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -155,6 +155,13 @@ def validate_sampling(cfg: DictConfig, stages: Sequence[str]) -> None:
                                   f"greedily unless sampling.temperature is set; add e.g. sampling.temperature=1.0")
 
 
+def validate_bench_peer(cfg: DictConfig) -> None:
+    b = cfg.bench_peer
+    for key, value in (("threads", b.threads), ("rounds", b.rounds)):
+        if not value >= 1:
+            raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+
+
 def validate_serve(cfg: DictConfig) -> None:
     s = cfg.serve
     if s.api_key:
@@ -191,6 +198,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     validate_load(cfg)
     validate_serve(cfg)
     validate_bench_load(cfg)
+    validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:
