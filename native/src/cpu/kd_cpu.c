@@ -85,40 +85,6 @@ __attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, floa
   return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s));
 }
 
-__attribute__((target("avx2"))) static float kd_dot_w4_avx2(const uint32_t *wr, const float *sr, const float *x,
-                                                             int64_t n_in, int64_t words_per_group) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); /* lanes 0..7 (even words), 8..15 (odd words) */
-  int64_t full = n_in / 8, wi = 0;
-  if (words_per_group % 2 == 0) { /* a word pair never straddles a group */
-    for (; wi + 2 <= full; wi += 2) {
-      float s = sr[wi / words_per_group];
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], s), _mm256_loadu_ps(x + 8 * wi)));
-      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], s), _mm256_loadu_ps(x + 8 * wi + 8)));
-    }
-  } else {
-    for (; wi + 2 <= full; wi += 2) {
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], sr[wi / words_per_group]), _mm256_loadu_ps(x + 8 * wi)));
-      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], sr[(wi + 1) / words_per_group]),
-                                           _mm256_loadu_ps(x + 8 * wi + 8)));
-    }
-  }
-  float a[KD_LANES];
-  _mm256_storeu_ps(a, lo);
-  _mm256_storeu_ps(a + 8, hi);
-  for (; 8 * wi < n_in; wi++) { /* last odd word and/or partial word */
-    float *al = a + ((wi & 1) << 3);
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++)
-      al[j] += kd_int4_weight(wr[wi], j, sr[wi / words_per_group]) * x[8 * wi + j];
-  }
-  return kd_lanes_sum(a);
-}
-
-__attribute__((target("avx2"))) static void kd_dequant_row_avx2(const uint32_t *wr, const float *sr, float *w,
-                                                                int64_t n_in, int64_t words_per_group) {
-  int64_t full = n_in / 8, wi = 0;
-  for (; wi < full; wi++) _mm256_storeu_ps(w + 8 * wi, kd_w8_avx2(wr[wi], sr[wi / words_per_group]));
-  for (int j = 0; 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, sr[wi / words_per_group]);
-}
 #endif
 
 /* KDTREE_CPU_GENERIC=1 forces the portable loops (the tests compare both paths bit for bit). */
@@ -134,23 +100,6 @@ static int kd_use_avx2(void) {
 #endif
   }
   return use;
-}
-
-static void kd_dequant(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) {
-    kd_dequant_row_avx2(wr, sr, w, n_in, words_per_group);
-    return;
-  }
-#endif
-  kd_dequant_row(wr, sr, w, n_in, words_per_group);
-}
-
-static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int64_t n_in, int64_t words_per_group) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) return kd_dot_w4_avx2(wr, sr, x, n_in, words_per_group);
-#endif
-  return kd_dot_w4_generic(wr, sr, x, n_in, words_per_group);
 }
 
 
@@ -278,6 +227,184 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
   for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * ws, x, n);
 }
 
+/* ---- blocked AVX2 linear for T >= 2 and the fused W4A16 GEMV ---------------------------------------------
+ * Same arithmetic as kd_dot_f32 on every output, only scheduled differently: a [2 rows x 3 outputs] register
+ * tile (12 accumulators: lanes 0..7 / 8..15 of six dots) walks k in blocks of KD_KC elements; between blocks
+ * each dot's 16 partial lanes wait in a per-thread buffer, so every lane still adds its products in
+ * ascending k and kd_hsum combines them as kd_lanes_sum. The weight tile (3 rows x KD_KC) is read from memory
+ * once and reused from L1 by every row pair; the x block (T x KD_KC) stays in L2 across the output tiles. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KD_KC 512 /* k block (floats): 3 weight rows = 6 KB in L1, x block T x 2 KB in L2 */
+#define KD_OB 48  /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
+
+/* acc[r][o] (lanes in P[(r * ps + o) * 16], 16 floats) += the dots of x rows r < R and w rows o < O over n
+ * elements (a multiple of 16, plus the row's tail when tail = n % 16 != 0 at the very end). */
+__attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
+    const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *P,
+    int64_t ps) {
+  __m256 lo[2][3], hi[2][3];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) {
+      lo[r][o] = _mm256_load_ps(P + (r * ps + o) * 16);
+      hi[r][o] = _mm256_load_ps(P + (r * ps + o) * 16 + 8);
+    }
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    __m256 wl[3], wh[3];
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) wl[o] = _mm256_loadu_ps(w + o * ws + k), wh[o] = _mm256_loadu_ps(w + o * ws + k + 8);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++) {
+      __m256 xl = _mm256_loadu_ps(x + r * xs + k), xh = _mm256_loadu_ps(x + r * xs + k + 8);
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) {
+        lo[r][o] = _mm256_add_ps(lo[r][o], _mm256_mul_ps(wl[o], xl));
+        hi[r][o] = _mm256_add_ps(hi[r][o], _mm256_mul_ps(wh[o], xh));
+      }
+    }
+  }
+  if (k < n)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) KD_TAIL_AVX2(lo[r][o], hi[r][o], w + o * ws, x + r * xs, k, n);
+#pragma GCC unroll 2
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) {
+      _mm256_store_ps(P + (r * ps + o) * 16, lo[r][o]);
+      _mm256_store_ps(P + (r * ps + o) * 16 + 8, hi[r][o]);
+    }
+}
+
+#define KD_TILE(R, O)                                                                                          \
+  __attribute__((target("avx2"))) static void kd_tile_##R##x##O(const float *x, int64_t xs, const float *w,    \
+                                                                  int64_t ws, int64_t n, float *P, int64_t ps) { \
+    kd_tile_avx2(R, O, x, xs, w, ws, n, P, ps);                                                               \
+  }
+KD_TILE(2, 3) KD_TILE(2, 2) KD_TILE(2, 1) KD_TILE(1, 3) KD_TILE(1, 2) KD_TILE(1, 1)
+typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3}, {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
+
+/* Elements [k0, k1) of packed rows -> float32 rows of stride ld, each weight kd_int4_weight (exact dequant). */
+__attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
+                                                                  int64_t k0, int64_t k1, int64_t wpg) {
+  int64_t wi = k0 / 8; /* k0 is a multiple of 16 */
+  for (; 8 * wi + 8 <= k1; wi++) _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], sr[wi / wpg]));
+  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[wi / wpg]);
+}
+
+/* out [T, n_out] = x [T, n_in] . w^T for T >= 1, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
+ * [n_out, n_words], scales [n_out, n_groups], wpg words per group) dequantized slice by slice into L1. */
+__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint32_t *qp,
+                                                               const float *qs, int64_t n_words, int64_t n_groups,
+                                                               int64_t wpg, float *out, int64_t T, int64_t n_in,
+                                                               int64_t n_out, int parallel) {
+  int nomem = 0;
+#pragma omp parallel if (parallel)
+  {
+    float *P = (float *)aligned_alloc(32, sizeof(float) * (size_t)(T * KD_OB * 16));
+    float *wb = (float *)aligned_alloc(32, sizeof(float) * 3 * KD_KC);
+#pragma omp for schedule(static)
+    for (int64_t ob = 0; ob < n_out; ob += KD_OB) {
+      if (!P || !wb) {
+#pragma omp atomic write
+        nomem = 1;
+        continue;
+      }
+      int64_t no = n_out - ob < KD_OB ? n_out - ob : KD_OB;
+      memset(P, 0, sizeof(float) * (size_t)(T * KD_OB * 16));
+      for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
+        int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC;
+        for (int64_t o = 0; o < no; o += 3) {
+          int O = (int)(no - o < 3 ? no - o : 3);
+          const float *wt = wb;
+          int64_t ws = KD_KC;
+          if (w) {
+            wt = w + (ob + o) * n_in + k0, ws = n_in;
+          } else {
+            for (int i = 0; i < O; i++)
+              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
+                                    k0 + n, wpg);
+          }
+          for (int64_t t = 0; t < T; t += 2)
+            kd_tiles[T - t >= 2][O - 1](x + t * n_in + k0, n_in, wt, ws, n, P + (t * KD_OB + o) * 16, KD_OB);
+        }
+      }
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < no; o++) {
+          const float *p = P + (t * KD_OB + o) * 16;
+          out[t * n_out + ob + o] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
+        }
+    }
+    free(P);
+    free(wb);
+  }
+  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+
+/* Fused W4A16 GEMV (T = 1), two output rows per pass. 16 elements = 2 packed words = 8 bytes: vpmovzxbd puts
+ * byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, .., 14), >> 4 the odd ones
+ * (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i of `ev` is logical
+ * lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as kd_dot_f32 on the
+ * dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg]
+ * for bytes 4..7 (equal when wpg is even). */
+__attribute__((target("avx2"))) static inline __m256 kd_w4_scale_avx2(const float *sr, int64_t c, int64_t wpg) {
+  if (wpg % 2 == 0) return _mm256_broadcast_ss(sr + 2 * c / wpg);
+  return _mm256_blend_ps(_mm256_broadcast_ss(sr + 2 * c / wpg), _mm256_broadcast_ss(sr + (2 * c + 1) / wpg), 0xF0);
+}
+
+__attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
+                                                               const float *sr, const float *x, int64_t n_in,
+                                                               int64_t wpg) {
+  float a[KD_LANES];
+  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
+  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od)); /* lanes 4,5,6,7 | 12,13,14,15 */
+  float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
+                       a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
+  for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
+    b[k % KD_LANES] += kd_int4_weight(wr[k / 8], (int)(k % 8), sr[k / 8 / wpg]) * x[k];
+  return kd_lanes_sum(b);
+}
+
+__attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            int64_t n_groups, int64_t wpg, const float *x, float *out,
+                                                            int64_t n_in, int64_t n_out, int parallel) {
+  int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(32, sizeof(float) * (size_t)(nc * KD_LANES + 8));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t c = 0; c < nc; c++)
+    for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
+  const __m256i m15 = _mm256_set1_epi32(15), m8 = _mm256_set1_epi32(8);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t o = 0; o < n_out; o += 2) {
+    const uint32_t *w0 = qp + o * n_words, *w1 = o + 1 < n_out ? w0 + n_words : w0;
+    const float *s0 = qs + o * n_groups, *s1 = o + 1 < n_out ? s0 + n_groups : s0;
+    __m256 e0 = _mm256_setzero_ps(), d0 = e0, e1 = e0, d1 = e0;
+    for (int64_t c = 0; c < nc; c++) {
+      __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);
+      __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 2 * c)));
+      __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 2 * c)));
+      __m256 sc0 = kd_w4_scale_avx2(s0, c, wpg), sc1 = kd_w4_scale_avx2(s1, c, wpg);
+      __m256 we0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, m15), m8)), sc0);
+      __m256 wo0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), m8)), sc0);
+      __m256 we1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, m15), m8)), sc1);
+      __m256 wo1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), m8)), sc1);
+      e0 = _mm256_add_ps(e0, _mm256_mul_ps(we0, xe));
+      d0 = _mm256_add_ps(d0, _mm256_mul_ps(wo0, xo));
+      e1 = _mm256_add_ps(e1, _mm256_mul_ps(we1, xe));
+      d1 = _mm256_add_ps(d1, _mm256_mul_ps(wo1, xo));
+    }
+    out[o] = kd_w4_finish_avx2(e0, d0, w0, s0, x, n_in, wpg);
+    if (o + 1 < n_out) out[o + 1] = kd_w4_finish_avx2(e1, d1, w1, s1, x, n_in, wpg);
+  }
+  free(xp);
+  return KD_OK;
+}
+#endif
+
 /* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
  * load, then the leftover rows four weight rows at a time. */
 static void kd_linear_block(const float *x, const float *w, int no, float *out, int64_t T, int64_t n_in,
@@ -313,8 +440,13 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", x);
   KD_CHECK_PTR("kd_linear_f32", w);
   KD_CHECK_PTR("kd_linear_f32", out);
+  int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && kd_use_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
+    return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+#endif
   /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads */
-#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (parallel)
   for (int64_t o = 0; o < n_out; o += 4)
     kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
   return KD_OK;
@@ -332,12 +464,18 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   KD_CHECK_PTR("kd_linear_w4a16", packed);
   KD_CHECK_PTR("kd_linear_w4a16", scales);
   KD_CHECK_PTR("kd_linear_w4a16", out);
-  int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group;
-  if (T == 1) { /* GEMV: decode fused into the dot product; large matrices split their output rows over
-                  * threads (each row still one thread's fixed-order dot product: batch invariance holds) */
-#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
-    for (int64_t o = 0; o < n_out; o++)
-      out[o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x, n_in, group / 8);
+  int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group, wpg = group / 8;
+  const uint32_t *qp = (const uint32_t *)packed;
+  int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) {
+    if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    return kd_linear_blocked(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  }
+#endif
+  if (T == 1) { /* GEMV: decode fused into the dot product */
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t o = 0; o < n_out; o++) out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
     return KD_OK;
   }
   /* T > 1: decode four rows at a time (L1-resident), then the f32 block kernel: same products, same lanes */
@@ -345,9 +483,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   if (!w) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
   for (int64_t o = 0; o < n_out; o += 4) {
     int no = (int)(n_out - o < 4 ? n_out - o : 4);
-    for (int i = 0; i < no; i++)
-      kd_dequant((const uint32_t *)packed + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in,
-                 group / 8);
+    for (int i = 0; i < no; i++) kd_dequant_row(qp + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in, wpg);
     kd_linear_block(x, w, no, out, T, n_in, n_out, o);
   }
   free(w);
