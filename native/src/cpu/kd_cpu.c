@@ -291,9 +291,12 @@ static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3
 /* Elements [k0, k1) of packed rows -> float32 rows of stride ld, each weight kd_int4_weight (exact dequant). */
 __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
                                                                   int64_t k0, int64_t k1, int64_t wpg) {
-  int64_t wi = k0 / 8; /* k0 is a multiple of 16 */
-  for (; 8 * wi + 8 <= k1; wi++) _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], sr[wi / wpg]));
-  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[wi / wpg]);
+  int64_t wi = k0 / 8, g = wi / wpg, left = wpg - wi % wpg; /* k0 is a multiple of 16; one division per slice */
+  for (; 8 * wi + 8 <= k1; wi++) {
+    _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], sr[g]));
+    if (--left == 0) g++, left = wpg;
+  }
+  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[g]);
 }
 
 /* out [T, n_out] = x [T, n_in] . w^T for T >= 1, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
@@ -345,14 +348,14 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
-/* Fused W4A16 GEMV (T = 1), two output rows per pass. 16 elements = 2 packed words = 8 bytes: vpmovzxbd puts
+/* Fused W4A16 GEMV (T = 1), four output rows per pass (one x load for four rows). 16 elements = 2 packed words = 8 bytes: vpmovzxbd puts
  * byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, .., 14), >> 4 the odd ones
  * (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i of `ev` is logical
  * lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as kd_dot_f32 on the
  * dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg]
  * for bytes 4..7 (equal when wpg is even). */
-__attribute__((target("avx2"))) static inline __m256 kd_w4_scale_avx2(const float *sr, int64_t c, int64_t wpg) {
-  if (wpg % 2 == 0) return _mm256_broadcast_ss(sr + 2 * c / wpg);
+/* Scales of chunk c when a chunk straddles two groups (odd wpg: group = 8, 24, ..). */
+__attribute__((target("avx2"))) static inline __m256 kd_w4_scale2_avx2(const float *sr, int64_t c, int64_t wpg) {
   return _mm256_blend_ps(_mm256_broadcast_ss(sr + 2 * c / wpg), _mm256_broadcast_ss(sr + (2 * c + 1) / wpg), 0xF0);
 }
 
@@ -379,26 +382,48 @@ __attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, c
     for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
   const __m256i m15 = _mm256_set1_epi32(15), m8 = _mm256_set1_epi32(8);
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t o = 0; o < n_out; o += 2) {
-    const uint32_t *w0 = qp + o * n_words, *w1 = o + 1 < n_out ? w0 + n_words : w0;
-    const float *s0 = qs + o * n_groups, *s1 = o + 1 < n_out ? s0 + n_groups : s0;
-    __m256 e0 = _mm256_setzero_ps(), d0 = e0, e1 = e0, d1 = e0;
-    for (int64_t c = 0; c < nc; c++) {
-      __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);
-      __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w0 + 2 * c)));
-      __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w1 + 2 * c)));
-      __m256 sc0 = kd_w4_scale_avx2(s0, c, wpg), sc1 = kd_w4_scale_avx2(s1, c, wpg);
-      __m256 we0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b0, m15), m8)), sc0);
-      __m256 wo0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b0, 4), m8)), sc0);
-      __m256 we1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b1, m15), m8)), sc1);
-      __m256 wo1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b1, 4), m8)), sc1);
-      e0 = _mm256_add_ps(e0, _mm256_mul_ps(we0, xe));
-      d0 = _mm256_add_ps(d0, _mm256_mul_ps(wo0, xo));
-      e1 = _mm256_add_ps(e1, _mm256_mul_ps(we1, xe));
-      d1 = _mm256_add_ps(d1, _mm256_mul_ps(wo1, xo));
+  for (int64_t o = 0; o < n_out; o += 4) {
+    const uint32_t *wr[4];
+    const float *sr[4];
+    for (int r = 0; r < 4; r++) { /* past the last output: repeat it, result discarded */
+      int64_t oo = o + r < n_out ? o + r : n_out - 1;
+      wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
     }
-    out[o] = kd_w4_finish_avx2(e0, d0, w0, s0, x, n_in, wpg);
-    if (o + 1 < n_out) out[o + 1] = kd_w4_finish_avx2(e1, d1, w1, s1, x, n_in, wpg);
+    __m256 ev[4], od[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
+    /* chunks [c0, c1) of the four rows, row r's scale vector SCALE(r) */
+#define KD_W4_CHUNKS(c0, c1, SCALE)                                                                                   \
+  for (int64_t c = (c0); c < (c1); c++) {                                                                      \
+    __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);                            \
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {                                                      \
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));                    \
+      __m256 sc = SCALE(r); /* a broadcast load: keeps 4 registers for the accumulators */                     \
+      __m256 we = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, m15), m8)), sc);       \
+      __m256 wo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), m8)), sc);        \
+      ev[r] = _mm256_add_ps(ev[r], _mm256_mul_ps(we, xe));                                                     \
+      od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));                                                     \
+    }                                                                                                          \
+  }
+    if (wpg % 2 == 0) { /* a group is cpg whole chunks: one broadcast scale per group, no division per chunk */
+      int64_t cpg = wpg / 2;
+      for (int64_t g = 0; g * cpg < nc; g++) {
+        int64_t c1 = (g + 1) * cpg < nc ? (g + 1) * cpg : nc;
+#define KD_SC(r) _mm256_broadcast_ss(sr[r] + g)
+        KD_W4_CHUNKS(g * cpg, c1, KD_SC)
+#undef KD_SC
+      }
+    } else {
+      for (int64_t cc = 0; cc < nc; cc++) {
+#define KD_SC(r) kd_w4_scale2_avx2(sr[r], cc, wpg)
+        KD_W4_CHUNKS(cc, cc + 1, KD_SC)
+#undef KD_SC
+      }
+    }
+#undef KD_W4_CHUNKS
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) /* unrolled: ev/od stay in registers */
+      if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
   }
   free(xp);
   return KD_OK;
