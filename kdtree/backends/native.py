@@ -151,23 +151,31 @@ class NativeLibrary:
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
         """-> Tree, identical to kdtree.decode.tree.tree_build. The Tree and its arrays are this thread's buffers
         for this (depth, width, budget), allocated on the first call: the next call of the same shape on the same
-        thread overwrites them (a decode round uses its tree before building the next); copy a field to keep it.
-        This runs once per decode round; per call it only checks the inputs and calls C."""
-        if not (type(logp) is np.ndarray and type(ids) is np.ndarray and logp.dtype == _F32 and ids.dtype == _I32
-                and logp.flags.c_contiguous and ids.flags.c_contiguous and logp.ndim == 2 and logp.shape == ids.shape):
-            _c_contig(logp, np.float32, "tree_build logp", 2)
-            _c_contig(ids, np.int32, "tree_build ids", 2)
+        thread overwrites them (a decode round uses its tree before building the next); copy a field to keep it."""
+        tree = self.tree_build_fast(logp, ids, budget)
+        if tree is not None:
+            return tree
+        _c_contig(logp, np.float32, "tree_build logp", 2)
+        _c_contig(ids, np.int32, "tree_build ids", 2)
+        if logp.shape != ids.shape:
             raise NativeError(f"tree_build: logp {logp.shape} and ids {ids.shape} differ; both are [depth, width]")
-        key = (logp.shape, budget)
-        slots = getattr(self._local, "trees", None)
-        slot = slots.get(key) if slots is not None else None
-        if slot is None:
-            slot = self._tree_slot(logp.shape, budget)
-        fb = self._fb_raw
-        rc = self.c.kd_tree_build(fb(self._f32a, logp, False), fb(self._i32a, ids, False), *slot[0])
-        if rc:
-            self.check(rc, "tree_build")
-        return slot[1]
+        args, tree = self._tree_slot(logp.shape, budget)
+        self.check(self.c.kd_tree_build(self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False),
+                                        *args), "tree_build")
+        return tree
+
+    def tree_build_fast(self, logp: Any, ids: Any, budget: Any):
+        """The per-round path: C-contiguous f32/i32 arrays of a shape seen before on this thread -> Tree; None
+        where anything differs (tree_build then checks, allocates and reports). Costs a dict lookup and the call."""
+        try:
+            if logp.dtype is _F32 and ids.dtype is _I32 and logp.shape == ids.shape:
+                args, tree = self._local.trees[(logp.shape, budget)]
+                fb = self._fb_raw   # raises ValueError for a non-contiguous array
+                if self.c.kd_tree_build(fb(self._f32a, logp, False), fb(self._i32a, ids, False), *args) == 0:
+                    return tree
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass
+        return None
 
     def _tree_slot(self, shape: Tuple[int, int], budget: int):
         """(C arguments after logp/ids, Tree of views) for one (depth, width, budget) on this thread."""
@@ -592,11 +600,11 @@ class NativeOps(Ops):
                                       int(n_prefix), vis, scale, kv_lora)
 
     def tree_build(self, logp, ids, budget):
-        if type(logp) is not np.ndarray or logp.dtype != _F32 or not logp.flags.c_contiguous:
-            logp = np.ascontiguousarray(logp, np.float32)
-        if type(ids) is not np.ndarray or ids.dtype != _I32 or not ids.flags.c_contiguous:
-            ids = np.ascontiguousarray(ids, np.int32)
-        return self.lib.tree_build(logp, ids, budget)
+        tree = self.lib.tree_build_fast(logp, ids, budget)
+        if tree is not None:
+            return tree
+        return self.lib.tree_build(np.ascontiguousarray(logp, np.float32), np.ascontiguousarray(ids, np.int32),
+                                   int(budget))
 
     def tree_accept(self, parents, tokens, target_argmax):
         return self.lib.tree_accept(*(a if type(a) is np.ndarray and a.dtype == _I32 and a.flags.c_contiguous
