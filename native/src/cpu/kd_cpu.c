@@ -1,7 +1,8 @@
-/* CPU build of the kdtree kernels (libkdtree_cpu.so): host pointers, single-threaded, batch-invariant.
+/* CPU build of the kdtree kernels (libkdtree_cpu.so): host pointers, batch-invariant; large linears split their
+ * outputs over OpenMP threads (each output still one thread's fixed-order dot).
  * Every row is a fixed-order computation (kd_common.h: lane k % 16, fixed pairwise combine), so a row's
- * result never depends on T. Hot loops have an AVX2 clone (same operations, same order: no FMA, see
- * -ffp-contract=off in the Makefile), picked at load time. */
+ * result never depends on T. Hot loops have an AVX2 version (same operations, same order: no FMA, see
+ * -ffp-contract=off in the Makefile), picked at run time (KDTREE_CPU_GENERIC=1 forces the portable loops). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -237,8 +238,8 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
 #define KD_KC 512 /* k block (floats): 3 weight rows = 6 KB in L1, x block T x 2 KB in L2 */
 #define KD_OB 48  /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
 
-/* acc[r][o] (lanes in P[(r * ps + o) * 16], 16 floats) += the dots of x rows r < R and w rows o < O over n
- * elements (a multiple of 16, plus the row's tail when tail = n % 16 != 0 at the very end). */
+/* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
+ * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. */
 __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
     const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *P,
     int64_t ps) {
@@ -288,7 +289,7 @@ KD_TILE(2, 3) KD_TILE(2, 2) KD_TILE(2, 1) KD_TILE(1, 3) KD_TILE(1, 2) KD_TILE(1,
 typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
 static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3}, {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
 
-/* Elements [k0, k1) of packed rows -> float32 rows of stride ld, each weight kd_int4_weight (exact dequant). */
+/* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
 __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
                                                                   int64_t k0, int64_t k1, int64_t wpg) {
   int64_t wi = k0 / 8, g = wi / wpg, left = wpg - wi % wpg; /* k0 is a multiple of 16; one division per slice */
