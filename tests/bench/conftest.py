@@ -17,7 +17,8 @@ def _impl(name: str) -> str:
 
 def pytest_terminal_summary(terminalreporter, config):
     session = getattr(config, "_benchmarksession", None)
-    done = [b for b in (session.benchmarks if session else []) if b and ("bytes" in b.extra_info or "baseline" in b.extra_info)]
+    done = [b for b in (session.benchmarks if session else [])
+            if b and ("bytes" in b.extra_info or "baseline" in b.extra_info)]
     if not done:
         return
     roofs = [b.extra_info["bytes"] / b.stats.min / 1e9 for b in done if b.extra_info.get("roof")]

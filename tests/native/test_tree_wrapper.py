@@ -36,8 +36,9 @@ def test_repeated_builds_equal_the_reference_and_reuse_the_buffers():
         for budget in (1, 9, 40):
             tree = ops.tree_build(logp, ids, budget)
             _assert_tree(tree, tree_ref.tree_build(logp, ids, budget))
-            path, bonus = ops.tree_accept(tree.parents, tree.tokens, np.arange(budget + 1, dtype=np.int32))
-            want_path, want_bonus = tree_ref.tree_accept(tree.parents, tree.tokens, np.arange(budget + 1, dtype=np.int32))
+            argmax = np.arange(budget + 1, dtype=np.int32)
+            path, bonus = ops.tree_accept(tree.parents, tree.tokens, argmax)
+            want_path, want_bonus = tree_ref.tree_accept(tree.parents, tree.tokens, argmax)
             np.testing.assert_array_equal(path, want_path)
             assert bonus == want_bonus
         if first is None:

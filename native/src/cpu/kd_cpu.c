@@ -62,7 +62,7 @@ static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_
 }
 
 /* One output of W4A16, fused: the same products (q * s) * x and the same lanes (k % 16) as kd_dot_f32 on the
- * dequantized row, so both paths agree bit for bit. Portable version; an AVX2 version of the same operations follows. */
+ * dequantized row, so both paths agree bit for bit. The portable path; the AVX2 one is kd_gemv_w4_avx2. */
 static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float *x, int64_t n_in,
                                int64_t words_per_group) {
   float acc[KD_LANES] = {0};
@@ -287,7 +287,8 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
   }
 KD_TILE(2, 3) KD_TILE(2, 2) KD_TILE(2, 1) KD_TILE(1, 3) KD_TILE(1, 2) KD_TILE(1, 1)
 typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
-static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3}, {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
+static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3},  /* [R - 1][O - 1] */
+                                          {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
 
 /* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
 __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
@@ -349,12 +350,12 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
-/* Fused W4A16 GEMV (T = 1), four output rows per pass (one x load for four rows). 16 elements = 2 packed words = 8 bytes: vpmovzxbd puts
- * byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, .., 14), >> 4 the odd ones
- * (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i of `ev` is logical
- * lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as kd_dot_f32 on the
- * dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg]
- * for bytes 4..7 (equal when wpg is even). */
+/* Fused W4A16 GEMV (T = 1), four output rows per pass (one x load for four rows). 16 elements = 2 packed words
+ * = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, ..,
+ * 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i
+ * of `ev` is logical lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as
+ * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
+ * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
 /* Scales of chunk c when a chunk straddles two groups (odd wpg: group = 8, 24, ..). */
 __attribute__((target("avx2"))) static inline __m256 kd_w4_scale2_avx2(const float *sr, int64_t c, int64_t wpg) {
   return _mm256_blend_ps(_mm256_broadcast_ss(sr + 2 * c / wpg), _mm256_broadcast_ss(sr + (2 * c + 1) / wpg), 0xF0);
@@ -501,7 +502,8 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t o = 0; o < n_out; o++) out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+    for (int64_t o = 0; o < n_out; o++)
+      out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
     return KD_OK;
   }
   /* T > 1: decode four rows at a time (L1-resident), then the f32 block kernel: same products, same lanes */
@@ -509,7 +511,8 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   if (!w) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
   for (int64_t o = 0; o < n_out; o += 4) {
     int no = (int)(n_out - o < 4 ? n_out - o : 4);
-    for (int i = 0; i < no; i++) kd_dequant_row(qp + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in, wpg);
+    for (int i = 0; i < no; i++)
+      kd_dequant_row(qp + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in, wpg);
     kd_linear_block(x, w, no, out, T, n_in, n_out, o);
   }
   free(w);
