@@ -307,11 +307,17 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
                                                                const float *qs, int64_t n_words, int64_t n_groups,
                                                                int64_t wpg, float *out, int64_t T, int64_t n_in,
                                                                int64_t n_out, int parallel) {
+  /* x rows copied once to 64-byte aligned rows: numpy's large arrays sit 16 bytes past a line, and a 32-byte load
+   * across two cache lines costs two (the tile kernel is load-bound). The weight slices get the same below. */
+  int64_t ldx = (n_in + 15) / 16 * 16;
+  float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx + 16));
+  if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
   int nomem = 0;
 #pragma omp parallel if (parallel)
   {
-    float *P = (float *)aligned_alloc(32, sizeof(float) * (size_t)(T * KD_OB * 16));
-    float *wb = (float *)aligned_alloc(32, sizeof(float) * 3 * KD_KC);
+    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_OB * 16));
+    float *wb = (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
 #pragma omp for schedule(static)
     for (int64_t ob = 0; ob < n_out; ob += KD_OB) {
       if (!P || !wb) {
@@ -325,17 +331,14 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
         int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC;
         for (int64_t o = 0; o < no; o += 3) {
           int O = (int)(no - o < 3 ? no - o : 3);
-          const float *wt = wb;
-          int64_t ws = KD_KC;
-          if (w) {
-            wt = w + (ob + o) * n_in + k0, ws = n_in;
-          } else {
-            for (int i = 0; i < O; i++)
+          for (int i = 0; i < O; i++) /* this tile's weight slice, aligned, read from memory once */
+            if (w)
+              memcpy(wb + i * KD_KC, w + (ob + o + i) * n_in + k0, sizeof(float) * (size_t)n);
+            else
               kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
                                     k0 + n, wpg);
-          }
           for (int64_t t = 0; t < T; t += 2)
-            kd_tiles[T - t >= 2][O - 1](x + t * n_in + k0, n_in, wt, ws, n, P + (t * KD_OB + o) * 16, KD_OB);
+            kd_tiles[T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB);
         }
       }
       for (int64_t t = 0; t < T; t++)
@@ -347,6 +350,7 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
     free(P);
     free(wb);
   }
+  free(xa);
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
