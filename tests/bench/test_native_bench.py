@@ -14,7 +14,7 @@ Groups (min times; compare within a group):
                            4096x4096 and the K2 expert shapes 2048x7168 / 7168x2048, each call on the next of
                            several weight copies (> 2x the 32 MiB L3 in all), so every call reads from memory.
   linear(T=t,...)          the batch-invariant native linear (FP32 and W4A16) vs numpy's BLAS GEMM (not invariant).
-  tree_build(budget=B)     plain-Python heapq reference (kdtree/decode/tree.py) vs NativeOps.tree_build (cffi
+  tree_build(budget=B)     plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
                            wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
   mla_attention(...)       native vs numpy reference, one verify block (T=33 = root + budget 32).
   cuda_*                   the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
@@ -26,15 +26,15 @@ import itertools
 
 import numpy as np
 import pytest
+import threadpoolctl
 
 from kdtree.backends import native
 from kdtree.backends.numpy_ops import NumpyOps
-from kdtree.decode import tree as tree_ref
+from kdtree import tree as tree_ref
 from kdtree.quant import int4
+from tests.native_lib import needs_cpu_library
 
-threadpoolctl = pytest.importorskip("threadpoolctl")
-
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 EPS = float(np.finfo(np.float32).eps)
 REF = NumpyOps()
 THREADS = [1, 2]

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from kdtree.backends import native
-from kdtree.decode import tree as tree_ref
+from kdtree import tree as tree_ref
 from kdtree.errors import NativeError
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 
 
 def _draft(seed, depth=5, width=4):
