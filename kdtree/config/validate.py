@@ -130,8 +130,11 @@ def validate_checkpoint_path(cfg: DictConfig) -> None:
         raise ConfigError(f"model.path is required for model={m.name}; set model.path=/path/to/checkpoint "
                           f"(a directory with config.json and model.safetensors.index.json)")
     if not m.path:
-        if m.name != "tiny":
-            raise ConfigError(f"model.path is empty for model={m.name}; only model=tiny has an embedded checkpoint")
+        from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
+
+        if not is_generated(m.name):
+            raise ConfigError(f"model.path is empty for model={m.name}; only model={' and model='.join(GENERATED_MODELS)} "
+                              f"have a generated checkpoint")
         return
     p = Path(m.path).expanduser()
     if not p.exists():

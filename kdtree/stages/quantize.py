@@ -19,10 +19,11 @@ PARAMS = {"src": str, "dst": str}
 def _source(cfg) -> Path:
     if cfg.model.path:
         return Path(cfg.model.path).expanduser()
-    if cfg.model.name != "tiny":
+    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
+
+    if not is_generated(cfg.model.name):
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/fp32-checkpoint "
                           f"or pass src= to the quantize stage")
-    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 
     return Path(ensure_tiny_checkpoint(cfg.model, None, cfg.get("cache_dir", "")))   # None = the FP32 one
 
