@@ -137,16 +137,13 @@ def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_r
     return {"read_bytes": read, "mapped_bytes": mapped, "copied_bytes": copied}
 
 
-def _model_copies(model, tp: int, rank: int) -> float:
+def _model_copies(model, layout, tp: int) -> float:
     """Bytes K2Model builds at construction beside the loaded tensors (float32): W_uk/W_uv per layer (kv_b_proj
     split per head, this rank's heads) and the router gate of every MoE layer."""
-    from kdtree.checkpoint.names import is_moe_layer
-
     heads = model.num_attention_heads // tp
     per_layer = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * 4
-    gates = sum(model.n_routed_experts * model.hidden_size * 4 for i in range(model.num_hidden_layers)
-                if is_moe_layer(model, i))
-    return model.num_hidden_layers * per_layer + gates
+    moe_layers = sum(1 for name, _, _ in layout if name.endswith(".mlp.gate.weight"))
+    return model.num_hidden_layers * per_layer + moe_layers * model.n_routed_experts * model.hidden_size * 4
 
 
 def _int4_unpacked(layout, tp: int) -> float:
@@ -211,6 +208,7 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         from kdtree.quant.int4 import UNPACKED
 
         unpacked = min(UNPACKED.limit, _int4_unpacked(layout, tp))
+    copies = _model_copies(model, layout, tp)
     ranks = []
     for r in range(tp):
         if ckpt is not None:   # the loader's own plan: same slices, same span merging, nothing read
@@ -231,7 +229,7 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
                 mem = _computed_memory(layout, tp, FLOAT_BYTES[float_dtype], strategy, out_rows)
             dmem = (_computed_memory(_drafter_tensors(model, FLOAT_BYTES[float_dtype]), 1,
                                      FLOAT_BYTES[float_dtype], strategy, {}) if with_drafter and r == 0 else None)
-        row = {"rank": r, "files": files, "bytes": per_rank, **mem, "model_copies_bytes": _model_copies(model, tp, r),
+        row = {"rank": r, "files": files, "bytes": per_rank, **mem, "model_copies_bytes": copies,
                "drafter": dmem, "kv_bytes_per_token": kv_per_token + (drafter_kv_per_token if dmem else 0),
                "scratch_bytes": _scratch(model, rows, tp),
                "int4_unpacked_bytes": unpacked}
