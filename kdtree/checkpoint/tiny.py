@@ -13,7 +13,10 @@ Layout: `<cache>/checkpoints/<name>-<quant>-<hash>/` in HF layout (config.json, 
 shapes the weights and, for quantized checkpoints, the quant config, so a changed config never
 reuses stale weights. Generation writes into a private temp dir and renames it into place: the
 rename is atomic, so two processes racing both end with one complete checkpoint. INT4 checkpoints
-are the fp32 one passed through kdtree.quant.int4.quantize_checkpoint.
+are the fp32 one passed through kdtree.quant.int4.quantize_checkpoint; with
+model.int4_unquantized_dtype=bf16 (k26_mini) a BF16 copy is quantized instead, so every unquantized
+tensor and the drafter stay BF16, as K2.6 ships. model=k26_mini (K2.6's layer dims, 6.7 GB fp32) is
+generated the same way, one shard at a time (names.LazyWeights), into ~1/8-size shards.
 """
 from __future__ import annotations
 
