@@ -34,7 +34,9 @@ from kdtree.checkpoint import names
 from kdtree.checkpoint.hf_config import (check_drafter_config, check_target_config, drafter_config_json, plain,
                                          target_config_json)
 from kdtree.checkpoint.loader import DRAFTER_DIR
-from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.checkpoint.index import CONFIG_FILE, INDEX_FILE
+from kdtree.checkpoint.safetensors_io import read_file, write_file
+from kdtree.checkpoint.writer import write_checkpoint, write_config
 from kdtree.errors import CheckpointError
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "tiny"   # the trained tiny checkpoint (shipped)
@@ -76,23 +78,37 @@ def checkpoint_key(model_cfg, quant_cfg) -> str:
     return f"{m['name']}-{q['method']}-{digest}"
 
 
-def write_tiny_checkpoint(directory, model_cfg, dtype: str = "fp32") -> Path:
-    """Generate the unquantized target + drafter of `model_cfg` into `directory` (deterministic bytes).
-
-    dtype="bf16" stores every tensor as BF16 (the float32 values rounded): the source of a K2.6-layout INT4
-    checkpoint, whose unquantized tensors are BF16. Tensors are generated one shard at a time."""
+def write_tiny_checkpoint(directory, model_cfg) -> Path:
+    """Generate the unquantized target + drafter of `model_cfg` into `directory` (deterministic bytes),
+    one shard at a time (a k26_mini target is 4.2 GB of float32)."""
     directory = Path(directory)
     seed = int(plain(model_cfg)["seed"])
     cfg = _ns(model_cfg)
     target = names.LazyWeights(names.target_tensor_shapes(cfg), seed)
+    write_checkpoint(directory, target, target_config_json(model_cfg), shard_bytes(model_cfg))
     drafter = names.LazyWeights(names.drafter_tensor_shapes(cfg), seed)
-    as_bf16 = (lambda ws: {k: "BF16" for k in ws}) if dtype == "bf16" else (lambda ws: None)
-    tcfg, dcfg = target_config_json(model_cfg), drafter_config_json(model_cfg)
-    if dtype == "bf16":
-        tcfg["torch_dtype"] = dcfg["torch_dtype"] = "bfloat16"
-    write_checkpoint(directory, target, tcfg, shard_bytes(model_cfg), as_bf16(target))
-    write_checkpoint(directory / DRAFTER_DIR, drafter, dcfg, 0, as_bf16(drafter))
+    write_checkpoint(directory / DRAFTER_DIR, drafter, drafter_config_json(model_cfg), 0)
     return directory
+
+
+def _bf16_copy(src: Path, dst: Path) -> None:
+    """The fp32 checkpoint `src` (target + drafter) with every tensor rounded to BF16 (RNE), shard by shard, in
+    the same files: the source of a K2.6-layout INT4 checkpoint (generating the weights again costs 3x more)."""
+    for d in (src, src / DRAFTER_DIR):
+        out = dst / d.relative_to(src)
+        out.mkdir(parents=True)
+        total = 0
+        for f in sorted(d.glob("*.safetensors")):
+            tensors = read_file(f)
+            total += write_file(out / f.name, tensors, {k: "BF16" for k in tensors}, {"format": "pt"})
+            del tensors
+        if (d / INDEX_FILE).exists():   # same tensors in the same files, half the bytes
+            index = json.loads((d / INDEX_FILE).read_text())
+            index["metadata"]["total_size"] = total
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        config = json.loads((d / CONFIG_FILE).read_text())
+        config["torch_dtype"] = "bfloat16"
+        write_config(out, config)
 
 
 def _publish(tmp: Path, final: Path) -> Path:
@@ -164,7 +180,7 @@ def ensure_tiny_checkpoint(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
         elif plain(model_cfg).get("int4_unquantized_dtype", "fp32") == "bf16":
             src = root / f"{tmp.name}-bf16"   # K2.6's layout: quantized from BF16, the rest kept BF16
             try:
-                write_tiny_checkpoint(src, model_cfg, "bf16")
+                _bf16_copy(ensure_tiny_checkpoint(model_cfg, None, cache_dir), src)
                 _quantizer()(src, tmp, quant_cfg, model_cfg=model_cfg)
             finally:
                 shutil.rmtree(src, ignore_errors=True)
