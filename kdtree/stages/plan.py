@@ -287,6 +287,11 @@ def format_plan(p: dict) -> str:
         "  copied + drafter, after the load; then + KV per token + scratch (one forward of the tree's rows)"
         + (f" + up to {_fmt_bytes(r0['int4_unpacked_bytes'])} of unpacked INT4 (numpy, $KDTREE_INT4_CACHE_MB caps it)"
            if r0["int4_unpacked_bytes"] else ""),
+    ]
+    if p["backend"] == "cuda":
+        lines.append("  backend=cuda: each weight array above is also copied to the device on first use (float32 and "
+                     "INT4 as held on the host); device bytes are not counted separately yet")
+    lines += [
         "",
         f"  load time (the node reads {_fmt_bytes(p['node_read_bytes'])} = every rank's slices + the drafter once):",
     ]
