@@ -5,7 +5,7 @@
 Per rank: the bytes of its slices of the sharded tensors (1/tp each) plus every replicated tensor; the
 latent KV cache per token; the shard files the rank reads (from the checkpoint's index when the checkpoint
 is there, else a computed layout of `shard_gb` shards in file order); the load time of the whole node at
-each disk rate. Sharding rules (the TP implementation's, DESIGN §8): q_b_proj and kv_b_proj split by head
+each disk rate. Sharding rules (kdtree/parallel/sharding.py): q_b_proj and kv_b_proj split by head
 (rows), o_proj by input columns; dense/shared/routed expert gate/up by rows, down by columns; latent
 projections (q_a, kv_a), norms, router gate, embed and lm_head replicated. Writes plan.json.
 """
@@ -20,7 +20,15 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
+from kdtree.checkpoint.index import open_checkpoint
+from kdtree.checkpoint.loader import _PAGE, _SPAN_GAP, plan_load
+from kdtree.checkpoint.tiny import tiny_checkpoint_path
 from kdtree.errors import ConfigError
+from kdtree.model.names import drafter_tensor_shapes, target_linear_shapes, target_tensor_shapes
+from kdtree.parallel.sharding import shard_fn
+from kdtree.parallel.sharding import split_axis as logical_split
+from kdtree.quant import int4
+from kdtree.quant.int4 import module_is_quantized
 
 SIDE = "controller"
 PARAMS = {"disk_mb_s": list, "float_dtype": str, "shard_gb": float}
@@ -35,8 +43,6 @@ def split_axis(tensor: str):
 
     INT4 parts follow their logical weight: weight_packed/weight_scale split like `.weight`; weight_shape
     ([out, in], 2 integers) is read whole by every rank."""
-    from kdtree.parallel.sharding import split_axis as logical_split
-
     module, _, part = tensor.rpartition(".")
     if part == "weight_shape":
         return None
@@ -54,7 +60,6 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
         p = Path(str(path)).expanduser()
         return p if p.is_dir() else None
     try:
-        from kdtree.checkpoint.tiny import tiny_checkpoint_path
         p = tiny_checkpoint_path(cfg.model, cfg.quant, cfg.get("cache_dir", ""))
     except Exception:
         return None
@@ -63,9 +68,6 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
 
 def computed_tensors(model, quant, float_bytes: int) -> Iterator[Tuple[str, int]]:
     """(tensor name, bytes) in file order for a checkpoint of this config (INT4 modules as packed/scale/shape)."""
-    from kdtree.checkpoint.names import target_linear_shapes, target_tensor_shapes
-    from kdtree.quant.int4 import module_is_quantized
-
     group = int(quant.group_size)
     linear = target_linear_shapes(model)  # only Linear modules are quantized (not embeddings, not the router)
     for name, shape in target_tensor_shapes(model).items():
@@ -101,8 +103,6 @@ def _fmt_s(s: float) -> str:
 
 
 def _drafter_tensors(model, float_bytes: int) -> List[Tuple[str, str, int]]:
-    from kdtree.checkpoint.names import drafter_tensor_shapes
-
     return [(n, "drafter/model.safetensors", math.prod(s) * float_bytes)
             for n, s in drafter_tensor_shapes(model).items()]
 
@@ -113,8 +113,6 @@ def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_r
     Float tensors are held as float32 (numpy/cpu): fp32 whole tensors and row slices are views of the mapped
     pages, bf16 ones are widened copies; column slices are gathered copies, and their pages are mapped whole
     when the row gap is under the loader's _SPAN_GAP (runs that close are read as one)."""
-    from kdtree.checkpoint.loader import _PAGE, _SPAN_GAP
-
     read = mapped = copied = 0
     for name, _, nbytes in layout:
         axis = split_axis(name)
@@ -179,8 +177,6 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         raise ConfigError(f"plan.disk_mb_s={list(disk_mb_s)}; give positive MB/s rates, e.g. [2000,240]")
     ckpt = _checkpoint_dir(cfg)
     if ckpt is not None:
-        from kdtree.checkpoint.index import open_checkpoint
-
         idx = open_checkpoint(ckpt)
         layout = [(t.name, t.path.name, t.nbytes) for t in idx.tensors.values()]
         n_files, source = len(idx.files), f"checkpoint index {ckpt}"
@@ -205,16 +201,11 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
 
     unpacked = 0
     if backend == "numpy":   # the numpy reference's cache of unpacked INT4 weights, at most its limit
-        from kdtree.quant.int4 import UNPACKED
-
-        unpacked = min(UNPACKED.limit, _int4_unpacked(layout, tp))
+        unpacked = min(int4.UNPACKED.limit, _int4_unpacked(layout, tp))
     copies = _model_copies(model, layout, tp)
     ranks = []
     for r in range(tp):
         if ckpt is not None:   # the loader's own plan: same slices, same span merging, nothing read
-            from kdtree.checkpoint.loader import plan_load
-            from kdtree.parallel.sharding import shard_fn
-
             m = plan_load(ckpt, cfg.model, cfg.quant, shard=shard_fn(cfg.model, r, tp) if tp > 1 else None,
                           strategy=strategy)
             mem = {"read_bytes": m.read_bytes, "mapped_bytes": m.mapped_bytes, "copied_bytes": m.copied_bytes}
@@ -223,8 +214,6 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
             dmem = dm and {"read_bytes": dm.read_bytes, "mapped_bytes": dm.mapped_bytes, "copied_bytes": dm.copied_bytes}
         else:
             if r == 0:   # every rank holds the same amount of its own slices
-                from kdtree.checkpoint.names import target_linear_shapes
-
                 out_rows = {m: shape[0] for m, shape in target_linear_shapes(model).items()}
                 mem = _computed_memory(layout, tp, FLOAT_BYTES[float_dtype], strategy, out_rows)
             dmem = (_computed_memory(_drafter_tensors(model, FLOAT_BYTES[float_dtype]), 1,

@@ -21,7 +21,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint.tiny import cache_root
+from kdtree.config.paths import cache_root
 from kdtree.config.schema import register
 from kdtree.decode import generate
 from kdtree.engine import Engine
