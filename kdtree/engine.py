@@ -3,11 +3,16 @@
     engine = Engine.from_config(cfg, status=status_file)   # resolve/generate the checkpoint, load, build
     result = engine.generate(engine.tokenizer.encode("2+2="), max_new_tokens=16)
     text = engine.tokenizer.decode(result.tokens)
+    # sampling (HTTP front end): fields -> SamplingParams (one-line SamplingError naming the field, .param)
+    params = SamplingParams.from_openai(body, defaults=engine.sampling_defaults())
+    result = engine.generate(ids, 16, sampling=params)      # tokens, logprobs, seed, finish_reason
+    results = engine.generate_n(ids, 16, sampling=params)   # params.n samples sharing one prefill
 
 Stages (load, generate, warmup, demo, serve, bench) share one Engine through EngineState.of(ctx).engine.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +21,12 @@ from typing import Any, Callable, List, Optional, Sequence
 from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
-from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
-from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_drafter, load_options, resident_bytes
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
-from kdtree.decode import generate
+from kdtree.decode import generate, generate_n
 from kdtree.decode.result import GenerationResult
+from kdtree.decode.sampling import SamplingParams
 from kdtree.errors import ConfigError
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model
@@ -28,15 +34,32 @@ from kdtree.parallel.launch import launch_tp
 from kdtree.tokenizer import load_tokenizer
 
 AR_TREE = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})  # plain greedy, no drafter
+# HF generation_config.json keys that set sampling defaults (the ones vLLM's --generation-config reads)
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+# sampling.* keys that shape the distribution (server defaults); seed, logprobs, echo, n are per run/request
+DISTRIBUTION_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
 
 def resolve_checkpoint(cfg) -> Path:
     """model.path, or the embedded tiny checkpoint (generated deterministically on first use)."""
     if cfg.model.path:
         return Path(cfg.model.path).expanduser()
-    if cfg.model.name != "tiny":
+    if not is_generated(cfg.model.name):
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/checkpoint")
     return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
+
+
+def generation_config_defaults(checkpoint: Path) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets ({} when it has none)."""
+    path = Path(checkpoint) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e}); fix or remove it") from None
+    return {k: data[k] for k in GENERATION_CONFIG_KEYS if data.get(k) is not None}
 
 
 @dataclass
@@ -63,20 +86,30 @@ class Engine:
         if status is not None:
             status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
         ckpt = resolve_checkpoint(cfg)
+        # every check that needs no weights (config.json of target and drafter, tensor layout, tokenizer
+        # files) before the first weight byte: on K2.6 the load takes 10+ minutes
+        check_checkpoint(ckpt, cfg.model, cfg.quant, drafter=cfg.tree.kind != "ar")
+        tokenizer = load_tokenizer(cfg.model, ckpt)
         ops = get_ops(cfg.backend)
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
+            resident = list(model.resident_bytes_per_rank)
         else:
+            rss0 = resident_bytes()
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
                                              **load_options(cfg.load))
             model = K2Model(cfg.model, weights, ops)
+            del weights
+            resident = [resident_bytes() - rss0]
         try:
             drafter = None
             if cfg.tree.kind != "ar":
+                rss0 = resident_bytes()
                 dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
                 stats.bytes_read += dstats.bytes_read
                 drafter = DFlashDrafter.from_target(model, dweights)
-            tokenizer = load_tokenizer(cfg.model, ckpt)
+                del dweights
+                resident[0] += resident_bytes() - rss0     # rank 0 holds the whole drafter
         except BaseException:
             if hasattr(model, "close"):
                 model.close()
@@ -84,6 +117,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         report = LoadReport(str(ckpt), int(stats.bytes_read), seconds,
                             stats.bytes_read / 1e6 / max(seconds, 1e-9))
+        report.extra["resident_bytes_per_rank"] = resident   # RSS growth of each rank over its load (plan's check)
         if hasattr(model, "bytes_read_per_rank"):
             report.extra["tp_bytes_read_per_rank"] = list(model.bytes_read_per_rank)
         return cls(cfg, tokenizer, model, drafter, ckpt, report)
@@ -94,11 +128,27 @@ class Engine:
         if close is not None:
             close()
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None) -> GenerationResult:
-        """Greedy generation with the configured tree (ar | chain | ddtree), or `tree` (a tree config, e.g.
-        AR_TREE) instead; output is identical for all.
-        on_tokens(new_ids) is called after each commit with the tokens it added (the server's live stream)."""
+    def sampling_defaults(self) -> dict:
+        """Defaults of an HTTP request's omitted sampling fields: OpenAI's (temperature 1), overridden by the
+        checkpoint's generation_config.json, overridden by the operator's sampling.* config keys
+        (the distribution's keys only: seed, logprobs, echo and n stay per request)."""
+        out = dict(OPENAI_DEFAULTS)
+        out.update(generation_config_defaults(self.checkpoint))
+        conf = self.cfg.get("sampling") or {}
+        out.update({k: conf.get(k) for k in DISTRIBUTION_KEYS if conf.get(k) is not None})
+        return out
+
+    def pipeline_sampling(self) -> SamplingParams:
+        """The generate/bench pipelines' sampling: greedy unless sampling.temperature is set (so their results
+        stay the greedy ones by default); with it, unset fields as sampling_defaults(). Seed resolved."""
+        conf = self.cfg.get("sampling") or {}
+        run = {k: conf.get(k) for k in ("seed", "logprobs", "echo", "n")}
+        if conf.get("temperature") is None:
+            return SamplingParams.merged(run, temperature=0.0)
+        return SamplingParams.merged(self.sampling_defaults(), run).resolved()
+
+    def _request(self, prompt_ids: Sequence[int], max_new_tokens: int, tree: Any) -> tuple:
+        """(tree config, drafter) of a request after the prompt and context checks."""
         tree = self.cfg.tree if tree is None else tree
         if not prompt_ids:
             raise ConfigError("prompt is empty; give at least one token")
@@ -107,8 +157,29 @@ class Engine:
         if len(prompt_ids) + max_new_tokens + budget > self.max_context:
             raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                               f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
+        return tree, drafter
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None,
+                 sampling: Optional[SamplingParams] = None) -> GenerationResult:
+        """One completion with the configured tree (ar | chain | ddtree), or `tree` (a tree config, e.g.
+        AR_TREE) instead; output is identical for all. sampling None / temperature 0: greedy; else sampled
+        (result.seed = the seed used, result.logprobs when sampling.logprobs is set). on_tokens(new_ids) is
+        called after each commit with the tokens it added (the server's live stream). n > 1: use generate_n."""
+        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
+        if sampling is not None and sampling.n != 1:
+            raise ConfigError(f"n={sampling.n}: Engine.generate returns one completion; use Engine.generate_n")
         return generate(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens),
-                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
+                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, sampling=sampling)
+
+    def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                   stop_ids: Sequence[int] = (), on_tokens: Optional[Callable[[int, List[int]], None]] = None,
+                   tree: Any = None) -> List[GenerationResult]:
+        """sampling.n samples of one prompt sharing its prefill; sample i's seed = sampling.for_sample(i).seed
+        (sample 0: the request's seed). on_tokens(i, new_ids) streams sample i."""
+        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
+        return generate_n(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens), sampling,
+                          eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
         """Text in, (text out, GenerationResult)."""

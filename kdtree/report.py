@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import List
 
-COLUMNS = ["kind", "width", "depth", "budget", "tokens_per_s", "speedup_vs_ar", "mean_acceptance_length",
-           "target_forwards_per_token", "outputs_equal_ar", "run"]
+COLUMNS = ["kind", "width", "depth", "budget", "temperature", "tokens_per_s", "speedup_vs_ar",
+           "mean_acceptance_length", "greedy_mean_acceptance_length", "target_forwards_per_token", "outputs_equal_ar",
+           "run"]
 
 
 def collect(sweep_dir: Path) -> List[dict]:
@@ -27,6 +28,9 @@ def collect(sweep_dir: Path) -> List[dict]:
         rows.append({"kind": kind, "width": t["width"], "depth": t["depth"], "budget": t["budget"],
                      "tokens_per_s": b["tokens_per_s"], "speedup_vs_ar": b["speedup_vs_ar"],
                      "mean_acceptance_length": b["mean_acceptance_length"],
+                     "temperature": b.get("temperature", 0.0),
+                     "greedy_mean_acceptance_length": b.get("greedy_mean_acceptance_length",
+                                                            b["mean_acceptance_length"]),
                      "target_forwards_per_token": b["target_forwards_per_token"],
                      "outputs_equal_ar": b["outputs_equal_ar"], "run": str(f.parent.relative_to(sweep_dir)),
                      "ar_tokens_per_s": b["ar_tokens_per_s"],
@@ -37,7 +41,8 @@ def collect(sweep_dir: Path) -> List[dict]:
 def _ar_row(rows: List[dict]) -> dict:
     tps = sorted(r["ar_tokens_per_s"] for r in rows)
     return {"kind": "ar", "width": 1, "depth": 0, "budget": 0, "tokens_per_s": tps[len(tps) // 2],
-            "speedup_vs_ar": 1.0, "mean_acceptance_length": 1.0,
+            "speedup_vs_ar": 1.0, "mean_acceptance_length": 1.0, "greedy_mean_acceptance_length": 1.0,
+            "temperature": "-",
             "target_forwards_per_token": rows[0]["ar_target_forwards_per_token"], "outputs_equal_ar": True,
             "run": f"median of the {len(rows)} in-run baselines"}
 
@@ -50,7 +55,7 @@ def write_report(sweep_dir: Path) -> dict:
     best = max(rows, key=lambda r: r["speedup_vs_ar"])
     order = {"ar": 0, "chain": 1, "ddtree": 2}
     table = [_ar_row(rows)] + sorted(rows, key=lambda r: (order.get(r["kind"], 3), r["width"], r["depth"],
-                                                          r["budget"]))
+                                                          r["budget"], r["temperature"]))
     with open(sweep_dir / "report.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS + ["best"], extrasaction="ignore")
         w.writeheader()
@@ -59,12 +64,14 @@ def write_report(sweep_dir: Path) -> dict:
     lines = [f"# Bench sweep: {sweep_dir}", "",
              f"Best by speedup: **{best['kind']} width={best['width']} depth={best['depth']} budget={best['budget']}"
              f"** — {best['speedup_vs_ar']:.2f}x over AR, mean acceptance {best['mean_acceptance_length']:.2f}.", "",
-             "| | kind | width | depth | budget | tok/s | speedup vs AR | mean acceptance | target fwd/token | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| | kind | width | depth | budget | temperature | tok/s | speedup vs AR | mean acceptance "
+             "| greedy acceptance | target fwd/token | lossless |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {'**best**' if r is best else ''} | {r['kind']} | {r['width']} | {r['depth']} | "
-                     f"{r['budget']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
-                     f"{r['mean_acceptance_length']:.2f} | {r['target_forwards_per_token']:.3f} | "
+                     f"{r['budget']} | {r['temperature']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+                     f"{r['mean_acceptance_length']:.2f} | {r['greedy_mean_acceptance_length']:.2f} | "
+                     f"{r['target_forwards_per_token']:.3f} | "
                      f"{'yes' if r['outputs_equal_ar'] else 'NO'} |")
     lines += ["", "![speedup and acceptance vs budget](report.png)", ""]
     (sweep_dir / "report.md").write_text("\n".join(lines))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -47,6 +47,7 @@ class ModelConfig:
     tokenizer: str = "byte"
     init: str = "trained"  # embedded tiny only: trained (kdtree/assets/tiny) | random (seeded, generated)
     seed: int = 0
+    int4_unquantized_dtype: str = "fp32"  # generated INT4 checkpoints: dtype of the unquantized tensors (bf16 = K2.6's)
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
@@ -145,7 +146,14 @@ class LoadConfig:
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30001
-    api_key: str = ""
+    api_key: str = ""  # refused (a key on a command line is in `ps` and the run dir): use KDTREE_API_KEY or api_key_file
+    api_key_file: str = ""  # a file holding the /v1 Bearer key (on the engine's host); KDTREE_API_KEY wins
+    cors_origins: List[str] = field(default_factory=list)  # browser origins allowed (CORS); empty = CORS off
+    drain_timeout_s: float = 600.0  # SIGTERM: finish accepted requests this long (a full 2k-token request fits)
+    max_body_bytes: int = 8388608  # 8 MiB request body; more is a 413
+    max_header_bytes: int = 16384  # request line + headers; more is a 431
+    max_connections: int = 1024  # open sockets; more are answered 503 and closed
+    keepalive_s: float = 5.0  # idle connections (also ones that never send a request) are closed after this
     model_name: str = ""  # empty = model.name
     detach: bool = False
     max_queue: int = 256
@@ -169,8 +177,25 @@ class HealthConfig:
     pid: int = 0
     unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
-    api_key: str = ""  # Bearer key for health.url (this run's engine uses serve.api_key)
+    api_key: str = ""  # Bearer key for health.url (this run's engine: KDTREE_API_KEY or serve.api_key_file); redacted when saved
     status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling of the generate/bench pipelines and the server's defaults (kdtree/decode/sampling.py).
+    Unset (null) fields: the pipelines decode greedily unless temperature is set, then take the others from
+    the checkpoint's generation_config.json, else OpenAI's; the server's requests fall back the same way."""
+    temperature: Optional[float] = None  # >= 0; 0 = greedy argmax; null = pipelines greedy, server 1 (OpenAI)
+    top_p: Optional[float] = None  # (0, 1]
+    top_k: Optional[int] = None  # -1/0 = all tokens
+    seed: Optional[int] = None  # null = a random seed per run, written to result.json/bench.json
+    presence_penalty: Optional[float] = None  # [-2, 2]
+    frequency_penalty: Optional[float] = None  # [-2, 2]
+    repetition_penalty: Optional[float] = None  # (0, 2]
+    logprobs: Optional[int] = None  # top logprobs per generated token (0..20) in result.json
+    echo: bool = False  # with logprobs: also the prompt tokens' logprobs
+    n: int = 1  # samples of the prompt (generate pipeline), sharing one prefill
 
 
 @dataclass
@@ -205,9 +230,21 @@ class BenchLoadConfig:
 
 
 @dataclass
+class ExportGgufConfig:
+    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-f32.gguf
+
+
+@dataclass
+class BenchPeerConfig:
+    gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
+    threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
+    rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
+
+
+@dataclass
 class StopConfig:
     run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
-    timeout_s: float = 10.0  # SIGTERM, wait this long, then SIGKILL the engine's process group
+    timeout_s: float = 10.0  # SIGTERM, wait serve.drain_timeout_s + this long (the drain, then the exit), then SIGKILL
 
 
 @dataclass
@@ -225,11 +262,14 @@ class RootConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
     bench_serve: BenchServeConfig = field(default_factory=BenchServeConfig)
+    export_gguf: ExportGgufConfig = field(default_factory=ExportGgufConfig)
+    bench_peer: BenchPeerConfig = field(default_factory=BenchPeerConfig)
 
 
 GROUPS = {

@@ -11,12 +11,14 @@ from typing import Iterable, List, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
+from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -103,8 +105,9 @@ def validate_checkpoint_path(cfg: DictConfig) -> None:
         raise ConfigError(f"model.path is required for model={m.name}; set model.path=/path/to/checkpoint "
                           f"(a directory with config.json and model.safetensors.index.json)")
     if not m.path:
-        if m.name != "tiny":
-            raise ConfigError(f"model.path is empty for model={m.name}; only model=tiny has an embedded checkpoint")
+        if not is_generated(m.name):
+            raise ConfigError(f"model.path is empty for model={m.name}; only model={' and model='.join(GENERATED_MODELS)} "
+                              f"have a generated checkpoint")
         return
     p = Path(m.path).expanduser()
     if not p.exists():
@@ -135,6 +138,45 @@ def validate_bench_load(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
 
 
+SAMPLING_ONLY_WITH_TEMPERATURE = ("top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                                  "repetition_penalty")
+
+
+def validate_sampling(cfg: DictConfig, stages: Sequence[str]) -> None:
+    """The sampling section as kdtree.decode.sampling.SamplingParams checks it, each error as sampling.<key>."""
+    s = cfg.sampling
+    values = {k: v for k, v in OmegaConf.to_container(s, resolve=True).items() if v is not None}
+    try:
+        SamplingParams.merged(values, temperature=0.0 if s.temperature is None else 1.0)
+    except SamplingError as e:
+        raise ConfigError(f"sampling.{e}") from None
+    if s.temperature is None and "serve" not in stages and {"generate", "bench"}.intersection(stages):
+        for key in SAMPLING_ONLY_WITH_TEMPERATURE:
+            if s.get(key) is not None:
+                raise ConfigError(f"sampling.{key}={s.get(key)} has no effect: pipeline={cfg.pipeline} decodes "
+                                  f"greedily unless sampling.temperature is set; add e.g. sampling.temperature=1.0")
+
+
+def validate_bench_peer(cfg: DictConfig) -> None:
+    b = cfg.bench_peer
+    for key, value in (("threads", b.threads), ("rounds", b.rounds)):
+        if not value >= 1:
+            raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+
+
+def validate_serve(cfg: DictConfig) -> None:
+    s = cfg.serve
+    if s.api_key:
+        raise ConfigError("serve.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set serve.api_key_file=<file with the key>")
+    for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if int(s[key]) < 1:
+            raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("drain_timeout_s", "keepalive_s"):
+        if not float(s[key]) > 0:
+            raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
+
+
 def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
     """True when the pipeline (or `stages`) loads the model's weights: it needs a checkpoint and a device."""
     return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline) if stages is None else stages))
@@ -156,8 +198,13 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_serve(cfg)
     validate_bench_load(cfg)
+    validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
+    if stages is None:
+        stages = pipeline_stage_names(cfg.pipeline)
+    validate_sampling(cfg, stages)
     if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

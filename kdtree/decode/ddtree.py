@@ -1,4 +1,5 @@
-"""Greedy speculative decoding with a DFlash block drafter: DDTree (a best-first tree) and chain (width 1).
+"""Speculative decoding (greedy or sampled) with a DFlash block drafter: DDTree (a best-first tree) and chain
+(width 1).
 
 Per round (docs/engine-contracts.md):
   draft      drafter block forward after the committed context -> logits of the next depth tokens
@@ -8,6 +9,9 @@ Per round (docs/engine-contracts.md):
   commit     keep the latent-cache rows of bonus + path; their hidden states extend the drafter context
 Every committed token is the target's own argmax given the committed prefix, so with batch-invariant ops
 the output equals generate_ar's token for token (stop rules identical to AR).
+Sampling (temperature > 0): accept is sampling.sampled_walk: each visited row's token is drawn from the
+target's distribution with uniform(seed, output position), exactly as generate_ar draws it at that position,
+so the output equals AR sampling with the same seed token for token; the drafter only changes the forward count.
 
 Run: .venv/bin/python -m pytest -q tests/decode/test_ddtree_loop.py tests/decode/test_lossless.py
 """
@@ -18,7 +22,9 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from kdtree.decode.prefill import SharedPrefill, prefill_forward
 from kdtree.decode.result import GenerationResult
+from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
 from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
@@ -44,14 +50,18 @@ def tree_shape(tree_cfg, block_size: int) -> Tuple[int, int, int]:
 
 def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new_tokens: int,
                     eos_id: Optional[int] = None, stop_ids: Iterable[int] = (),
-                    on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
-    """Greedy chain/DDTree decoding of `model` (K2Model) drafted by `drafter` (DFlashDrafter interface:
-    block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens), draft(cache, bonus)).
+                    on_tokens: Optional[Callable[[List[int]], None]] = None,
+                    sampling: Optional[SamplingParams] = None,
+                    prefill: Optional[SharedPrefill] = None) -> GenerationResult:
+    """Chain/DDTree decoding (greedy, or sampled with `sampling`) of `model` (K2Model) drafted by `drafter`
+    (DFlashDrafter interface: block_size, target_layer_ids, new_cache(max_len), extend(cache, hiddens),
+    draft(cache, bonus)).
 
     acceptance_lengths holds len(path) + 1 per verify round (before any max_new_tokens / eos cut).
     on_tokens(new_ids), when given, is called once per commit (the prefill's token, then each round's accepted
     path + bonus) with the tokens that commit added to `tokens`, cut exactly as `tokens` is (max_new_tokens,
     eos, stop ids); the concatenation of its calls equals `tokens`. An exception it raises ends the generation.
+    sampling / prefill: as generate_ar's (kdtree/decode/ar.py).
     """
     t_start = time.perf_counter()
     width, depth, budget = tree_shape(tree_cfg, int(drafter.block_size))
@@ -63,15 +73,21 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
     ops = model.ops
     res = GenerationResult(tokens=[])
     st = res.stage_seconds
+    top = sampling.logprobs if sampling is not None else None
+    if top is not None:
+        res.logprobs = []
     if max_new_tokens <= 0:
+        if top is not None and sampling.echo:      # scoring a prompt (echo, max_tokens 0): its logprobs only
+            prefill_forward(model, prompt, len(prompt), None, res, sampling)
         res.seconds = time.perf_counter() - t_start
         return res
 
-    def emit(tokens) -> bool:
-        """Append committed tokens with AR's stop rules (and report them); True when generation is over."""
+    def emit(tokens, rows) -> bool:
+        """Append committed tokens with AR's stop rules (and report them); True when generation is over.
+        rows f32[len(tokens), V]: the target's logits row that predicted each token (for logprobs)."""
         n0 = len(res.tokens)
         over = False
-        for t in tokens:
+        for t, row in zip(tokens, rows):
             t = int(t)
             if eos_id is not None and t == eos_id:
                 res.finish_reason = "eos"
@@ -82,6 +98,8 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
                 over = True
                 break
             res.tokens.append(t)
+            if top is not None:
+                res.logprobs.append(token_logprob(row, t, top))
             if len(res.tokens) >= max_new_tokens:
                 res.finish_reason = "length"
                 over = True
@@ -92,18 +110,24 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
 
     P = len(prompt)
     # latent rows before a verify: P + len(tokens) - 1 <= P + max_new - 2; the block adds 1 + budget
-    cache = model.new_cache(P + max_new_tokens + budget)
-    dcache = drafter.new_cache(P + max_new_tokens)
-
     t0 = time.perf_counter()
-    logits, hid = model.forward(prompt, np.arange(P, dtype=np.int32), cache, hidden_layers=layers)
-    res.target_forwards = 1
-    bonus = int(np.argmax(logits[-1]))
+    cache, last, hid = prefill_forward(model, prompt, P + max_new_tokens + budget, prefill, res, sampling, layers)
+    sampler = None
+    if sampling is not None and not sampling.greedy:
+        sampler = Sampler(sampling.resolved(), prompt)
+        res.seed = sampler.seed
+    bonus = int(np.argmax(last)) if sampler is None else sampler.sample(last)
     st["prefill"] += time.perf_counter() - t0
     t0 = time.perf_counter()
-    drafter.extend(dcache, hid)
+    if hid is None:                                # the shared prefill's drafter context, rewound to the prompt
+        dcache = prefill.dcache
+    else:
+        dcache = drafter.new_cache(P + max_new_tokens)
+        drafter.extend(dcache, hid)
+        if prefill is not None:
+            prefill.dcache = dcache
     st["draft"] += time.perf_counter() - t0
-    done = emit([bonus])
+    done = emit([bonus], [last])
 
     while not done:
         start = cache.length                       # position of the bonus (root of this round's tree)
@@ -124,9 +148,12 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
         t3 = time.perf_counter()
         st["verify"] += t3 - t2
 
-        argmax = np.argmax(logits, axis=-1).astype(np.int32)                                    # [N+1]
-        path, new_bonus = ops.tree_accept(np.asarray(tree.parents, np.int32),
-                                          np.asarray(tree.tokens, np.int32), argmax)
+        if sampler is None:
+            argmax = np.argmax(logits, axis=-1).astype(np.int32)                                # [N+1]
+            path, new_bonus = ops.tree_accept(np.asarray(tree.parents, np.int32),
+                                              np.asarray(tree.tokens, np.int32), argmax)
+        else:                                      # draw at each visited row, in output-position order
+            path, new_bonus = sampled_walk(tree.parents, tree.tokens, lambda r: sampler.sample(logits[r]))
         path = np.asarray(path, np.int64)
         res.acceptance_lengths.append(int(path.size) + 1)
         t4 = time.perf_counter()
@@ -135,7 +162,7 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
         rows = np.concatenate([[0], path + 1])     # block rows of root + accepted path
         cache.keep(start, start + rows)
         committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
-        done = emit(committed)
+        done = emit(committed, logits[rows] if top is not None else [None] * len(committed))
         bonus = int(new_bonus)
         t5 = time.perf_counter()
         st["commit"] += t5 - t4

@@ -16,6 +16,9 @@ class GenerationResult:
     acceptance_lengths: List[int] = field(default_factory=list)  # tokens committed per verify round
     stage_seconds: Dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     seconds: float = 0.0                   # wall time of the whole generation
+    seed: Optional[int] = None             # the sampling seed used (None = greedy); replays the run
+    logprobs: Optional[List[dict]] = None  # per token {"token", "logprob", "top": [[id, logprob], ...]} if asked
+    prompt_logprobs: Optional[List[Optional[dict]]] = None  # echo: prompt tokens 1..P-1 (token 0: None)
 
     @property
     def mean_acceptance_length(self) -> float:

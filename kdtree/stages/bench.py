@@ -3,7 +3,9 @@
 Writes bench.json: tokens/s, speedup vs AR, target forwards per token, mean acceptance length and its
 histogram, per-stage seconds, per-prompt outputs (for exact reproduction), whether the tree output equals
 AR token for token, and the provenance needed to rerun the row (overrides, commit, seeds, versions, CPU/GPU,
-native library build).
+native library build). With sampling.temperature > 0 both AR and the tree sample (prompt i with the seed
+sampling.for_sample(i), the same for both, so outputs_equal_ar still holds) and bench.json reports the
+acceptance length under sampling next to greedy's (one greedy tree pass).
 """
 from __future__ import annotations
 
@@ -83,17 +85,21 @@ def _backend_build(cfg) -> dict:
         return {"name": cfg.backend.name, "error": f"{type(e).__name__}: {e}"}
 
 
-def provenance(ctx) -> dict:
+def provenance(ctx, sampling=None) -> dict:
     # Hydra writes the command-line overrides of every run (and of every multirun job) next to it.
     saved = Path(ctx.run_dir) / ".hydra" / "overrides.yaml"
     overrides = list(OmegaConf.load(saved)) if saved.is_file() else []
     cfg = ctx.cfg
+    rerun = list(overrides)
+    if sampling is not None and not sampling.greedy and not any(o.startswith("sampling.seed=") for o in rerun):
+        rerun.append(f"sampling.seed={sampling.seed}")  # the random seed this run drew: the rerun replays it
     return {
         "overrides": overrides,
-        "rerun": "python -m kdtree.run " + " ".join(f"'{o}'" for o in overrides),
+        "rerun": "python -m kdtree.run " + " ".join(f"'{o}'" for o in rerun),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": _git_commit(),
-        "seeds": {"model": int(cfg.model.seed)},
+        "seeds": {"model": int(cfg.model.seed),
+                  "sampling": None if sampling is None or sampling.greedy else sampling.seed},
         "versions": _versions(),
         "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": _gpu_model(),
         "backend_build": _backend_build(cfg),
@@ -101,15 +107,17 @@ def provenance(ctx) -> dict:
     }
 
 
-def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
+def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> dict:
+    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i)."""
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
-    for ids in prompts_ids:
-        r = engine.generate(ids, max_new_tokens, tree=tree_cfg)
+    for i, ids in enumerate(prompts_ids):
+        sp = None if sampling is None or sampling.greedy else sampling.for_sample(i)
+        r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp)
         per_prompt.append({"tokens": r.tokens, "acceptance_lengths": r.acceptance_lengths,
-                           "target_forwards": r.target_forwards, "seconds": r.seconds})
+                           "target_forwards": r.target_forwards, "seconds": r.seconds, "seed": r.seed})
         hist.update(r.acceptance_lengths)
         for k, v in r.stage_seconds.items():
             stage_s[k] = stage_s.get(k, 0.0) + v
@@ -136,14 +144,18 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
     engine = state.engine
     texts = load_prompts(prompts)
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
+    sampling = engine.pipeline_sampling()
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
-        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)
-        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if cfg.tree.kind != "ar" else a
+        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling)
+        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling) if cfg.tree.kind != "ar" else a
         ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
         tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
     lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
+    greedy_acc = tree["mean_acceptance_length"]
+    if not sampling.greedy and cfg.tree.kind != "ar":
+        greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree)["mean_acceptance_length"]
     out = {
         "tree": OmegaConf.to_container(cfg.tree, resolve=True),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
@@ -154,17 +166,22 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
         "target_forwards_per_token": tree["target_forwards_per_token"],
         "ar_target_forwards_per_token": ar["target_forwards_per_token"],
         "mean_acceptance_length": tree["mean_acceptance_length"],
+        "greedy_mean_acceptance_length": greedy_acc,
+        "temperature": sampling.temperature if not sampling.greedy else 0.0,
+        "sampling": sampling.to_dict(),
         "acceptance_histogram": tree["acceptance_histogram"],
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
         "ar": ar, "result": tree,
-        "provenance": provenance(ctx),
+        "provenance": provenance(ctx, sampling),
     }
     (ctx.run_dir / "bench.json").write_text(json.dumps(out, indent=2))
     t = cfg.tree
-    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}: {out['tokens_per_s']:.1f} tok/s vs AR "
+    how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
+    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x, acceptance "
-          f"{out['mean_acceptance_length']:.2f}, target forwards/token {out['target_forwards_per_token']:.3f}, "
+          f"{out['mean_acceptance_length']:.2f} (greedy {greedy_acc:.2f}), target forwards/token "
+          f"{out['target_forwards_per_token']:.3f}, "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "

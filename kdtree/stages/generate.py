@@ -1,4 +1,8 @@
-"""generate: one greedy completion without a server; prints it and writes result.json in the run dir."""
+"""generate: one completion without a server; prints it and writes result.json in the run dir.
+
+Greedy by default; sampling.temperature > 0 samples (sampling.* keys; seed in result.json replays it) and
+result.json then also holds the greedy acceptance length of the same prompt and tree next to the sampled one.
+"""
 from __future__ import annotations
 
 import json
@@ -16,7 +20,10 @@ def run(ctx, prompt: str, max_new_tokens: int) -> dict:
         state.engine = Engine.from_config(ctx.cfg, status=ctx.status)
     engine = state.engine
     prompt_ids = engine.tokenizer.encode(prompt)
-    result = engine.generate(prompt_ids, max_new_tokens)
+    sampling = engine.pipeline_sampling()
+    results = engine.generate_n(prompt_ids, max_new_tokens, sampling) if sampling.n > 1 else \
+        [engine.generate(prompt_ids, max_new_tokens, sampling=sampling)]
+    result = results[0]
     text = engine.tokenizer.decode(result.tokens)
     out = {
         "prompt": prompt,
@@ -24,15 +31,26 @@ def run(ctx, prompt: str, max_new_tokens: int) -> dict:
         "prompt_tokens": list(map(int, prompt_ids)),
         **result.to_dict(),
         "target_forwards_per_token": result.target_forwards / max(len(result.tokens), 1),
+        "sampling": sampling.to_dict(),
         "tree": dict(kind=ctx.cfg.tree.kind, width=ctx.cfg.tree.width, depth=ctx.cfg.tree.depth,
                      budget=ctx.cfg.tree.budget),
         "backend": ctx.cfg.backend.name,
         "quant": ctx.cfg.quant.method,
         "model": ctx.cfg.model.name,
     }
+    if len(results) > 1:
+        out["samples"] = [{"text": engine.tokenizer.decode(r.tokens), **r.to_dict()} for r in results]
+    if sampling.greedy:
+        out["greedy_mean_acceptance_length"] = result.mean_acceptance_length
+    else:  # the acceptance length under sampling next to greedy's (it falls as the temperature rises)
+        greedy = engine.generate(prompt_ids, max_new_tokens)
+        out["greedy_mean_acceptance_length"] = greedy.mean_acceptance_length
     (ctx.run_dir / "result.json").write_text(json.dumps(out, indent=2))
-    print(f"{prompt}{text}")
+    for r in results:
+        print(f"{prompt}{engine.tokenizer.decode(r.tokens)}")
+    how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={result.seed}"
     print(f"[{len(result.tokens)} tokens, {result.target_forwards} target forwards, "
-          f"mean acceptance {result.mean_acceptance_length:.2f}, {result.seconds:.2f} s, "
+          f"mean acceptance {result.mean_acceptance_length:.2f} ({how}; greedy "
+          f"{out['greedy_mean_acceptance_length']:.2f}), {result.seconds:.2f} s, "
           f"finish={result.finish_reason}] -> {ctx.run_dir / 'result.json'}")
     return {"tokens": len(result.tokens), "target_forwards": result.target_forwards, "seconds": result.seconds}

@@ -83,6 +83,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["load.threads=0"], r"load.threads=0 must be >= 1"),
     (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
     (["bench_load.gb=0"], r"bench_load.gb=0.0 must be positive; use e.g. bench_load.gb=0.01"),
+    (["bench_peer.threads=0"], r"bench_peer.threads=0 must be >= 1; use e.g. bench_peer.threads=1"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
@@ -109,7 +110,7 @@ def _run(*args, tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["model=nope"], "model=nope is not a known model config; valid: k26, tiny"),
+    (["model=nope"], "model=nope is not a known model config; valid: k26, k26_mini, tiny"),
     (["tp=3"], "tp=3 is not a known tp config; valid: 1, 2, 4, 8"),
     (["pipeline=generate", "tree.depth=-1"], "tree.depth=-1 is out of range"),
     (["pipeline=generate", "model.path=/nope/ckpt"], "model.path=/nope/ckpt does not exist"),
@@ -152,3 +153,36 @@ def test_numeric_group_choices_are_quoted_for_hydra():
 
     assert quote_for_hydra(["tp=8", "tp=1,8", "tree.depth=4", "model=k26"]) == \
         ["tp='8'", "tp='1','8'", "tree.depth=4", "model=k26"]
+
+
+@pytest.mark.parametrize("overrides,stages,match", [
+    (["sampling.temperature=-1"], ["generate"], r"^sampling.temperature=-1.0 must be >= 0"),
+    (["sampling.temperature=1", "sampling.top_p=1.5"], ["generate"], r"^sampling.top_p=1.5 must be in \(0, 1\]"),
+    (["sampling.temperature=1", "sampling.top_k=-3"], ["bench"], r"^sampling.top_k=-3 must be -1 or 0"),
+    (["sampling.temperature=1", "sampling.repetition_penalty=3"], ["generate"],
+     r"^sampling.repetition_penalty=3.0 must be in \(0, 2\]"),
+    (["sampling.temperature=1", "sampling.presence_penalty=-2.5"], ["generate"],
+     r"^sampling.presence_penalty=-2.5 must be in \[-2, 2\]"),
+    (["sampling.logprobs=21"], ["generate"], r"^sampling.logprobs=21 must be in 0..20"),
+    (["sampling.n=0", "sampling.temperature=1"], ["generate"], r"^sampling.n=0 must be in 1..128"),
+    (["sampling.n=3"], ["generate"], r"^sampling.n=3 with temperature=0: greedy decoding has one answer"),
+    (["sampling.top_p=0.9"], ["load", "generate"],
+     r"^sampling.top_p=0.9 has no effect: .* add e.g. sampling.temperature"),
+    (["sampling.seed=7"], ["load", "bench"], r"^sampling.seed=7 has no effect"),
+])
+def test_sampling_keys_are_checked_in_one_line(overrides, stages, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        validate(_compose(*overrides), stages=stages)
+    assert "\n" not in str(e.value)
+
+
+def test_sampling_section_types_and_defaults():
+    cfg = _compose("sampling.temperature=0.8", "sampling.seed=7", "sampling.top_k=40")
+    assert (cfg.sampling.temperature, cfg.sampling.seed, cfg.sampling.top_k, cfg.sampling.top_p) == (0.8, 7, 40, None)
+    validate(cfg, stages=["generate"])
+    validate(_compose("sampling.top_p=0.9"), stages=["load", "serve"])   # a server default: fine without T
+    assert _compose().sampling.temperature is None                        # pipelines stay greedy by default
+    with pytest.raises(Exception, match="sampling.temperature"):
+        _compose("sampling.temperature=hot")
+    with pytest.raises(Exception, match="nope"):
+        _compose("sampling.nope=1")
