@@ -36,7 +36,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -46,7 +46,9 @@ from kdtree.serve import protocol as P
 from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.metrics import Metrics
-from kdtree.serve.request_queue import Cancelled, Draining, EngineWorker, Job, QueueFull
+from kdtree.decode.batch import ContextLengthExceeded, RequestTimeout
+from kdtree.serve.batch_worker import BatchWorker
+from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
 from kdtree.serve.status import StatusFile, describe
 from kdtree.serve.text_stream import TextStream, cut_at_stop
 from kdtree.serve.transport import MAX_CONNECTIONS, Access, ApiError, Guard, JsonH11Protocol
@@ -70,7 +72,7 @@ class ServeApp:
         self.max_body_bytes, self.max_header_bytes = int(max_body_bytes), int(max_header_bytes)
         self.max_connections, self.keepalive_s = int(max_connections), float(keepalive_s)
         self.engine: Any = None
-        self.worker: Optional[EngineWorker] = None
+        self.worker: Optional[BatchWorker] = None
         self.chat_template = None
         self.metrics = Metrics(status, self._load)
         self.created = int(time.time())
@@ -129,7 +131,11 @@ class ServeApp:
         except ChatTemplateError as e:           # completions still work; chat answers why it cannot
             self.chat_template = e
             print(f"[serve] /v1/chat/completions disabled: {e}", file=sys.stderr, flush=True)
-        self.worker = EngineWorker(engine, self.max_queue, on_done=self.metrics.generation)
+        knobs = getattr(getattr(engine, "cfg", None), "serve", None) or {}   # continuous batching (decode/batch.py)
+        self.worker = BatchWorker(engine, self.max_queue, on_done=self.metrics.generation,
+                                  max_batch_tokens=int(knobs.get("max_batch_tokens", 512)),
+                                  kv_pool_tokens=int(knobs.get("kv_pool_tokens", 16384)),
+                                  request_timeout_s=float(knobs.get("request_timeout_s", 0.0)))
 
     def mark_ready(self) -> None:
         if self.worker is None:
@@ -174,11 +180,9 @@ class ServeApp:
         w = self.worker
         if w is None:
             return {}
-        job = w.running
-        usage = 0.0
-        if job is not None and self.max_model_len:
-            usage = min(1.0, (len(job.prompt_ids) + job.generated) / self.max_model_len)
-        return {"running": w.in_flight, "waiting": w.depth, "kv_cache_usage": usage}
+        snap = w.snapshot()
+        return {"running": snap["running"], "waiting": snap["waiting"], "batch_size": snap["batch_size"],
+                "kv_cache_usage": snap["kv_pool_used"] / max(1, snap["kv_pool_tokens"])}
 
     # -- requests --------------------------------------------------------------------------------------
     def not_ready_error(self) -> ApiError:
@@ -246,7 +250,7 @@ class ServeApp:
             for ids in prompts:
                 fut = loop.create_future()
                 q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
-                job = Job(ids, max_tokens, stop_ids, stream=_LoopSink(loop, q) if stream else None)
+                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=_LoopSink(loop, q) if stream else None)
                 job.notify = _notifier(loop, fut)
                 job.future, job.aqueue = fut, q
                 jobs.append(self.worker.submit(job))
@@ -259,6 +263,10 @@ class ServeApp:
             for job in jobs:
                 job.cancel()
             raise self.not_ready_error() from None
+        except ContextLengthExceeded as e:            # larger than the whole cache pool (serve.kv_pool_tokens)
+            for job in jobs:
+                job.cancel()
+            raise ApiError(400, str(e), param="prompt", code=e.code) from None
         return jobs
 
     @staticmethod
@@ -266,6 +274,8 @@ class ServeApp:
         if isinstance(job.error, Cancelled):
             return ApiError(503, "the server stopped before this completion finished (drain timeout, "
                                  "serve.drain_timeout_s); retry", "service_unavailable", code="cut_by_shutdown")
+        if isinstance(job.error, RequestTimeout):
+            return ApiError(408, str(job.error), "timeout_error", code="request_timeout")
         if isinstance(job.error, KdtreeError):
             return ApiError(400, str(job.error), param="prompt")
         return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
@@ -426,6 +436,7 @@ def build_app(serve: ServeApp) -> FastAPI:
         snap = serve.status.snapshot()
         snap["queue_depth"] = serve.worker.depth if serve.worker else 0
         snap["in_flight"] = serve.worker.in_flight if serve.worker else 0
+        snap["batch"] = serve.worker.snapshot() if serve.worker else {}   # running, waiting, batch_size, kv pool
         return snap
 
     @app.get("/metrics", tags=["operator"], response_class=Response)
@@ -449,7 +460,7 @@ def build_app(serve: ServeApp) -> FastAPI:
     stream_doc = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
-    async def completions(req: P.CompletionRequest):
+    async def completions(req: P.CompletionRequest, request: Request):
         serve._check_model(req.model)
         bad = req.unsupported()
         if bad:
@@ -468,8 +479,8 @@ def build_app(serve: ServeApp) -> FastAPI:
             return await _stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
                                  bool(req.stream_options and req.stream_options.include_usage))
         choices, results = [], []
+        await _until_done_or_gone(request, jobs)
         for i, job in enumerate(jobs):
-            await job.future
             if job.error is not None:
                 raise serve.job_error(job)
             text, finish = _final_text(serve, job, stops)
@@ -483,7 +494,7 @@ def build_app(serve: ServeApp) -> FastAPI:
         return JSONResponse(P.dump(resp))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
-    async def chat_completions(req: P.ChatCompletionRequest):
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         serve._check_model(req.model)
         bad = req.unsupported()
         if bad:
@@ -510,7 +521,7 @@ def build_app(serve: ServeApp) -> FastAPI:
             return await _stream(serve, jobs, stops, "chat.completion.chunk", False, [text], len(ids),
                                  bool(req.stream_options and req.stream_options.include_usage))
         job = jobs[0]
-        await job.future
+        await _until_done_or_gone(request, jobs)
         if job.error is not None:
             raise serve.job_error(job)
         out, finish = _final_text(serve, job, stops)
@@ -532,6 +543,23 @@ def build_app(serve: ServeApp) -> FastAPI:
                            expose_headers=["X-Request-Id"])
     app.add_middleware(Access, serve=serve)
     return app
+
+
+async def _until_done_or_gone(request: Request, jobs: List[Job], poll_s: float = 0.05) -> None:
+    """Wait for every job; a client that disconnects first cancels them (they leave the batch at the next step)."""
+    waiting = asyncio.ensure_future(asyncio.gather(*(job.future for job in jobs)))
+    try:
+        while not waiting.done():
+            await asyncio.wait([waiting], timeout=poll_s)
+            if not waiting.done() and await request.is_disconnected():
+                for job in jobs:
+                    job.cancel()
+                await waiting                         # each job ends at the next step boundary
+                return
+    finally:
+        if not waiting.done():                    # the handler itself was cancelled
+            for job in jobs:
+                job.cancel()
 
 
 def _final_text(serve: ServeApp, job: Job, stops: List[str]) -> Tuple[str, str]:

@@ -7,7 +7,7 @@ Names and buckets follow vLLM's metric set (prefix kdtree_; counters end in _tot
     kdtree_request_queue_time_seconds         histogram  submit -> the engine worker took it
     kdtree_requests_total{code,endpoint}      counter    HTTP requests by status
     kdtree_prompt_tokens_total / kdtree_generation_tokens_total / kdtree_target_forwards_total / ...
-    kdtree_num_requests_running / kdtree_num_requests_waiting / kdtree_kv_cache_usage_perc   gauges
+    kdtree_num_requests_running / _waiting / kdtree_batch_size / kdtree_kv_cache_usage_perc   gauges
     kdtree_phase{phase}, kdtree_load_bytes_done / _expected, kdtree_phase_seconds{phase}    from status.json
 """
 from __future__ import annotations
@@ -64,6 +64,8 @@ class _StatusCollector:
                                 value=load.get("waiting", 0))
         yield GaugeMetricFamily("kdtree_kv_cache_usage_perc", "Fraction of the KV cache in use (0..1).",
                                 value=load.get("kv_cache_usage", 0.0))
+        yield GaugeMetricFamily("kdtree_batch_size", "Requests in the last batched target forward (continuous batching).",
+                                value=load.get("batch_size", 0))
 
 
 class Metrics:

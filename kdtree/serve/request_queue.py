@@ -38,6 +38,7 @@ class Job:
     prompt_ids: List[int]
     max_new_tokens: int
     stop_ids: Sequence[int] = ()
+    stops: Sequence[str] = ()          # stop strings (the batch worker ends generation where one completes)
     submitted_at: float = field(default_factory=time.monotonic)
     started_at: float = 0.0            # time.monotonic seconds: the worker took it
     first_token_at: float = 0.0        # the first commit's tokens arrived
