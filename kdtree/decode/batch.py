@@ -30,6 +30,7 @@ import numpy as np
 
 from kdtree.decode.ddtree import tree_shape
 from kdtree.decode.result import GenerationResult, commit_tokens
+from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
 from kdtree.errors import ConfigError, KdtreeError
 from kdtree.tree import draft_topk
 
@@ -60,6 +61,7 @@ class BatchRequest:
     on_tokens: Optional[Callable[[List[int]], None]] = None   # each commit's new tokens (scheduler thread)
     notify: Optional[Callable[["BatchRequest"], None]] = None  # called once done is set (scheduler thread)
     timeout_s: float = 0.0                 # wall-clock limit from submit; 0 = the scheduler's request_timeout_s
+    sampling: Optional[SamplingParams] = None   # None / temperature 0: greedy; else drawn as Engine.generate does
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     error: Optional[BaseException] = None
     submitted_at: float = 0.0              # time.monotonic seconds
@@ -90,6 +92,9 @@ class _State:
     prefilled: int = 0                     # prompt rows already in the cache
     prompt_hid: List[Dict[int, np.ndarray]] = field(default_factory=list)   # prefill chunks' hidden states
     bonus: int = -1                        # speculative: the root of the next tree
+    sampler: Optional[Sampler] = None      # sampled requests: uniform(seed, output position) per drawn token
+    top: Optional[int] = None              # logprobs per token (sampling.logprobs)
+    echo: bool = False                     # prompt logprobs too (from the prefill chunks' rows)
     t0: float = 0.0
 
 
@@ -157,6 +162,18 @@ class BatchScheduler:
         req.submitted_at = time.monotonic()
         st = _State(np.asarray(list(req.prompt_ids), np.int32), width, depth, budget, need,
                     req.submitted_at + timeout if timeout > 0 else float("inf"))
+        sp = req.sampling
+        if sp is not None:
+            if sp.n != 1:
+                raise ConfigError(f"n={sp.n}: the batch scheduler decodes one completion per request; submit n requests")
+            if not sp.greedy:
+                st.sampler = Sampler(sp.resolved(), st.prompt)
+                req.result.seed = st.sampler.seed
+            if sp.logprobs is not None:
+                st.top, st.echo = int(sp.logprobs), bool(sp.echo)
+                req.result.logprobs = []
+                if st.echo:
+                    req.result.prompt_logprobs = [None]
         with self._lock:
             self._state[id(req)] = st
             self._waiting.append(req)
@@ -266,56 +283,66 @@ class BatchScheduler:
         self.last_batch_size, self.last_batch_rows = len(seqs), sum(p[2] for p in plan)
         r0 = 0
         for req, kind, n, extra in plan:
-            a = argmax[r0:r0 + n]
+            a, lg = argmax[r0:r0 + n], logits[r0:r0 + n]
             h = {i: x[r0:r0 + n] for i, x in hid.items()}
             r0 += n
             req.result.target_forwards += 1
             try:
-                self._advance(req, kind, n, a, h, extra, dt)
+                self._advance(req, kind, n, a, lg, h, extra, dt)
             except Exception as e:                    # on_tokens raised (client gone) or the drafter failed
                 self._finish(req, e)
         return True
 
-    def _advance(self, req: BatchRequest, kind: str, n: int, argmax: np.ndarray, hid: Dict[int, np.ndarray],
-                 extra, dt: float) -> None:
+    def _advance(self, req: BatchRequest, kind: str, n: int, argmax: np.ndarray, logits: np.ndarray,
+                 hid: Dict[int, np.ndarray], extra, dt: float) -> None:
+        """One request's part of the step: argmax i32[n], logits f32[n, V] and hiddens of its n rows."""
         st, res = self._state[id(req)], req.result
+        draw = (lambda r: int(argmax[r])) if st.sampler is None else (lambda r: st.sampler.sample(logits[r]))
         if kind == "prefill":
             res.stage_seconds["prefill"] += dt
+            a, P = st.prefilled, len(st.prompt)
+            if st.echo:                               # row j predicts prompt token a + j + 1
+                res.prompt_logprobs += [token_logprob(logits[j], int(st.prompt[a + j + 1]), st.top)
+                                        for j in range(n) if a + j + 1 < P]
             st.prefilled += n
             if st.budget:
                 st.prompt_hid.append(hid)
-            if st.prefilled < len(st.prompt):
+            if st.prefilled < P:
                 return
-            first = int(argmax[-1])
+            first = draw(n - 1)
             if st.budget:                             # the drafter sees the whole prompt at once, as solo does
                 parts = st.prompt_hid
                 self.drafter.extend(st.dcache, {i: np.concatenate([p[i] for p in parts]) for i in parts[0]})
                 st.prompt_hid = []
                 st.bonus = first
-            self._commit(req, [first])
+            self._commit(req, [first], logits[n - 1:])
             return
         res.stage_seconds["verify"] += dt
         if kind == "ar":
             res.acceptance_lengths.append(1)
-            self._commit(req, [int(argmax[-1])])
+            self._commit(req, [draw(0)], logits)
             return
         t0 = time.perf_counter()
         tree, start = extra
-        path, new_bonus = self.model.ops.tree_accept(np.asarray(tree.parents, np.int32),
-                                                     np.asarray(tree.tokens, np.int32), argmax)
+        if st.sampler is None:
+            path, new_bonus = self.model.ops.tree_accept(np.asarray(tree.parents, np.int32),
+                                                         np.asarray(tree.tokens, np.int32), argmax)
+        else:                                         # draw at each visited row, in output-position order
+            path, new_bonus = sampled_walk(tree.parents, tree.tokens, draw)
         path = np.asarray(path, np.int64)
         res.acceptance_lengths.append(int(path.size) + 1)
         rows = np.concatenate([[0], path + 1])       # block rows of root + accepted path
         st.cache.keep(start, start + rows)
         committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
         res.stage_seconds["accept"] += time.perf_counter() - t0
-        if not self._commit(req, committed):
+        if not self._commit(req, committed, logits[rows]):
             st.bonus = int(new_bonus)
             self.drafter.extend(st.dcache, {i: x[rows] for i, x in hid.items()})
 
-    def _commit(self, req: BatchRequest, tokens: List[int]) -> bool:
-        """Commit with AR's stop rules, then the stop strings; report the new tokens; True when it finished."""
-        res = req.result
+    def _commit(self, req: BatchRequest, tokens: List[int], rows: np.ndarray) -> bool:
+        """Commit with AR's stop rules, then the stop strings; report the new tokens; True when it finished.
+        rows f32[len(tokens), V]: the logits row that predicted each token (logprobs)."""
+        res, st = req.result, self._state[id(req)]
         n0 = len(res.tokens)
         over = commit_tokens(res, tokens, int(req.max_new_tokens), self.eos_id, req.stop_ids)
         if req.stop_check is not None and len(res.tokens) > n0:
@@ -323,6 +350,8 @@ class BatchScheduler:
             if keep is not None:
                 del res.tokens[max(int(keep), n0):]
                 res.finish_reason, over = "stop", True
+        if st.top is not None:
+            res.logprobs += [token_logprob(rows[i], res.tokens[n0 + i], st.top) for i in range(len(res.tokens) - n0)]
         if len(res.tokens) > n0:
             if not req.first_token_at:
                 req.first_token_at = time.monotonic()

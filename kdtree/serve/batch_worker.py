@@ -71,7 +71,8 @@ class BatchWorker:
                 raise QueueFull()
             req = BatchRequest(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
                                stop_check=stop_string_check(self.engine.tokenizer, getattr(job, "stops", ())),
-                               on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled)
+                               on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled,
+                               sampling=getattr(job, "sampling", None))
             job.started_at = time.monotonic()
             self._jobs[id(req)] = job
             try:

@@ -207,3 +207,31 @@ def test_cancel_and_timeout_end_a_request_at_the_next_step(compose_cfg):
         sched.step()
     assert keep.error is None and keep.result.tokens == engine.generate(ids, 30).tokens
     assert sched.pool_used == 0
+
+
+@pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
+def test_sampled_requests_batched_equal_their_solo_runs(compose_cfg, backend):
+    """Per-request SamplingParams (temperature, top_p/top_k, penalties, seed, logprobs, echo): the same tokens and
+    logprobs batched as alone for a seed (uniform(seed, output position) does not depend on the batch)."""
+    from kdtree.decode.sampling import SamplingParams
+
+    engine = engine_for(compose_cfg, backend, "fp32")
+    specs = random_specs(engine, np.random.default_rng(20), 9)
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.2][i % 3], top_p=[1.0, 0.9][i % 2], top_k=[0, 20][i % 2],
+                             seed=100 + i, frequency_penalty=0.5 if i % 4 == 1 else 0.0,
+                             logprobs=2 if i % 3 == 1 else None, echo=i == 4) for i in range(len(specs))]
+    solos = [engine.generate(s["ids"], s["max_new"], tree=s["tree"], sampling=p) for s, p in zip(specs, params)]
+    sched = scheduler(engine)
+    reqs = {}
+    for step in range(400):
+        reqs.update({i: sched.submit(BatchRequest(s["ids"], s["max_new"], tree=s["tree"], sampling=p))
+                     for i, (s, p) in enumerate(zip(specs, params)) if s["arrive"] == step})
+        if not sched.step() and len(reqs) == len(specs):
+            break
+    assert any(p.temperature > 0 for p in params) and len(reqs) == len(specs)
+    for i, solo in enumerate(solos):
+        r = reqs[i]
+        assert r.error is None
+        assert (r.result.tokens, r.result.seed, r.result.logprobs) == (solo.tokens, solo.seed, solo.logprobs)
+        assert r.result.prompt_logprobs == solo.prompt_logprobs
+
