@@ -65,6 +65,7 @@ class BatchRequest:
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     error: Optional[BaseException] = None
     submitted_at: float = 0.0              # time.monotonic seconds
+    admitted_at: float = 0.0               # joined the running batch (its latent rows reserved)
     first_token_at: float = 0.0
     finished_at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
@@ -219,6 +220,7 @@ class BatchScheduler:
             while self._waiting and self.pool_used + self._state[id(self._waiting[0])].need <= self.pool_tokens:
                 req = self._waiting.pop(0)
                 self.pool_used += self._state[id(req)].need
+                req.admitted_at = now
                 self._running.append(req)
             active = list(self._running)
         if not active:

@@ -1,6 +1,6 @@
 """The server's engine thread with continuous batching: every accepted request is decoded together.
 
-Same seam as request_queue.EngineWorker (submit(Job) / drain / depth / in_flight / finished): the HTTP routes
+The seam between the HTTP routes and the engine (submit(Job) / drain / depth / in_flight / finished): the routes
 submit a Job and wait on it; this worker turns it into a kdtree.decode.batch.BatchRequest and one thread runs
 BatchScheduler.step() while there is work. A job's cancel() (its client went away, its stream hit a stop string)
 ends it at the next step; its multi-token stop strings end generation in the step they complete in (the same
@@ -73,7 +73,6 @@ class BatchWorker:
                                stop_check=stop_string_check(self.engine.tokenizer, getattr(job, "stops", ())),
                                on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled,
                                sampling=getattr(job, "sampling", None))
-            job.started_at = time.monotonic()
             self._jobs[id(req)] = job
             try:
                 self.scheduler.submit(req)
@@ -87,6 +86,7 @@ class BatchWorker:
         job.result = req.result
         job.error = Cancelled() if isinstance(req.error, RequestCancelled) else req.error
         job.finished_at = req.finished_at
+        job.started_at = req.admitted_at or req.finished_at     # queue time ends when it joins the batch
         if job.error is None:
             self.finished += 1
             if self.on_done is not None:

@@ -193,13 +193,14 @@ def test_cancel_and_timeout_end_a_request_at_the_next_step(compose_cfg):
     sched = scheduler(engine, request_timeout_s=30)
     ids = engine.tokenizer.encode("import os\n")
     keep, gone = sched.submit(BatchRequest(ids, 30)), sched.submit(BatchRequest(ids, 300))
-    late = sched.submit(BatchRequest(ids, 300, timeout_s=0.2))
     for _ in range(3):
         sched.step()
     gone.cancel()
     sched.step()                                   # one step: the cancelled request has left
     assert gone.done.is_set() and isinstance(gone.error, RequestCancelled)
-    assert sched.snapshot()["running"] == 2
+    assert sched.snapshot()["running"] == 1
+    late = sched.submit(BatchRequest(ids, 300, timeout_s=0.2))
+    sched.step()
     time.sleep(0.25)
     sched.step()
     assert isinstance(late.error, RequestTimeout) and "serve.request_timeout_s" in str(late.error)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import queue
 import random
-import threading
 
-from kdtree.decode.result import GenerationResult
 from kdtree.serve.text_stream import TextStream, cut_at_stop
-from kdtree.serve.request_queue import Cancelled, EngineWorker, Job
+from kdtree.serve.request_queue import Cancelled, Job
 from kdtree.tokenizer.byte import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -69,42 +67,21 @@ def test_held_back_only_while_a_stop_string_could_still_start():
     assert ts.push(TOK.encode("d")) == "" and ts.stopped
 
 
-class FakeEngine:
-    """engine.generate's contract: on_tokens per commit, then the result."""
+def test_worker_streams_commits_before_the_job_ends_and_cancels(compose_cfg):
+    from kdtree.engine import Engine
+    from kdtree.serve.batch_worker import BatchWorker
 
-    def __init__(self):
-        self.release = threading.Event()
-
-    def generate(self, prompt_ids, max_new_tokens, stop_ids=(), on_tokens=None):
-        out = []
-        for k in range(max_new_tokens):
-            if k == 2:
-                self.release.wait(10)
-            out.append(k)
-            if on_tokens is not None:
-                on_tokens([k])
-        return GenerationResult(tokens=out)
-
-
-def test_worker_streams_commits_before_the_job_ends_and_cancels():
-    eng = FakeEngine()
-    w = EngineWorker(eng, 4)
-    job = w.submit(Job([1], 5, stream=queue.Queue()))
-    got = []
-    for batch in iter(job.stream.get, None):
-        got.extend(batch)
-        if got == [0, 1]:
-            assert not job.done.is_set()                   # the first tokens arrived while generating
-            eng.release.set()
-    assert got == [0, 1, 2, 3, 4] and job.result.tokens == got
-    eng.release.clear()
-    job = w.submit(Job([1], 5, stream=queue.Queue()))
-    assert job.stream.get() == [0]
+    engine = Engine.from_config(compose_cfg("backend=numpy", "tree=ddtree", "tree.budget=4", "load.progress=false"))
+    w = BatchWorker(engine, 4)
+    ids = engine.tokenizer.encode("def __init__(self, ")
+    solo = engine.generate(ids, 40).tokens
+    job = w.submit(Job(ids, 40, stream=queue.Queue()))
+    commits = list(iter(job.stream.get, None))
+    assert len(commits) > 1 and sum(commits, []) == job.result.tokens == solo     # streamed commit by commit
+    job = w.submit(Job(ids, 1500, stream=queue.Queue()))
+    assert job.stream.get() and not job.done.is_set()      # the first tokens arrive while it generates
     job.cancel()
-    eng.release.set()
-    job.wait(10)
-    assert isinstance(job.error, Cancelled) and job.result is None
-    plain = w.submit(Job([1], 3))                          # not streamed: no callback, same result
-    plain.wait(10)
-    assert plain.result.tokens == [0, 1, 2]
+    assert job.wait(10) and isinstance(job.error, Cancelled)
+    plain = w.submit(Job(ids, 40))                         # not streamed: no callback, same result
+    assert plain.wait(30) and plain.result.tokens == solo
     assert w.drain(10)
