@@ -167,7 +167,7 @@ class BatchScheduler:
         if sp is not None:
             if sp.n != 1:
                 raise ConfigError(f"n={sp.n}: the batch scheduler decodes one completion per request; submit n requests")
-            if not sp.greedy:
+            if not sp.greedy and int(req.max_new_tokens) > 0:    # as solo: no draw, no seed
                 st.sampler = Sampler(sp.resolved(), st.prompt)
                 req.result.seed = st.sampler.seed
             if sp.logprobs is not None:
@@ -178,7 +178,7 @@ class BatchScheduler:
         with self._lock:
             self._state[id(req)] = st
             self._waiting.append(req)
-            if int(req.max_new_tokens) == 0:          # nothing to generate: done without a forward, as solo
+            if int(req.max_new_tokens) == 0 and not st.echo:   # nothing to generate: done without a forward
                 self._finish(req, None, locked=True)
             self._lock.notify_all()
         return req
@@ -310,6 +310,9 @@ class BatchScheduler:
             if st.budget:
                 st.prompt_hid.append(hid)
             if st.prefilled < P:
+                return
+            if not int(req.max_new_tokens):           # echo with max_tokens 0: the prompt's logprobs only
+                self._finish(req, None)
                 return
             first = draw(n - 1)
             if st.budget:                             # the drafter sees the whole prompt at once, as solo does

@@ -221,6 +221,7 @@ def test_sampled_requests_batched_equal_their_solo_runs(compose_cfg, backend):
     params = [SamplingParams(temperature=[0.0, 0.7, 1.2][i % 3], top_p=[1.0, 0.9][i % 2], top_k=[0, 20][i % 2],
                              seed=100 + i, frequency_penalty=0.5 if i % 4 == 1 else 0.0,
                              logprobs=2 if i % 3 == 1 else None, echo=i == 4) for i in range(len(specs))]
+    specs[4]["max_new"] = 0                        # echo with max_tokens 0 scores the prompt only
     solos = [engine.generate(s["ids"], s["max_new"], tree=s["tree"], sampling=p) for s, p in zip(specs, params)]
     sched = scheduler(engine)
     reqs = {}
