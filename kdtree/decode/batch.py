@@ -201,7 +201,14 @@ class BatchScheduler:
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise, until stop is set."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                worked = self.step()
+            except Exception as e:                    # a bug or a failed draft: fail the batch, keep serving
+                with self._lock:
+                    for req in list(self._running):
+                        self._finish(req, e, locked=True)
+                continue
+            if not worked:
                 with self._lock:
                     if not self._waiting and not self._running and not stop.is_set():
                         self._lock.wait(idle_wait_s)
