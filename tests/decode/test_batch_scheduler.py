@@ -82,9 +82,10 @@ def test_every_request_equals_its_solo_run_under_load(compose_cfg, backend, quan
     run_under_load(engine_for(compose_cfg, backend, quant), n=14)
 
 
-def test_under_tensor_parallelism_too(compose_cfg):
+@pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
+def test_under_tensor_parallelism_too(compose_cfg, backend):
     """tp=2 (a real gloo rank): every step is ONE forward_batch on both ranks."""
-    engine = Engine.from_config(compose_cfg("backend=numpy", "tp='2'", "tree=ddtree", "tree.width=4", "tree.depth=7",
+    engine = Engine.from_config(compose_cfg(f"backend={backend}", "tp='2'", "tree=ddtree", "tree.width=4", "tree.depth=7",
                                             "tree.budget=8", "load.progress=false"))
     try:
         run_under_load(engine, n=8, pool_tokens=500)
