@@ -32,7 +32,7 @@ from kdtree.decode.ddtree import tree_shape
 from kdtree.decode.result import GenerationResult, commit_tokens
 from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
 from kdtree.errors import ConfigError, KdtreeError
-from kdtree.tree import draft_topk
+from kdtree.tree import Tree, draft_topk
 
 
 class ContextLengthExceeded(ConfigError):
@@ -252,7 +252,9 @@ class BatchScheduler:
                 req.result.draft_forwards += 1
                 t1 = time.perf_counter()
                 logp, ids = draft_topk(np.asarray(dlogits[:st.depth]), st.width)     # [depth, width]
-                tree = self.model.ops.tree_build(logp, ids, st.budget)
+                t = self.model.ops.tree_build(logp, ids, st.budget)
+                # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until the verify
+                tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
                 block = np.concatenate([[st.bonus], np.asarray(tree.tokens)]).astype(np.int32)      # [N+1]
                 positions = (start + np.concatenate([[0], np.asarray(tree.depths)])).astype(np.int32)
                 seqs.append((block, positions, st.cache, tree.visibility))

@@ -135,6 +135,21 @@ def run_under_load(engine, n, pool_tokens=900):
     assert sched.pool_used == 0 and sched.running == sched.waiting == 0
 
 
+@pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
+def test_all_at_once_in_one_step(compose_cfg, backend):
+    """Every request arrives at once and prefills in one forward; then every tree of a step is verified together
+    (backend=cpu reuses its tree buffer per shape: each request's tree must survive the others' builds)."""
+    engine = engine_for(compose_cfg, backend, "fp32")
+    specs = random_specs(engine, np.random.default_rng(18), 14)
+    sched = scheduler(engine, max_batch_tokens=100000)
+    reqs = [sched.submit(BatchRequest(s["ids"], s["max_new"], tree=s["tree"])) for s in specs]
+    while sched.step():
+        pass
+    for s, r in zip(specs, reqs):
+        solo = engine.generate(s["ids"], s["max_new"], tree=s["tree"])
+        assert (r.result.tokens, r.result.acceptance_lengths) == (solo.tokens, solo.acceptance_lengths)
+
+
 def test_threaded_clients_at_random_times_get_their_solo_tokens(compose_cfg):
     """The engine thread runs steps while client threads submit at random wall-clock times and stream."""
     engine = engine_for(compose_cfg, "numpy", "fp32")
