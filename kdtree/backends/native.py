@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -25,6 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
+from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.decode.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
@@ -165,8 +167,10 @@ class NativeLibrary:
             bufs = self._local.tree = (cap, ints, vis, fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]),
                                        fb("int32_t[]", ints[2]), fb("uint64_t[]", vis), self.ffi.new("int64_t *"))
         _, ints, vis, p_tok, p_par, p_dep, p_vis, p_n = bufs
+        t0 = time.perf_counter()
         rc = self.c.kd_tree_build(self.ffi.from_buffer("float[]", logp), self.ffi.from_buffer("int32_t[]", ids),
                                   depth, width, cap, p_tok, p_par, p_dep, cap, p_vis, p_n)
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
         if rc:
             self.check(rc, "tree_build")
         k = p_n[0]
@@ -184,9 +188,11 @@ class NativeLibrary:
                               f"[{target_argmax.shape[0]}]; expected [N], [N], [N+1]")
         path = np.empty(max(n, 1), np.int32)
         k, bonus = self.ffi.new("int64_t *"), self.ffi.new("int32_t *")
-        self.check(self.c.kd_tree_accept(self.ptr("int32_t *", parents), self.ptr("int32_t *", tokens), n,
-                                         self.ptr("int32_t *", target_argmax), self.ptr("int32_t *", path), k,
-                                         bonus), "tree_accept")
+        t0 = time.perf_counter()
+        rc = self.c.kd_tree_accept(self.ptr("int32_t *", parents), self.ptr("int32_t *", tokens), n,
+                                   self.ptr("int32_t *", target_argmax), self.ptr("int32_t *", path), k, bonus)
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+        self.check(rc, "tree_accept")
         return path[:int(k[0])].copy(), int(bonus[0])
 
     # ---- dense ops: host arrays (cpu build) -------------------------------------------------------------
@@ -392,6 +398,22 @@ class NativeOps(Ops):
             self._head_linear = None
         self.has_head_linear = self._host and self._head_linear is not None
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        # whole-model forwards in one library call (kd_forward.c); False = the per-op path (same kernels)
+        self.native_forward = self._host and hasattr(self._c, "kd_model_forward")
+
+    def native_target(self, model: Any) -> Optional[Any]:
+        """K2Model's weights registered for kd_model_forward (NativeTarget), or None where it does not apply."""
+        if not self.native_forward:
+            return None
+        from kdtree.backends.native_forward import NativeTarget
+        return NativeTarget(model, self.lib)
+
+    def native_drafter(self, drafter: Any) -> Optional[Any]:
+        """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None."""
+        if not self.native_forward:
+            return None
+        from kdtree.backends.native_forward import NativeDrafter
+        return NativeDrafter(drafter, self.lib)
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:
