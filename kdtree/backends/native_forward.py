@@ -203,8 +203,9 @@ class NativeTarget:
                 buf[:] = all_reduce(buf)
                 return 0
 
-            d.all_reduce = ffi.callback("int(float *, int64_t, void *)", _all_reduce, error=-1)
-            reg.keep.append(d.all_reduce)
+            cb = ffi.callback("int(float *, int64_t, void *)", _all_reduce, error=-1)
+            reg.keep.append(cb)   # the callback object itself: the struct field alone does not keep it alive
+            d.all_reduce = cb
         h = ffi.new("kd_model **")
         lib.check(lib.c.kd_model_create(d, h), "kd_model_create")
         self.handle = h[0]

@@ -101,12 +101,14 @@ def provenance(ctx) -> dict:
 
 
 def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
+    from kdtree.backends.native_forward import LIBRARY_CLOCK
     from kdtree.decode import generate
 
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
+    lib0 = LIBRARY_CLOCK.seconds
     for ids in prompts_ids:
         r = generate(engine.model, engine.drafter if tree_cfg.kind != "ar" else None, tree_cfg, ids,
                      max_new_tokens, eos_id=engine.eos_id)
@@ -120,8 +122,12 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
         drafts += r.draft_forwards
         seconds += r.seconds
     acc = [a for p in per_prompt for a in p["acceptance_lengths"]]
+    library_s = LIBRARY_CLOCK.seconds - lib0
     return {
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        # share of decode wall time outside the native forward / draft / tree calls (timed around each call);
+        # 1.0 on backend=numpy, where nothing runs in the library
+        "library_seconds": library_s, "python_overhead_fraction": max(0.0, 1.0 - library_s / max(seconds, 1e-9)),
         "target_forwards": forwards, "draft_forwards": drafts,
         "target_forwards_per_token": forwards / max(tokens, 1),
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
@@ -152,6 +158,8 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
         "tokens_per_s": tree["tokens_per_s"],
         "ar_tokens_per_s": ar["tokens_per_s"],
         "speedup_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+        "python_overhead_fraction": tree["python_overhead_fraction"],
+        "ar_python_overhead_fraction": ar["python_overhead_fraction"],
         "target_forwards_per_token": tree["target_forwards_per_token"],
         "ar_target_forwards_per_token": ar["target_forwards_per_token"],
         "mean_acceptance_length": tree["mean_acceptance_length"],
@@ -166,6 +174,7 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
     print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x, acceptance "
           f"{out['mean_acceptance_length']:.2f}, target forwards/token {out['target_forwards_per_token']:.3f}, "
+          f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
     if not lossless:
         from kdtree.errors import PipelineError
