@@ -26,9 +26,11 @@ _F32 = np.dtype(np.float32)
 
 
 class LibraryClock:
-    """Seconds spent inside native forward / draft / tree calls of this process (read as a difference)."""
+    """Seconds spent inside native forward / draft / tree calls of this process (read as a difference);
+    collective_seconds: the part of them spent back in Python, in the tensor-parallel all-reduce callbacks."""
 
     seconds = 0.0
+    collective_seconds = 0.0
 
 
 LIBRARY_CLOCK = LibraryClock()
@@ -199,8 +201,10 @@ class NativeTarget:
             all_reduce = model.all_reduce
 
             def _all_reduce(x, n, _ctx):
+                t0 = time.perf_counter()
                 buf = np.frombuffer(ffi.buffer(x, n * 4), np.float32)
                 buf[:] = all_reduce(buf)
+                LIBRARY_CLOCK.collective_seconds += time.perf_counter() - t0
                 return 0
 
             cb = ffi.callback("int(float *, int64_t, void *)", _all_reduce, error=-1)

@@ -108,7 +108,7 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
-    lib0 = LIBRARY_CLOCK.seconds
+    lib0, coll0 = LIBRARY_CLOCK.seconds, LIBRARY_CLOCK.collective_seconds
     for ids in prompts_ids:
         r = generate(engine.model, engine.drafter if tree_cfg.kind != "ar" else None, tree_cfg, ids,
                      max_new_tokens, eos_id=engine.eos_id)
@@ -122,12 +122,14 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
         drafts += r.draft_forwards
         seconds += r.seconds
     acc = [a for p in per_prompt for a in p["acceptance_lengths"]]
-    library_s = LIBRARY_CLOCK.seconds - lib0
+    collective_s = LIBRARY_CLOCK.collective_seconds - coll0
+    library_s = LIBRARY_CLOCK.seconds - lib0 - collective_s
     return {
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
-        # share of decode wall time outside the native forward / draft / tree calls (timed around each call);
-        # 1.0 on backend=numpy, where nothing runs in the library
-        "library_seconds": library_s, "python_overhead_fraction": max(0.0, 1.0 - library_s / max(seconds, 1e-9)),
+        # share of decode wall time outside the native forward / draft / tree calls (timed around each call; the
+        # tp > 1 all-reduce callbacks count as outside); 1.0 on backend=numpy, where nothing runs in the library
+        "library_seconds": library_s, "collective_seconds": collective_s,
+        "python_overhead_fraction": max(0.0, 1.0 - library_s / max(seconds, 1e-9)),
         "target_forwards": forwards, "draft_forwards": drafts,
         "target_forwards_per_token": forwards / max(tokens, 1),
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
