@@ -83,6 +83,10 @@ class _Registry:
         self.weight(dst.down, m.down, f"{name}.down_proj")
 
 
+def _free_slot(owner, free, slot: int) -> None:
+    free(owner.handle, slot)
+
+
 def _timed(fn, *args) -> int:
     t0 = time.perf_counter()
     rc = fn(*args)
@@ -102,7 +106,8 @@ class NativeLatentCache:
         self.slot = int(p[0])
         self._len = lib.ffi.new("int64_t *")
         self._kv: Optional[List[np.ndarray]] = None
-        weakref.finalize(self, lib.c.kd_cache_free, target.handle, self.slot)
+        # the finalizer holds the target, so the model is never destroyed before its cache slots are freed
+        weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
 
     @property
     def length(self) -> int:
@@ -282,7 +287,7 @@ class NativeDrafterCache:
         self.slot = int(p[0])
         self._len = lib.ffi.new("int64_t *")
         self._slot_arr = np.array([self.slot], np.int64)
-        weakref.finalize(self, lib.c.kd_drafter_cache_free, drafter.handle, self.slot)
+        weakref.finalize(self, _free_slot, drafter, lib.c.kd_drafter_cache_free, self.slot)
 
     @property
     def length(self) -> int:

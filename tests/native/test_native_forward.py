@@ -186,3 +186,18 @@ def test_cuda_build_says_not_implemented():
     h = lib.ffi.new("kd_model **")
     assert lib.c.kd_model_create(d, h) == -1
     assert "not implemented in the CUDA build yet" in lib.last_error()
+
+
+def test_cache_slots_are_freed_and_reused(tiny_cfg, tiny_weights):
+    """A dropped cache gives its slot (and memory) back to the pool: a server making one cache per request
+    does not grow the pool."""
+    import gc
+    _, m = _models(tiny_cfg, tiny_weights)
+    slots = set()
+    for _ in range(5):
+        c = m.new_cache(16)
+        m.forward(PROMPT[:3], np.arange(3), c)
+        slots.add(c.slot)
+        del c
+        gc.collect()
+    assert slots == {0}
