@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -274,6 +274,51 @@ class NativeTarget:
         if rc:
             self.lib.check(rc, "kd_model_forward")
         return out, {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
+
+
+    def forward_batch(self, seqs: Sequence[Tuple[np.ndarray, np.ndarray, NativeLatentCache, Optional[np.ndarray]]],
+                      hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
+        """Rows of several sequences in ONE call: seqs = [(tokens i32[T_s], positions i32[T_s], cache, visibility
+        u64[T_s, ceil(T_s/64)] | None = causal)], distinct caches. Each row sees its own cache and its own block's
+        visible rows (block-diagonal), so its results equal its sequence's forward alone, bit for bit.
+        Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
+        from kdtree.backends.numpy_ops import pack_visibility
+        if not seqs:
+            raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
+        toks, poss, vis, row_start, slots = [], [], [], [0], []
+        for tokens, positions, cache, visibility in seqs:
+            t = np.ascontiguousarray(tokens, np.int32)
+            T = t.shape[0]
+            if T == 0 or np.shape(positions) != (T,):
+                raise ValueError(f"forward_batch: sequence {len(slots)} has tokens {t.shape}, positions "
+                                 f"{np.shape(positions)}; expected [T] and [T] with T >= 1")
+            if cache.length + T > cache.max_len:
+                raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
+                                  f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
+            v = (pack_visibility(np.tril(np.ones((T, T), bool))) if visibility is None
+                 else np.ascontiguousarray(visibility, np.uint64))
+            if v.shape != (T, (T + 63) // 64):
+                raise ValueError(f"visibility shape {v.shape} != ({T}, {(T + 63) // 64})")
+            toks.append(t), poss.append(np.asarray(positions, np.int32)), vis.append(v.reshape(-1))
+            row_start.append(row_start[-1] + T), slots.append(cache.slot)
+        N, D = row_start[-1], self.hidden
+        want = list(dict.fromkeys(int(i) for i in hidden_layers))
+        arrays = {"tokens": np.concatenate(toks), "positions": np.concatenate(poss),
+                  "slots": np.asarray(slots, np.int64), "row_start": np.asarray(row_start, np.int64),
+                  "visibility": np.concatenate(vis), "hidden_layers": np.asarray(want or [0], np.int64),
+                  "logits": np.empty((N, self.vocab), np.float32), "argmax": np.empty(N, np.int32),
+                  "hidden": np.empty((N, max(len(want), 1) * D), np.float32)}
+        ctype = {np.dtype(np.int32): "int32_t[]", np.dtype(np.int64): "int64_t[]", np.dtype(np.uint64): "uint64_t[]",
+                 _F32: "float[]"}
+        c = {k: self.lib.ffi.from_buffer(ctype[v.dtype], v) for k, v in arrays.items()}
+        a = self.lib.ffi.new("kd_forward_args *")
+        a.n_rows, a.tokens, a.positions, a.n_seqs = N, c["tokens"], c["positions"], len(slots)
+        a.slots, a.row_start, a.visibility = c["slots"], c["row_start"], c["visibility"]
+        a.n_out, a.logits, a.argmax = N, c["logits"], c["argmax"]
+        a.n_hidden, a.hidden_layers, a.hidden = len(want), c["hidden_layers"], c["hidden"]
+        self.lib.check(_timed(self._fwd, self.handle, a), "kd_model_forward")
+        hid = arrays["hidden"]
+        return arrays["logits"], arrays["argmax"], {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
 
 
 class NativeDrafterCache:

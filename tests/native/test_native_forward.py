@@ -99,25 +99,15 @@ def test_target_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
     # two sequences in one call (the batched ABI): each row equals its own sequence's forward alone
     other = np.array([256, 3, 4], np.int32)
     ca, cb = prefilled(), prefilled(other)
-    t = m._native
-    lib, ffi = t.lib, t.lib.ffi
-    tokens = np.concatenate([block[:9], block[:5]]).astype(np.int32)
-    positions = np.concatenate([pos[:9], len(other) + np.arange(5)]).astype(np.int32)
-    slots = np.array([ca.slot, cb.slot], np.int64)
-    row_start = np.array([0, 9, 14], np.int64)
-    logits = np.empty((14, t.vocab), np.float32)
-    argmax = np.empty(14, np.int32)
-    a = ffi.new("kd_forward_args *")
-    keep = [ffi.from_buffer("int32_t[]", tokens), ffi.from_buffer("int32_t[]", positions),
-            ffi.from_buffer("int64_t[]", slots), ffi.from_buffer("int64_t[]", row_start),
-            ffi.from_buffer("float[]", logits), ffi.from_buffer("int32_t[]", argmax)]
-    a.n_rows, a.tokens, a.positions, a.n_seqs, a.slots, a.row_start = 14, keep[0], keep[1], 2, keep[2], keep[3]
-    a.n_out, a.logits, a.argmax = 14, keep[4], keep[5]
-    lib.check(lib.c.kd_model_forward(t.handle, a), "kd_model_forward")
+    parents = np.array([-1, 0, 0, 2], np.int32)                     # sequence b verifies a small tree
+    tree_vis, tree_pos = ancestor_visibility(parents), len(other) + np.array([0, 1, 2, 2, 3])
+    logits, argmax, hid = m._native.forward_batch([(block[:9], pos[:9], ca, None),
+                                                   (block[:5], tree_pos, cb, tree_vis)], hidden_layers=(2,))
     np.testing.assert_array_equal(logits[:9], lg[:9])
     cc = prefilled(other)
-    alone, _ = m.forward(block[:5], len(other) + np.arange(5), cc)
+    alone, alone_hid = m.forward(block[:5], tree_pos, cc, visibility=tree_vis, hidden_layers=(2,))
     np.testing.assert_array_equal(logits[9:], alone)
+    np.testing.assert_array_equal(hid[2][9:], alone_hid[2])
     np.testing.assert_array_equal(argmax, logits.argmax(-1))
     assert (ca.length, cb.length) == (len(PROMPT) + 9, len(other) + 5)
 
