@@ -238,6 +238,9 @@ class NativeTarget:
                 logits: bool = True) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
         """K2Model.forward of one sequence in one library call: logits f32[T, V] (f32[T, 0] when logits=False)
         and {layer: f32[T, D]} for the hidden_layers."""
+        if getattr(cache, "target", None) is not self:
+            raise ValueError(f"forward: the cache ({type(cache).__name__}) was not made by this model's new_cache; "
+                             f"use model.new_cache(max_len)")
         tokens = np.ascontiguousarray(tokens, np.int32)
         positions = np.ascontiguousarray(positions, np.int32)
         T = tokens.shape[0]
@@ -287,6 +290,9 @@ class NativeTarget:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
         toks, poss, vis, row_start, slots = [], [], [], [0], []
         for tokens, positions, cache, visibility in seqs:
+            if getattr(cache, "target", None) is not self:
+                raise ValueError(f"forward_batch: sequence {len(slots)}'s cache was not made by this model's "
+                                 f"new_cache; use model.new_cache(max_len)")
             t = np.ascontiguousarray(tokens, np.int32)
             T = t.shape[0]
             if T == 0 or np.shape(positions) != (T,):

@@ -123,7 +123,8 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
  * grow-only scratch sized by the largest forward so far: nothing is allocated per token once warm.
  * A forward takes rows of one or more sequences (rows grouped per sequence); a row sees its own sequence's cache
  * rows and the block rows of its sequence allowed by that sequence's visibility (block-diagonal), so a row's
- * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order). */
+ * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order).
+ * One call at a time per model (its scratch is shared); callers serialise (the engine's one worker does). */
 typedef struct {
   const float *f32;        /* f32 [n_out, n_in], or NULL when packed is set */
   const int32_t *packed;   /* W4A16 [n_out, ceil(n_in/8)] (kd_linear_w4a16), or NULL */

@@ -135,6 +135,9 @@ def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
         c.keep(1, [2, 1])
     with pytest.raises(ValueError, match="outside"):
         c.truncate(5)
+    _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its slot ids mean nothing here
+    with pytest.raises(ValueError, match="not made by this model"):
+        m.forward(PROMPT[:1], np.array([3]), other.new_cache(8))
 
 
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
