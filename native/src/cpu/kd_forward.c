@@ -720,6 +720,23 @@ int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, cons
   return KD_OK;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KD_FWD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KD_FWD_CLONES
+#endif
+
+/* drafter attention score: 8 lane-wise partial sums (vectorised without reordering any lane), fixed combine */
+KD_FWD_CLONES static float kd_fdot(const float *a, const float *b, int64_t n) {
+  float acc[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+  float r = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; i++) r += a[i] * b[i];
+  return r;
+}
+
 /* non-causal GQA of B queries over n cached + B block keys/values: o [B, Hq*hd] */
 static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
                                  const float *kb, const float *vb, int64_t n, float *o, float *p) {
@@ -732,9 +749,7 @@ static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const
       float m = -INFINITY, sum = 0.0f;
       for (int64_t j = 0; j < S; j++) {
         const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
-        float acc = 0.0f;
-        for (int64_t i = 0; i < hd; i++) acc += qr[i] * kr[i];
-        p[j] = acc * scale;
+        p[j] = kd_fdot(qr, kr, hd) * scale;
         if (p[j] > m) m = p[j];
       }
       for (int64_t j = 0; j < S; j++) {
