@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kdtree.errors import ConfigError, NativeError
+from kdtree.tree import causal_visibility
 
 _F32 = np.dtype(np.float32)
 
@@ -285,7 +286,6 @@ class NativeTarget:
         u64[T_s, ceil(T_s/64)] | None = causal)], distinct caches. Each row sees its own cache and its own block's
         visible rows (block-diagonal), so its results equal its sequence's forward alone, bit for bit.
         Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
-        from kdtree.backends.numpy_ops import pack_visibility
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
         toks, poss, vis, row_start, slots = [], [], [], [0], []
@@ -301,8 +301,7 @@ class NativeTarget:
             if cache.length + T > cache.max_len:
                 raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
                                   f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
-            v = (pack_visibility(np.tril(np.ones((T, T), bool))) if visibility is None
-                 else np.ascontiguousarray(visibility, np.uint64))
+            v = causal_visibility(T) if visibility is None else np.ascontiguousarray(visibility, np.uint64)
             if v.shape != (T, (T + 63) // 64):
                 raise ValueError(f"visibility shape {v.shape} != ({T}, {(T + 63) // 64})")
             toks.append(t), poss.append(np.asarray(positions, np.int32)), vis.append(v.reshape(-1))

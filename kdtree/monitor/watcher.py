@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
 from kdtree.monitor.eta import RateMeter, eta_seconds
 from kdtree.monitor.history import History, compare
@@ -358,8 +359,6 @@ class HealthError(Exception):
 def history_for(cfg, url: str = "") -> History:
     """Cold starts are comparable when host, model, checkpoint, quant, tp and backend match (+ the URL
     for servers this run did not start)."""
-    from kdtree.engine import cache_dir
-
     fields = {"host": f"{cfg.host.name}:{cfg.host.address}", "model": cfg.model.name, "path": cfg.model.path,
               "quant": cfg.quant.method, "tp": cfg.tp.size, "backend": cfg.backend.name, "tree": cfg.tree.kind}
     if url:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import kdtree
-from kdtree import stages as stage_registry
+from kdtree.pipeline import registry as stage_registry
 from kdtree.errors import PipelineError
 
 SIDES = ("host", "controller")
@@ -59,7 +59,7 @@ def pipeline_path(name_or_path: str) -> Path:
 
 @dataclass
 class StageSpec:
-    stage: str                       # stage name = module kdtree.stages.<stage>
+    stage: str                       # stage name (pipeline/registry.py: module kdtree.stages.<stage>)
     on: str                          # "host" | "controller"
     index: int                       # position in the pipeline (0-based)
     params: Dict[str, Any] = field(default_factory=dict)   # resolved, without timeout_s

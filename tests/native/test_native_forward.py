@@ -10,14 +10,17 @@ Run: .venv/bin/python -m pytest -q tests/native/test_native_forward.py
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
 from kdtree.backends import native
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights
-from kdtree.decode.tree import ancestor_visibility
+from kdtree.model.names import drafter_tensor_shapes, init_weights
+from kdtree.tree import ancestor_visibility
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 
 PROMPT = np.array([256, 50, 43, 50, 61, 10, 99], np.int32)
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -198,7 +201,7 @@ def test_cache_slots_are_freed_and_reused(tiny_cfg, tiny_weights):
 
 def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
     """n_group > 1 (K2's V3 ancestors): experts only from the topk_group best groups (sum of each group's top 2)."""
-    cfg = tiny_cfg.copy()
+    cfg = copy.deepcopy(tiny_cfg)
     cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok = 4, 2, 3
     ref, nat = _models(cfg, tiny_weights)
     (r_out, _), (n_out, _) = _steps(ref), _steps(nat)

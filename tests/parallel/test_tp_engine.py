@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.config.schema import register
+from tests.native_lib import CPU_ERROR, CPU_SKIPPED
 from tests.procs import alive, wait_gone
 from kdtree.decode import generate
 from kdtree.engine import Engine
@@ -72,10 +73,8 @@ def reference(compose_tiny):
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
 def tp_engine(request, compose_tiny):
     quant, tp, backend = request.param
-    if backend == "cpu":
-        from kdtree.backends import native
-        if not native.library_path("cpu").exists():
-            pytest.skip("libkdtree_cpu.so not built")
+    if backend == "cpu" and CPU_SKIPPED:
+        pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR}); make native")
     engine = Engine.from_config(compose_tiny(f"quant={quant}", f"tp='{tp}'", f"backend={backend}"))
     if backend == "cpu":
         assert engine.model.local._native is not None, "rank 0 did not take the native forward"
