@@ -16,7 +16,7 @@ from kdtree.errors import ConfigError
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -135,6 +135,26 @@ def validate_bench_load(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
 
 
+def validate_bench_peer(cfg: DictConfig) -> None:
+    b = cfg.bench_peer
+    for key, value in (("threads", b.threads), ("rounds", b.rounds)):
+        if not value >= 1:
+            raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+
+
+def validate_serve(cfg: DictConfig) -> None:
+    s = cfg.serve
+    if s.api_key:
+        raise ConfigError("serve.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set serve.api_key_file=<file with the key>")
+    for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if int(s[key]) < 1:
+            raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("drain_timeout_s", "keepalive_s"):
+        if not float(s[key]) > 0:
+            raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
+
+
 def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
     """True when the pipeline (or `stages`) loads the model's weights: it needs a checkpoint and a device."""
     return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline) if stages is None else stages))
@@ -156,7 +176,9 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_serve(cfg)
     validate_bench_load(cfg)
+    validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if loads_model(cfg, stages):

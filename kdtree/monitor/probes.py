@@ -36,10 +36,12 @@ class ProbeResult:
         return asdict(self)
 
 
-def _run(host, name: str, script: str, timeout_s: float, parse) -> ProbeResult:
+def _run(host, name: str, script, timeout_s: float, parse) -> ProbeResult:
+    """script: a command line, or (command line, stdin text)."""
+    script, stdin = script if isinstance(script, tuple) else (script, None)
     t0 = time.monotonic()
     try:
-        r = host.shell(script, timeout=timeout_s)
+        r = host.shell(script, timeout=timeout_s, **({"stdin": stdin} if stdin is not None else {}))
     except HostError as e:
         msg = str(e)
         timed_out = "timed out" in msg
@@ -59,13 +61,17 @@ def _run(host, name: str, script: str, timeout_s: float, parse) -> ProbeResult:
 CURL_REFUSED, CURL_TIMEOUT, CURL_EMPTY, CURL_RESOLVE = 7, 28, 52, 6
 
 
-def _curl(url: str, timeout_s: float, body: Optional[dict] = None, api_key: str = "") -> str:
-    argv = ["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", "--max-time", f"{timeout_s:g}"]
+def _curl(url: str, timeout_s: float, body: Optional[dict] = None, api_key: str = ""):
+    """The curl command line; with a key, (command line, stdin): curl reads the Authorization header from stdin
+    (-H @-) so the key is never an argument that `ps` shows. The User-Agent tells kdtree's server not to
+    access-log the probe (its lines would read as log growth)."""
+    argv = ["curl", "-sS", "-o", "-", "-w", "\n%{http_code}", "--max-time", f"{timeout_s:g}", "-A", "kdtree-monitor"]
     if body is not None:
         argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
     if api_key:
-        argv += ["-H", f"Authorization: Bearer {api_key}"]
-    return " ".join(shlex.quote(a) for a in argv + [url])
+        argv += ["-H", "@-"]
+    cmd = " ".join(shlex.quote(a) for a in argv + [url])
+    return (cmd, f"Authorization: Bearer {api_key}\n") if api_key else cmd
 
 
 def _http_parse(r) -> Dict[str, Any]:
