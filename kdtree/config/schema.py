@@ -47,6 +47,7 @@ class ModelConfig:
     tokenizer: str = "byte"
     init: str = "trained"  # embedded tiny only: trained (kdtree/assets/tiny) | random (seeded, generated)
     seed: int = 0
+    int4_unquantized_dtype: str = "fp32"  # generated INT4 checkpoints: dtype of the unquantized tensors (bf16 = K2.6's)
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING

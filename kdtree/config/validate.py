@@ -11,6 +11,7 @@ from typing import Iterable, List, Sequence
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
 from kdtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -103,8 +104,9 @@ def validate_checkpoint_path(cfg: DictConfig) -> None:
         raise ConfigError(f"model.path is required for model={m.name}; set model.path=/path/to/checkpoint "
                           f"(a directory with config.json and model.safetensors.index.json)")
     if not m.path:
-        if m.name != "tiny":
-            raise ConfigError(f"model.path is empty for model={m.name}; only model=tiny has an embedded checkpoint")
+        if not is_generated(m.name):
+            raise ConfigError(f"model.path is empty for model={m.name}; only model={' and model='.join(GENERATED_MODELS)} "
+                              f"have a generated checkpoint")
         return
     p = Path(m.path).expanduser()
     if not p.exists():

@@ -110,7 +110,7 @@ def _run(*args, tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["model=nope"], "model=nope is not a known model config; valid: k26, tiny"),
+    (["model=nope"], "model=nope is not a known model config; valid: k26, k26_mini, tiny"),
     (["tp=3"], "tp=3 is not a known tp config; valid: 1, 2, 4, 8"),
     (["pipeline=generate", "tree.depth=-1"], "tree.depth=-1 is out of range"),
     (["pipeline=generate", "model.path=/nope/ckpt"], "model.path=/nope/ckpt does not exist"),
