@@ -192,6 +192,10 @@ class K2Model:
             num_experts_per_tok=int(cfg.num_experts_per_tok), n_group=int(cfg.n_group),
             topk_group=int(cfg.topk_group), norm_topk_prob=bool(cfg.norm_topk_prob),
             routed_scaling_factor=float(cfg.routed_scaling_factor))
+        self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
+        # backend=cpu: the whole forward in one library call over the same kernels (kdtree/backends/native_forward.py)
+        make_native = getattr(ops, "native_target", None)
+        self._native = make_native(self) if make_native is not None else None
 
     # -- pieces shared with the DFlash drafter ------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -214,6 +218,8 @@ class K2Model:
             raise ConfigError(f"context of {max_len} tokens exceeds max_position_embeddings="
                               f"{self.cfg.max_position_embeddings} of model={self.cfg.name}; "
                               f"shorten the prompt or lower max_new_tokens")
+        if self._native is not None:
+            return self._native.new_cache(max_len)
         return LatentCache(self.cfg.num_hidden_layers, max_len, self.kv_lora + self.rope_dim)
 
     # -- forward ------------------------------------------------------------------------------------
@@ -225,6 +231,8 @@ class K2Model:
         tokens i32[T], positions i32[T], visibility u64[T, ceil(T/64)] over the block (None = causal).
         Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
         """
+        if self._native is not None and not isinstance(cache, LatentCache):
+            return self._native.forward(tokens, positions, cache, visibility, hidden_layers, self.return_logits)
         tokens = np.asarray(tokens, np.int64)
         positions = np.asarray(positions, np.int64)
         T = tokens.shape[0]
@@ -250,7 +258,7 @@ class K2Model:
             if i in want:
                 hiddens[i] = h.copy()
         cache.length = n_prefix + T
-        return self.logits(h), hiddens
+        return (self.logits(h) if self.return_logits else np.empty((T, 0), np.float32)), hiddens
 
     def _attention(self, a: _Attn, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
                    n_prefix: int, visibility: Optional[np.ndarray],
