@@ -5,6 +5,7 @@ which every value is quoted with shlex.quote, so a remote argument with quotes, 
 """
 from __future__ import annotations
 
+import io
 import shlex
 import time
 import signal as _signal
@@ -76,15 +77,23 @@ class Host:
     def _open(self) -> None:
         """Connect if needed (ssh); local hosts have nothing to open."""
 
-    def shell(self, script: str, timeout: Optional[float] = None) -> Result:
-        """Run a shell command line as it is. Callers quote every value (see quote_argv)."""
+    def shell(self, script: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+              out_stream=None) -> Result:
+        """Run a shell command line as it is. Callers quote every value (see quote_argv). `stdin`: text fed to the
+        command's standard input (secrets go there, never on a command line another user can read in ps).
+        `out_stream`: also gets stdout as it arrives (Result.stdout has all of it anyway)."""
         self._open()
-        t = self.command_timeout_s if timeout is None else float(timeout)
+        return self._run_on(self.c, script, self.command_timeout_s if timeout is None else float(timeout), stdin,
+                            out_stream)
+
+    def _run_on(self, c, script: str, t: float, stdin: Optional[str] = None, out_stream=None) -> Result:
         timed_out = HostError(f"command timed out after {t:g} s on {self.label}: {script[:120]}; "
                               f"raise host.command_timeout_s or check the host")
         t0 = time.monotonic()
         try:
-            r = self.c.run(script, hide=True, warn=True, in_stream=False, timeout=t)
+            streams = {"hide": True} if out_stream is None else {"hide": "err", "out_stream": out_stream}
+            r = c.run(script, warn=True, in_stream=io.StringIO(stdin) if stdin is not None else False, timeout=t,
+                      **streams)
         except CommandTimedOut:
             raise timed_out from None
         except HostError:
@@ -162,14 +171,14 @@ class Host:
                             f"see {log}")
         return int(out)
 
-    def is_alive(self, pid: int) -> bool:
-        return self.shell(ALIVE_SH.format(pid=int(pid))).ok
+    def is_alive(self, pid: int, timeout: Optional[float] = None) -> bool:
+        return self.shell(ALIVE_SH.format(pid=int(pid)), timeout).ok
 
-    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True) -> bool:
+    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True, timeout: Optional[float] = None) -> bool:
         """Send `sig` to the process group of `pid` (group=True) or to pid alone; False if nothing received it."""
         name = _signal.Signals(sig).name[3:]
         target = f"-{int(pid)}" if group else str(int(pid))
-        r = self.shell(f"kill -s {name} -- {target} 2>/dev/null || kill -s {name} {int(pid)}")
+        r = self.shell(f"kill -s {name} -- {target} 2>/dev/null || kill -s {name} {int(pid)}", timeout)
         return r.ok
 
     def close(self) -> None:
