@@ -203,15 +203,22 @@ class _Run:
         return EXIT_STAGE_FAILED
 
     def stop_engine(self, why: str) -> None:
+        """Stop the engine this run started; a host that does not answer gets the exact command to run later."""
         self.stop_following()
         if self.engine is None:
             return
         grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
-        how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
-        self.events.emit("engine_stop", pid=self.engine.pid, why=why, outcome=how)
-        ep.tail_log(self.engine, self.out)
-        ep.fetch_back(self.engine)
-        self.engine = None
+        engine, self.engine = self.engine, None
+        try:
+            how = ep.stop_engine(engine.host, engine.pid, grace_s=grace)
+        except ep.StopUnreachable as e:
+            cmd = f"python -m kdtree.run pipeline=stop stop.run_dir={self.run_dir}"
+            self.events.emit("engine_stop", pid=engine.pid, why=why, outcome="unreachable", error=str(e), stop=cmd)
+            self.error(f"{e}; it may still be running: stop it with `{cmd}`")
+            return
+        self.events.emit("engine_stop", pid=engine.pid, why=why, outcome=how)
+        ep.tail_log(engine, self.out)
+        ep.fetch_back(engine)
 
     def run(self) -> int:
         groups = self.spec.groups()
@@ -225,8 +232,8 @@ class _Run:
                 continue
             if not execute_stage(self.ctx, stages[0], self.events):
                 self.error(_fail_line(_last_failure(self.run_dir, "controller") or {}, self.spec))
-                if self.engine is not None and not bool(_cfg_get(self.cfg, "serve.detach", False)):
-                    self.stop_engine(f"stage {stages[0].stage!r} failed")
+                # serve.detach=true leaves a READY engine running; one whose health poll failed is stopped
+                self.stop_engine(f"stage {stages[0].stage!r} failed")
                 return EXIT_STAGE_FAILED
         if self.engine is None:
             return EXIT_OK

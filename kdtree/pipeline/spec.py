@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -99,11 +98,13 @@ class PipelineSpec:
 
 
 def _read_yaml(path: Path, where: str) -> Any:
+    from kdtree.config.validate import read_yaml        # one message for a YAML syntax error: FILE:LINE:COL
+    from kdtree.errors import ConfigError
+
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        line = str(e).replace("\n", " ")
-        raise PipelineError(f"{where}: not valid YAML: {line}") from None
+        return read_yaml(path)
+    except ConfigError as e:
+        raise PipelineError(str(e)) from None
 
 
 def load_pipeline(name_or_path: str, cfg: DictConfig) -> PipelineSpec:

@@ -19,7 +19,8 @@ def engine_target(cfg, engine: dict) -> Target:
     url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
     return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or s.api_key,
                   pid=int(h.pid or engine.get("pid") or 0), status_path=f"{engine['run_dir']}/status.json",
-                  log=h.log or engine.get("log", ""), unit=h.unit, unit_user=h.unit_user)
+                  log=h.log or engine.get("log", ""), unit=h.unit, unit_user=h.unit_user, disk=h.disk,
+                  expected_bytes=int(h.expected_bytes))
 
 
 def run(ctx) -> dict:

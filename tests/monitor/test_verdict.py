@@ -51,12 +51,59 @@ def test_the_monitors_own_probes_do_not_count_as_progress():
     assert moved_signals({"process.rchar": 0}, {"process.rchar": 4096}, dt=1.0) == []
 
 
-def test_machine_wide_disk_reads_do_not_hide_a_frozen_process():
+def test_machine_wide_disk_reads_never_count_only_the_named_disk_does():
     probes = loading(20)
     probes["disk"] = ProbeResult("disk", True, 0.01, data={"devices": {"sda": {"read_bytes": 1 << 30}}})
     assert "disk.read_bytes" not in progress_signals(probes)       # the process is known: its own reads count
     del probes["process"]
-    assert "disk.read_bytes" in progress_signals(probes)
+    assert "disk.read_bytes" not in progress_signals(probes)       # nor without one: another process may read
+    probes["disk"].data["named_read_bytes"] = 1 << 30              # health.disk=sda: the operator says it is ours
+    assert progress_signals(probes)["disk.read_bytes"] == 1 << 30
+
+
+def url_only(port="refused", http=None, code_final=False, message=""):
+    data = {"http": http, "port": port, "answered": False, "detail": "Failed to connect"}
+    if http is not None:
+        data.update(final=code_final, message=message)
+    return {"completion": ProbeResult("completion", True, 0.01, data=data),
+            "status": ProbeResult("status", True, 0.01, data={"source": None, "status": None}),
+            "disk": ProbeResult("disk", True, 0.01, data={"devices": {}})}
+
+
+def test_nothing_listening_for_the_window_is_unreachable_with_the_reason():
+    j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    for t in (0.0, 1.0, 2.0):
+        assert j.judge(url_only(), t).verdict == "PROGRESSING"
+    v = j.judge(url_only(), 3.0)
+    assert v.verdict == "UNREACHABLE" and v.terminal and "connection refused" in v.reason
+    v = Judge(3, 600, 0.0).judge(url_only("unresolved"), 3.5)
+    assert v.verdict == "UNREACHABLE" and "not resolved" in v.reason
+    # a server that listens but never gets ready is STALLED, not UNREACHABLE
+    j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    assert j.judge(url_only("open", http=503), 3.5).verdict == "STALLED"
+
+
+def test_a_permanent_4xx_is_its_own_verdict_after_two_samples():
+    j = Judge(stall_window_s=30, deadline_s=600, now=0.0)
+    assert j.judge(url_only("open", http=404, code_final=False), 0.0).verdict == "PROGRESSING"  # model unsettled
+    assert j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 1.0).verdict == "PROGRESSING"
+    v = j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 2.0)
+    assert v.verdict == "NOT_OPENAI" and v.terminal and "HTTP 404 'Not Found'" in v.reason
+    assert "not as an OpenAI completions server" in v.reason
+
+
+def test_a_process_leaving_the_tree_is_noted_not_subtracted():
+    from kdtree.monitor.probes import ProcessTree
+
+    tree = ProcessTree()
+    def proc(pid, rb, cpu):
+        return {"pid": pid, "state": "R", "start": pid, "read_bytes": rb, "rchar": 0, "cpu_s": cpu, "faults": 0}
+    a = {"pid": 1, "procs": {1: proc(1, 100, 1.0), 2: proc(2, 5000, 9.0)}}
+    tree.account(a)
+    b = {"pid": 1, "procs": {1: proc(1, 200, 1.5), 3: proc(3, 300, 0.5)}}     # rank 2 died, worker 3 appeared
+    tree.account(b)
+    assert b["left"] == [2] and b["members"] == [1, 3]
+    assert b["read_bytes"] - a["read_bytes"] == 100 + 300 and b["cpu_s"] - a["cpu_s"] == 1.0   # never negative
 
 
 def test_gone_or_zombie_process_is_crashed_and_ready_wins():
