@@ -31,6 +31,12 @@ class Result:
         return self.returncode == 0
 
 
+def brief(script: str, n: int = 100) -> str:
+    """A command line for an error message: its first line, cut to n characters."""
+    first = script.strip().splitlines()[0] if script.strip() else ""
+    return first[:n] + (" ..." if len(first) > n or "\n" in script.strip() else "")
+
+
 def quote_argv(argv: Sequence[object]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
@@ -87,7 +93,7 @@ class Host:
                             out_stream)
 
     def _run_on(self, c, script: str, t: float, stdin: Optional[str] = None, out_stream=None) -> Result:
-        timed_out = HostError(f"command timed out after {t:g} s on {self.label}: {script[:120]}; "
+        timed_out = HostError(f"command timed out after {t:.3g} s on {self.label}: {brief(script)}; "
                               f"raise host.command_timeout_s or check the host")
         t0 = time.monotonic()
         try:
@@ -99,7 +105,7 @@ class Host:
         except HostError:
             raise
         except Exception as e:  # the connection died under the command (ssh)
-            raise HostError(f"command failed on {self.label}: {type(e).__name__}: {e}; {script[:120]}") from None
+            raise HostError(f"command failed on {self.label}: {type(e).__name__}: {e}; {brief(script)}") from None
         if time.monotonic() - t0 > t + 0.5:  # invoke's timer lost the race with the command's end (seen under load)
             raise timed_out
         return Result(command=script, returncode=int(r.exited if r.exited is not None else -1),

@@ -24,7 +24,7 @@ from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException
                                     SSHException)
 
 from kdtree.errors import HostError
-from kdtree.hosts.base import Host, Result
+from kdtree.hosts.base import Host, Result, brief
 
 KEEPALIVE_S = 5          # transport keep-alive period (seconds)
 CLOSE_WAIT_S = 1.0       # longest close() waits for a transport that does not answer
@@ -109,8 +109,8 @@ class SshHost(Host):
         th.join(t + 0.2)                     # invoke's own timer fires at t; this catches a frozen transport
         if th.is_alive():
             self._abandon(c)
-            raise HostError(f"command timed out after {t:g} s on {self.label} (no answer from the ssh connection; "
-                            f"it is rebuilt for the next command): {script[:80]}")
+            raise HostError(f"command timed out after {t:.3g} s on {self.label} (no answer from the ssh connection; "
+                            f"it is rebuilt for the next command): {brief(script)}")
         if "e" in box:
             if not isinstance(box["e"], HostError):
                 raise HostError(f"command failed on {self.label}: {type(box['e']).__name__}: {box['e']}") from None
@@ -168,6 +168,9 @@ class SshHost(Host):
                 raise HostError(f"cannot reach {self.label}: authentication failed ({msg}); check host.user and "
                                 f"host.key_file={self.key_file or '(default keys)'}") from None
             reason = msg.splitlines()[0] if msg else type(e).__name__
+            if msg == "No existing session":    # paramiko's words when the handshake never completed
+                reason = (f"no SSH session within {self.connect_timeout_s:g} s (connect_timeout_s): the port accepts "
+                          f"connections but sshd does not answer")
             if "banner" in msg.lower():
                 reason = f"no SSH banner within {self.connect_timeout_s:g} s (connect_timeout_s): {reason}"
             raise HostError(f"cannot reach {self.label}: {reason}") from None

@@ -76,7 +76,8 @@ class SampleSpec:
 # curl exit codes that tell the port's state apart
 CURL_REFUSED, CURL_TIMEOUT, CURL_EMPTY, CURL_RESOLVE = 7, 28, 52, 6
 
-_PRELUDE = r"""IFS= read -r KD_KEY || true
+_PRELUDE = r"""# kdtree monitor sample
+IFS= read -r KD_KEY || true
 D=$(mktemp -d 2>/dev/null) || { D=/tmp/kd-probe.$$; mkdir -p "$D"; }
 trap 'rm -rf "$D"' EXIT
 kd_mark() { echo "@@kd $1 $(date +%s.%N)"; }
@@ -174,6 +175,8 @@ def run_sample(host, spec: SampleSpec, api_key: str, deadline_s: float, out_stre
     try:
         r = host.shell(sample_script(spec), timeout=deadline_s, stdin=f"{api_key}\n", out_stream=out_stream)
     except HostError as e:
+        # also when part of the output came: curl gives up by its --max-time and the deadline leaves room for the
+        # shell beyond it, so a sample past its deadline means the host (or the connection) stopped answering
         return failed_sample(spec, str(e), time.monotonic() - t0)
     return parse_sample(spec, r.stdout, time.monotonic() - t0)
 

@@ -48,9 +48,11 @@ class _FirstByte(io.TextIOBase):
     def __init__(self):
         super().__init__()
         self.seen = threading.Event()
+        self.at: Optional[float] = None          # monotonic time of the first byte
 
     def write(self, s: str) -> int:
-        if s:
+        if s and not self.seen.is_set():
+            self.at = time.monotonic()
             self.seen.set()
         return len(s)
 
@@ -84,6 +86,7 @@ class Watcher:
         self._checkpoint_total: Optional[int] = int(target.expected_bytes) or None
         self._last_status: Optional[Dict[str, Any]] = None
         self._unit_pid = 0
+        self._first_byte_s: List[float] = []       # seconds from a sample's start to its first byte (recent ones)
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
 
     # -- probes ----------------------------------------------------------------------------------------
@@ -106,9 +109,11 @@ class Watcher:
                             http_timeout_s=self.timeout, completion_timeout_s=self.completion_timeout)
 
     def sample_deadline(self) -> float:
-        """One sample's whole budget: the slowest curl + a second of shell; + a (re)connect when there is none."""
+        """One sample's whole budget: the slowest curl + the shell's own time (>= 1 s, or twice the slowest recent
+        first byte: an ssh channel and a login shell); + a (re)connect when there is no connection."""
         connect = 0.0 if getattr(self.host, "connected", True) else float(getattr(self.host, "connect_timeout_s", 0))
-        return max(self.timeout, self.completion_timeout) + 1.0 + connect
+        overhead = max([1.0] + [2 * x for x in self._first_byte_s])
+        return max(self.timeout, self.completion_timeout) + overhead + connect
 
     def _probes(self, out_stream=None) -> Dict[str, P.ProbeResult]:
         spec = self._spec()
@@ -164,11 +169,12 @@ class Watcher:
         th = threading.Thread(target=work, name="monitor-sample", daemon=True)
         th.start()
         tick = t_probe + self.interval_s
+        silent_after = self._silent_after()
         while True:
             th.join(max(0.0, tick - time.monotonic()))
             if not th.is_alive():
                 break
-            if not first.seen.is_set():
+            if not first.seen.is_set() and time.monotonic() - t_probe >= silent_after:
                 waited = time.monotonic() - t_probe
                 failed = P.failed_sample(self._spec(), f"command timed out: no answer from "
                                          f"{getattr(self.host, 'label', 'the host')} for {waited:.1f} s", waited)
@@ -179,10 +185,21 @@ class Watcher:
             tick += self.interval_s
         if "error" in box:
             raise box["error"]
-        yield self._record(judge, t_start, box["probes"], t_probe, started_at)
+        if first.at is not None:
+            self._first_byte_s = (self._first_byte_s + [first.at - t_probe])[-5:]
+        yield self._record(judge, t_start, box["probes"], t_probe, started_at, t_read=first.at)
+
+    def _silent_after(self) -> float:
+        """How long a sample may go without its first byte before the host counts as silent: an interval, or twice
+        the slowest recent first byte (an ssh channel + login shell take ~0.5 s on a busy host), >= 1 s; before the
+        first contact, also the connect timeout."""
+        if not self._first_byte_s:
+            return max(self.interval_s, 1.0, float(getattr(self.host, "connect_timeout_s", 0.0)))
+        return max(self.interval_s, 1.0, 2 * max(self._first_byte_s))
 
     def _record(self, judge: Judge, t_start: float, probes: Dict[str, P.ProbeResult], t_probe: float,
-                started_at: float, interim: bool = False) -> Dict[str, Any]:
+                started_at: float, interim: bool = False, t_read: Optional[float] = None) -> Dict[str, Any]:
+        """`t_read`: when the host ran the probes (the first byte of their output arrived), for the ETA."""
         now = time.monotonic()
         elapsed = now - t_start
         st = probes.get("status")
@@ -196,7 +213,7 @@ class Watcher:
         if j.verdict == "READY":
             self._observed.setdefault("ready", elapsed)
 
-        eta = self._eta(probes, snap, t_probe, now)
+        eta = self._eta(probes, snap, t_read or t_probe, now)
         line = self._line(elapsed, j, probes, snap, eta, now)
         sample = {"t": round(elapsed, 3), "started_at": started_at, "at": time.time(), "verdict": j.verdict,
                   "terminal": j.terminal, "seconds": round(now - t_probe, 3), "interim": interim,
@@ -215,7 +232,7 @@ class Watcher:
         """Load ETA from kdtree's status bytes, else from the process tree's loaded bytes (read() or mmap page-ins
         from disk) against the checkpoint's size (health.expected_bytes, or model.path's size on the host).
 
-        /proc is read at the start of the sample script (`t`), the ETA is printed at `now`."""
+        The counters were read at `t` (over ssh ~0.5 s after the sample began), the ETA is printed at `now`."""
         done = total = None
         source = None
         pr = probes.get("process")
