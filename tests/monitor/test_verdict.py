@@ -132,3 +132,30 @@ def test_deadline_extends_while_progress_moves():
     for t in range(0, 20):                       # bytes move every second: never a failure
         v = j.judge(loading(t), float(t))
         assert v.verdict == "PROGRESSING", (t, v)
+
+
+def test_one_sample_script_output_parses_into_every_probe():
+    """parse_sample on the script's section format (nvidia-smi's CSV as `--format=csv,noheader,nounits` prints it;
+    no GPU on CI machines, so the GPU section is text here)."""
+    from kdtree.monitor.probes import SampleSpec, parse_sample
+
+    spec = SampleSpec(url="http://127.0.0.1:1", model="m", pid=10, log="/x.log")
+    out = ("@@kd process 100.0\npid 10\n500.0 1.0\n100\n"
+           "## 10\n10 (python3 -m (sglang)) S 1 10 10 0 -1 0 300 0 7 0 250 50 0 0 20 0 1 0 1000 0 0\n"
+           "VmRSS:\t  2048 kB\nrchar: 5000\nread_bytes: 8192\n"
+           "## 11\n11 (worker) R 10 11 11 0 -1 0 10 0 0 0 100 0 0 0 20 0 1 0 2000 0 0\nrchar: 1\nread_bytes: 4096\n"
+           "@@kd disk 100.1\n 259 0 nvme0n1 10 0 2048 0 0 0 16 0\n"
+           "@@kd gpu 100.2\n0, GPU-aaa, 40960, 143771, 87\n1, GPU-bbb, 0, 143771, 0\n@@apps\n11, GPU-aaa, 40000\n"
+           "@@kd log 100.3\n123 1700000000\nloading\n@@kd wait 100.4\n"
+           "@@http completion\n0 100.0 100.5\n503 0.001\n\n{\"error\": {\"message\": \"loading 3/8\"}}\n"
+           "@@http status\n7 100.0 100.0\n000 0.000000\ncurl: (7) Failed to connect\n\n@@kd end 100.6\n")
+    p = parse_sample(spec, out, 0.7)
+    assert p["completion"].data == {"http": 503, "port": "open", "answered": False, "message": "loading 3/8"}
+    proc = p["process"].data
+    assert proc["alive"] and proc["state"] == "S" and set(proc["procs"]) == {10, 11}
+    assert proc["procs"][10]["cpu_s"] == 3.0 and proc["procs"][10]["faults"] == 307     # (250+50)/100, 300+7
+    assert proc["procs"][11]["read_bytes"] == 4096 and proc["procs"][10]["rss_bytes"] == 2048 * 1024
+    assert p["disk"].data["devices"]["nvme0n1"]["read_bytes"] == 2048 * 512
+    assert p["gpu"].data["apps"] == [{"pid": 11, "uuid": "GPU-aaa", "mem_mb": 40000.0}]
+    assert p["log"].data["size"] == 123 and abs(p["disk"].seconds - 0.1) < 1e-6
+    assert p["status"].data["source"] is None
