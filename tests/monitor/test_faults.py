@@ -175,6 +175,11 @@ def test_killed_tp_rank_mid_load_is_crashed_within_2_s_naming_the_rank(tmp_path,
     assert health["samples"][-1]["at"] - t_kill <= 2.0, [s["line"] for s in health["samples"][-4:]]
     st = json.loads((run_dir / "status.json").read_text())
     assert st["phase"] == "failed" and "tp rank 1/2" in st["error"], st
+    # serve.detach=true: the run stopped the engine whose health poll failed instead of leaving it behind
+    from kdtree.pipeline.events import read_events
+    stops = [e for e in read_events(run_dir) if e.get("kind") == "engine_stop"]
+    assert stops and stops[-1]["why"] == "stage 'health_poll' failed", stops
+    assert not Path(f"/proc/{engine}").exists() or open(f"/proc/{engine}/stat").read().split(") ")[1][0] in "ZX"
 
 
 BAD_SETTINGS = [
@@ -220,3 +225,59 @@ def test_bad_settings_and_a_yaml_syntax_error_are_one_line_from_the_command_befo
         assert p.returncode == 2 and len(lines) == 1, (arg, text)
         assert lines[0].startswith("kdtree: error: ") and want in lines[0], (arg, lines[0])
         assert not (tmp_path / str(i) / "events.jsonl").exists()          # nothing started
+
+
+NOT_OPENAI_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.headers.get("Authorization") != "Bearer " + sys.argv[2]:
+            return self._send(401, {"detail": "bad key"})
+        self._send(404, {"detail": "no such route: this is a TGI-style server"})
+
+ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_server_that_is_not_an_openai_completions_server_is_its_own_verdict(tmp_path, port):
+    """A server that answers POST /v1/completions with 404 (the key, sent through the probe's stdin, is right:
+    a wrong one would be 401): NOT_OPENAI with the status and the start of the body, not "nothing moved"."""
+    from kdtree.hosts import connect
+    from kdtree.monitor.watcher import Target, Watcher
+
+    key = "sk-test-0123456789"
+    server = subprocess.Popen([sys.executable, "-c", NOT_OPENAI_SERVER, str(port), key])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if subprocess.run(["curl", "-s", "-o", "/dev/null", f"http://127.0.0.1:{port}/"]).returncode == 0:
+                break
+            time.sleep(0.1)
+        lines = []
+        summary = Watcher(connect({"kind": "local"}), Target(url=f"http://127.0.0.1:{port}", api_key=key),
+                          interval_s=0.3, stall_window_s=30, probe_timeout_s=2, out_dir=tmp_path,
+                          echo=lines.append).run()
+    finally:
+        server.kill()
+        server.wait(10)
+    assert summary["verdict"] == "NOT_OPENAI" and summary["exit_code"] == 6, lines
+    assert "not as an OpenAI completions server" in summary["reason"] and "HTTP 404" in summary["reason"]
+    assert "this is a TGI-style server" in summary["reason"] and summary["seconds"] < 5, lines
+    assert key not in (tmp_path / "health.json").read_text()
