@@ -167,9 +167,9 @@ class Judge:
         if quiet >= self.window or now >= self.deadline_at:
             closed_for = now - self.port_open_at
             if closed_for >= self.window and port and port != "open":
-                return Judgement("UNREACHABLE", True, f"nothing listening for {closed_for:.0f} s "
-                                 f"({PORT_WORDS.get(port, port)}{': ' + cd['detail'] if cd.get('detail') else ''})"
-                                 f" and no process of the server to watch (health.pid)", moved, quiet)
+                why = PORT_WORDS.get(port) or f"{port}: {cd.get('detail', '')}"
+                return Judgement("UNREACHABLE", True, f"nothing listening at the URL for {closed_for:.0f} s ({why}) "
+                                 f"and no process of the server to watch (health.pid)", moved, quiet)
             if quiet >= self.window:
                 return Judgement("STALLED", True, f"nothing moved for {quiet:.0f} s (stall window {self.window:g} s)",
                                  moved, quiet)
