@@ -50,6 +50,7 @@ class SampleSpec:
     model: str = ""                  # "" = completion without `model`, and GET /v1/models to learn the id
     pid: int = 0                     # root of the watched process tree; 0 = from pidfile, else no process probe
     pidfile: str = ""
+    port_owner: int = 0              # no pid: the process listening on this local TCP port is the root (0 = no)
     status_path: str = ""
     log: str = ""
     unit: str = ""
@@ -63,7 +64,7 @@ class SampleSpec:
         if self.url and not self.model:
             out.append("models")
         out += ["status", "disk"]
-        if self.pid or self.pidfile:
+        if self.pid or self.pidfile or self.port_owner:
             out.append("process")
         if self.gpu:
             out.append("gpu")
@@ -103,7 +104,9 @@ kd_show() {
 # Descendants of $P by ppid (one pass over every /proc/*/stat; the comm may hold spaces and parentheses, so
 # everything up to the LAST ") " is cut first), then each member's stat, RSS and io.
 _PROCESS_SH = r"""kd_mark process
-if [ "$P" -gt 0 ] 2>/dev/null && [ -r /proc/$P/stat ]; then
+if ! [ "$P" -gt 0 ] 2>/dev/null; then
+  echo "NOPID"
+elif [ -r /proc/$P/stat ]; then
   echo "pid $P"; cat /proc/uptime; getconf CLK_TCK
   for q in $(cat /proc/[0-9]*/stat 2>/dev/null | awk -v root="$P" '{p=$1; sub(/^.*\) /, ""); pp[p]=$2}
       END {t[root]=1; do {c=0; for (x in pp) if (!(x in t) && (pp[x] in t)) {t[x]=1; c=1}} while (c);
@@ -115,6 +118,14 @@ else
   echo "GONE $P"
 fi
 """
+
+# The pid listening on a local TCP port: its socket's inode from /proc/net/tcp{,6} (state 0A = LISTEN), then the
+# process holding that inode among /proc/*/fd (one `find`, not a readlink per descriptor).
+_PORT_OWNER_SH = r"""if ! [ "$P" -gt 0 ] 2>/dev/null; then
+  I=$(awk -v h=":$(printf '%04X' {port})" '$2 ~ (h "$") && $4 == "0A" {{print $10; exit}}' /proc/net/tcp /proc/net/tcp6 2>/dev/null)
+  [ -n "$I" ] && P=$(find /proc/[0-9]*/fd -lname "socket:\[$I\]" 2>/dev/null | head -n 1 | cut -d/ -f3)
+  P=${{P:-0}}
+fi"""
 
 _GPU_SH = r"""kd_mark gpu
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -145,10 +156,12 @@ def sample_script(spec: SampleSpec) -> str:
         if not spec.model:
             parts.append(f"kd_http models {spec.http_timeout_s:g} {q(base + '/v1/models')}")
         parts.append(f"kd_http status {spec.http_timeout_s:g} {q(base + '/status')}")
-    if spec.pid or spec.pidfile:
+    if spec.pid or spec.pidfile or spec.port_owner:
         parts.append(f"P={int(spec.pid)}")
-        if not spec.pid:
+        if not spec.pid and spec.pidfile:
             parts.append(f"P=$(cat {q(spec.pidfile)} 2>/dev/null); P=${{P:-0}}")
+        if not spec.pid and spec.port_owner:
+            parts.append(_PORT_OWNER_SH.format(port=int(spec.port_owner)))
         parts.append(_PROCESS_SH)
     parts.append("kd_mark disk; cat /proc/diskstats")
     if spec.gpu:
@@ -355,6 +368,8 @@ def whole_devices(devs: Dict[str, Any]) -> Dict[str, Any]:
 
 def _parse_process(text: str) -> Dict[str, Any]:
     lines = text.splitlines()
+    if lines and lines[0].startswith("NOPID"):             # no pidfile yet / nothing listens on the port yet
+        return {"pid": 0, "alive": None, "state": "unknown", "procs": {}}
     if not lines or lines[0].startswith("GONE"):
         pid = int(lines[0].split()[1]) if lines and len(lines[0].split()) > 1 else 0
         return {"pid": pid, "alive": False, "state": "gone", "procs": {}}

@@ -86,6 +86,7 @@ class Watcher:
         self._checkpoint_total: Optional[int] = int(target.expected_bytes) or None
         self._last_status: Optional[Dict[str, Any]] = None
         self._unit_pid = 0
+        self._port_pid = 0                           # the process found listening on the URL's port
         self._first_byte_s: List[float] = []       # seconds from a sample's start to its first byte (recent ones)
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
 
@@ -96,15 +97,29 @@ class Watcher:
             return t.pid
         if self._unit_pid:
             return self._unit_pid
+        if self._port_pid:
+            return self._port_pid
         if self._last_status and self._last_status.get("pid"):
             return int(self._last_status["pid"])
         return 0
+
+    def _local_port(self) -> int:
+        """The URL's port when the server listens on the host the probes run on (its owner can be found there)."""
+        from urllib.parse import urlsplit
+
+        try:
+            u = urlsplit(self.target.url)
+            port = u.port or (443 if u.scheme == "https" else 80)
+        except ValueError:
+            return 0
+        return port if u.hostname in ("127.0.0.1", "localhost", "::1", "0.0.0.0") else 0
 
     def _spec(self) -> P.SampleSpec:
         t = self.target
         if not t.url and self._last_status and self._last_status.get("url"):
             t.url = self._last_status["url"]          # serve.port=0: the engine wrote the port it got
         return P.SampleSpec(url=t.url, model=t.model, pid=self._pid(), pidfile=t.pidfile, status_path=t.status_path,
+                            port_owner=self._local_port() if not (t.pidfile or t.unit) else 0,
                             log=t.log, unit=t.unit, unit_user=t.unit_user, gpu=not self._gpu_absent,
                             http_timeout_s=self.timeout, completion_timeout_s=self.completion_timeout)
 
@@ -131,9 +146,14 @@ class Watcher:
             if comp.data.get("slow"):                  # connected, no answer in time: give the next one longer
                 self.completion_timeout = min(max(self.window, self.timeout), 2 * self.completion_timeout)
         pr = probes.get("process")
+        if pr is not None and pr.ok and pr.data.get("alive") is None:
+            del probes["process"]                      # no process known yet: no process evidence, not a crash
+            pr = None
         if pr is not None and pr.ok:
-            if pr.data["pid"] != self._tree_root:      # another root (pidfile appeared): a new tree
+            if pr.data["pid"] != self._tree_root:      # another root (pidfile appeared, port owner found): a new tree
                 self.tree, self._tree_root = P.ProcessTree(), pr.data["pid"]
+            if spec.port_owner and not spec.pid and pr.data.get("alive"):
+                self._port_pid = pr.data["pid"]        # the port's owner: watched from now on, as health.pid would be
             self.tree.account(pr.data)
         lg = probes.get("log")
         if lg is not None and lg.ok and lg.data.get("main_pid"):
@@ -372,8 +392,10 @@ class Watcher:
         if t.disk:
             what.append(f"reads of {t.disk}")
         if not what:
+            owner = " until a process listens on the port (then its process tree)" if self._local_port() else ""
             return ("evidence: nothing attributable to the server (no health.pid, health.unit or health.disk): "
-                    "judging on the port, the completion probe" + (" and the log" if t.log else "") + " alone")
+                    "judging on the port, the completion probe" + (" and the log" if t.log else "") + " alone"
+                    + owner)
         return "evidence: " + " + ".join(what) + (" + log" if t.log or t.unit else "")
 
     # -- the loop --------------------------------------------------------------------------------------

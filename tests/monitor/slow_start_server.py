@@ -8,7 +8,8 @@ With --go it waits (silently, port closed) until FILE exists, so a test can star
 With --workers N the main process reads nothing itself: N worker processes, each in its OWN session (outside
 the main process's group, as SGLang/vLLM schedulers and TP workers started from a script are), page the file
 in through mmap after dropping it from the page cache (so the pages come from disk: /proc/PID/io read_bytes),
-and the port opens when they are done.
+and the port opens when they are done. With --early-port the port opens at once and completions answer 503
+until the load is done (as kdtree's own engine does).
 """
 import os
 import argparse
@@ -16,6 +17,7 @@ import json
 import mmap
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,10 +49,41 @@ def main():
     ap.add_argument("--log", required=True)
     ap.add_argument("--go", default="")
     ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--early-port", action="store_true")
     ap.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker >= 0:
         return mmap_worker(a.read, a.worker, a.workers, a.seconds)
+    loaded = threading.Event()
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _json(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/v1/models":
+                return self._json(200, {"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
+            self._json(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/v1/completions" and not loaded.is_set():
+                return self._json(503, {"error": {"message": "loading"}})
+            if self.path == "/v1/completions" and body.get("model") == "stand-in":
+                return self._json(200, {"object": "text_completion", "choices": [{"text": "4", "index": 0}]})
+            self._json(404, {"detail": "Not Found"})
+
+    server = ThreadingHTTPServer(("127.0.0.1", a.port), H) if a.early_port else None
+    if server is not None:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
     while a.go and not os.path.exists(a.go):
         time.sleep(0.05)
     log = open(a.log, "a", buffering=1)
@@ -72,31 +105,13 @@ def main():
                 log.write(f"loading chunk {i + 1}/{chunks}\n")
                 time.sleep(a.seconds / chunks)
 
-    class H(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _json(self, code, body):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == "/v1/models":
-                return self._json(200, {"object": "list", "data": [{"id": "stand-in", "object": "model"}]})
-            self._json(404, {"detail": "Not Found"})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            if self.path == "/v1/completions" and body.get("model") == "stand-in":
-                return self._json(200, {"object": "text_completion", "choices": [{"text": "4", "index": 0}]})
-            self._json(404, {"detail": "Not Found"})
-
+    loaded.set()
     log.write("ready\n")
-    ThreadingHTTPServer(("127.0.0.1", a.port), H).serve_forever()
+    if server is None:
+        server = ThreadingHTTPServer(("127.0.0.1", a.port), H)
+        server.serve_forever()
+    else:
+        threading.Event().wait()
 
 
 if __name__ == "__main__":
