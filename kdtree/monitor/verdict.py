@@ -8,7 +8,7 @@
                  URL (refused, unresolved, timed out) for stall_window_s and no process of it is known
     PROGRESSING  a progress signal moved within stall_window_s: status bytes/shards/phase/warm-up shapes, the
                  watched process TREE's loaded bytes / disk reads / CPU / page faults, its GPU memory, log growth,
-                 or reads of the disk named by health.disk. Machine-wide disk reads and GPU memory never count:
+                 the completion's answer changing (port opens, 503 -> 200), or reads of the disk named by health.disk. Machine-wide disk reads and GPU memory never count:
                  another process's reads must not hide a hang
     STALLED      nothing moved for stall_window_s, or the deadline passed without progress
 
@@ -40,6 +40,12 @@ PERMANENT_SAMPLES = 2            # seen this many samples in a row before the ve
 def progress_signals(probes: Dict[str, Any]) -> Dict[str, Any]:
     """Flat {signal: value} of everything that grows while a cold start of THE WATCHED server makes progress."""
     sig: Dict[str, Any] = {}
+    comp = probes.get("completion")
+    if comp is not None and comp.ok and comp.data.get("port"):
+        # the port opening, or the answer changing (503 -> 404 -> ...), is the server moving on
+        http = comp.data.get("http")
+        sig["completion.state"] = str(http) if http is not None else \
+            "slow" if comp.data["port"] == "open" else "closed"
     st = probes.get("status")
     snap = st.data.get("status") if st is not None and st.ok else None
     if isinstance(snap, dict):
@@ -73,6 +79,10 @@ def moved_signals(prev: Dict[str, Any], cur: Dict[str, Any], dt: float) -> List[
         if k not in prev:
             continue
         p = prev[k]
+        if k == "completion.state":     # closing, or an answer turning into no answer, is not progress
+            if v != p and v != "closed" and not (v == "slow" and p != "closed"):
+                out.append(k)
+            continue
         if isinstance(v, str) or isinstance(p, str):
             if v != p:
                 out.append(k)

@@ -159,3 +159,13 @@ def test_one_sample_script_output_parses_into_every_probe():
     assert p["gpu"].data["apps"] == [{"pid": 11, "uuid": "GPU-aaa", "mem_mb": 40000.0}]
     assert p["log"].data["size"] == 123 and abs(p["disk"].seconds - 0.1) < 1e-6
     assert p["status"].data["source"] is None
+
+
+def test_the_completion_answer_moving_towards_ready_is_progress_and_freezing_is_not():
+    def state(v):
+        return {"completion.state": v}
+    assert moved_signals(state("closed"), state("503"), 1.0) == ["completion.state"]      # the port opened
+    assert moved_signals(state("closed"), state("slow"), 1.0) == ["completion.state"]
+    assert moved_signals(state("503"), state("404"), 1.0) == ["completion.state"]
+    assert moved_signals(state("503"), state("slow"), 1.0) == []          # a frozen server stops answering
+    assert moved_signals(state("503"), state("closed"), 1.0) == []
