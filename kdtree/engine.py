@@ -4,7 +4,7 @@
     result = engine.generate(engine.tokenizer.encode("2+2="), max_new_tokens=16)
     text = engine.tokenizer.decode(result.tokens)
 
-Stages (load, generate, warmup, serve, bench) share one Engine through ctx.state["model_engine"].
+Stages (load, generate, warmup, demo, serve, bench) share one Engine through EngineState.of(ctx).engine.
 """
 from __future__ import annotations
 
@@ -13,16 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 
+from omegaconf import OmegaConf
+
+from kdtree.backends import get_ops
+from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.config.paths import cache_dir
+from kdtree.decode import generate
 from kdtree.decode.result import GenerationResult
 from kdtree.errors import ConfigError
+from kdtree.model.drafter import DFlashDrafter
+from kdtree.model.k2 import K2Model
+from kdtree.parallel.launch import launch_tp
+from kdtree.tokenizer import load_tokenizer
 
-
-def cache_dir(cfg) -> Path:
-    """Where generated checkpoints, the engine registry and cold-start history live:
-    cache_dir, else $KDTREE_CACHE, else ~/.cache/kdtree."""
-    from kdtree.checkpoint.tiny import cache_root
-
-    return cache_root((cfg.get("cache_dir") if hasattr(cfg, "get") else "") or "")
+AR_TREE = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})  # plain greedy, no drafter
 
 
 def resolve_checkpoint(cfg) -> Path:
@@ -31,8 +36,6 @@ def resolve_checkpoint(cfg) -> Path:
         return Path(cfg.model.path).expanduser()
     if cfg.model.name != "tiny":
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/checkpoint")
-    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-
     return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
 
 
@@ -56,19 +59,12 @@ class Engine:
     @classmethod
     def from_config(cls, cfg, status: Any = None,
                     progress: Optional[Callable[[int, int, int, int], None]] = None) -> "Engine":
-        from kdtree.backends import get_ops
-        from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
-        from kdtree.model.drafter import DFlashDrafter
-        from kdtree.model.k2 import K2Model
-        from kdtree.tokenizer import load_tokenizer
-
         t0 = time.perf_counter()
         if status is not None:
             status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
         ckpt = resolve_checkpoint(cfg)
         ops = get_ops(cfg.backend)
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
-            from kdtree.parallel.launch import launch_tp
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
         else:
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
@@ -99,18 +95,19 @@ class Engine:
             close()
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                 on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationResult:
-        """Greedy generation with the configured tree (ar | chain | ddtree); output is identical for all.
+                 on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None) -> GenerationResult:
+        """Greedy generation with the configured tree (ar | chain | ddtree), or `tree` (a tree config, e.g.
+        AR_TREE) instead; output is identical for all.
         on_tokens(new_ids) is called after each commit with the tokens it added (the server's live stream)."""
-        from kdtree.decode import generate
-
+        tree = self.cfg.tree if tree is None else tree
         if not prompt_ids:
             raise ConfigError("prompt is empty; give at least one token")
-        budget = int(self.cfg.tree.budget) + 1 if self.drafter is not None else 0
+        drafter = self.drafter if str(tree.kind) != "ar" else None
+        budget = int(tree.budget) + 1 if drafter is not None else 0
         if len(prompt_ids) + max_new_tokens + budget > self.max_context:
             raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                               f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
-        return generate(self.model, self.drafter, self.cfg.tree, list(prompt_ids), int(max_new_tokens),
+        return generate(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens),
                         eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
@@ -118,3 +115,22 @@ class Engine:
         ids = self.tokenizer.encode(prompt)
         result = self.generate(ids, max_new_tokens)
         return self.tokenizer.decode(result.tokens), result
+
+
+@dataclass
+class EngineState:
+    """What the host stages of one engine process share (StageContext.shared): the loaded engine and the HTTP
+    server. The engine process closes it when it exits (tensor-parallel ranks end with it)."""
+    engine: Optional[Engine] = None
+    server: Optional[Any] = None        # the serve stage's server (kdtree.serve.app.ServeApp), port open
+
+    @classmethod
+    def of(cls, ctx) -> "EngineState":
+        """This process's state (created on first use)."""
+        if ctx.shared is None:
+            ctx.shared = cls()
+        return ctx.shared
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()

@@ -20,11 +20,12 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from kdtree.config.schema import GROUPS, register
-from kdtree.config.validate import check_group_overrides, validate
+from kdtree.backends import check_device
+from kdtree.config.schema import CONF_DIR, GROUPS, register
+from kdtree.config.validate import check_group_overrides, loads_model, validate
 from kdtree.errors import KdtreeError
+from kdtree.pipeline.runner import run_pipeline
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -37,8 +38,8 @@ def _main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        from kdtree.pipeline.runner import run_pipeline
-
+        if loads_model(cfg):
+            check_device(cfg)
         code = run_pipeline(cfg, run_dir)
     except KdtreeError as e:
         _fail(str(e))

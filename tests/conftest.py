@@ -30,6 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fail_stage():
+    """The test-only stage `fail` (tests/pipeline/fail_stage.py), known to this process and to the engine and
+    kdtree.run processes it starts (the registration travels in KDTREE_STAGES)."""
+    from kdtree.pipeline.registry import register_stage, unregister_stage
+
+    register_stage("fail", "tests.pipeline.fail_stage")
+    yield "fail"
+    unregister_stage("fail")
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()
@@ -131,12 +142,11 @@ def ssh_host_yaml(sshd, tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    """conf/model/tiny.yaml on the ModelConfig schema (no Hydra composition)."""
-    from omegaconf import OmegaConf
+    """conf/model/tiny.yaml on the ModelConfig schema (no Hydra composition); the one tiny model config of the
+    tests (a test that changes it works on a copy.deepcopy)."""
+    from kdtree.config.schema import group_config
 
-    from kdtree.config.schema import ModelConfig
-
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(REPO / "conf" / "model" / "tiny.yaml"))
+    return group_config("model", "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -144,7 +154,7 @@ def tiny_weights(tiny_cfg):
     """Seeded random weights of the tiny target, with non-unit norms so a norm applied to the wrong rows shows."""
     import numpy as np
 
-    from kdtree.checkpoint.names import init_weights, target_tensor_shapes
+    from kdtree.model.names import init_weights, target_tensor_shapes
 
     w = init_weights(target_tensor_shapes(tiny_cfg), seed=0)
     rng = np.random.default_rng(7)

@@ -59,7 +59,7 @@ class Ops(ABC):
         """gate, up f32[T, I] -> silu(gate) * up, f32[T, I]."""
 
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int) -> Any:
-        """logp f32[depth, width], ids i32[depth, width] -> Tree (kdtree/decode/tree.py)."""
+        """logp f32[depth, width], ids i32[depth, width] -> Tree (kdtree/tree.py)."""
         raise NotImplementedError(f"backend {self.name} has no tree_build")
 
     def tree_accept(self, parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> Tuple[np.ndarray, int]:

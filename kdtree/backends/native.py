@@ -25,10 +25,10 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
-from kdtree.decode.tree import Tree as _Tree
+from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -147,7 +147,7 @@ class NativeLibrary:
 
     # ---- tree ops (host arrays in both builds) -----------------------------------------------------------
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
-        """-> Tree, identical to kdtree.decode.tree.tree_build. Output buffers are reused per (thread, size):
+        """-> Tree, identical to kdtree.tree.tree_build. Output buffers are reused per (thread, size):
         this runs once per decode round and its Python overhead is most of its cost."""
         _c_contig(logp, np.float32, "tree_build logp", 2)
         _c_contig(ids, np.int32, "tree_build ids", 2)
@@ -386,11 +386,8 @@ class NativeOps(Ops):
         self._c, self._null = self.lib.c, ffi.NULL
         self._fb_raw, self._f32a = ffi._backend.from_buffer, ffi.typeof("float[]")   # skips ffi's str parsing
         self._i32a, self._u64a = ffi.typeof("int32_t[]"), ffi.typeof("uint64_t[]")
-        try:
-            self._head_linear = self._c.kd_head_linear_f32
-        except AttributeError:   # a library built before the op existed
-            self._head_linear = None
-        self.has_head_linear = self._host and self._head_linear is not None
+        self._head_linear = self._c.kd_head_linear_f32
+        self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
@@ -482,7 +479,7 @@ class NativeOps(Ops):
     def head_linear(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         """out[t, h] = w[h] @ x[t, h] (kd_head_linear_f32) on backend=cpu; False (nothing written) otherwise.
         x f32[T, H, in] and out f32[T, H, out] may be views whose last axis is contiguous; w f32[H, out, in]."""
-        if not self._host or self._head_linear is None:
+        if not self._host:
             return False
         T, H, n_in = x.shape
         n_out = w.shape[1]
@@ -501,11 +498,7 @@ class NativeOps(Ops):
 
     def _build_moe_tables(self, layer: Any) -> Optional[Dict[str, Any]]:
         """Pointer tables of one MoE layer's expert weights (kept alive with the layer), or None when the fused op
-        does not apply (a non-float32 weight, mismatched shapes, or a library without kd_moe_f32)."""
-        try:
-            getattr(self._c, "kd_moe_f32")
-        except AttributeError:
-            return None
+        does not apply (a non-float32 weight, mismatched shapes)."""
         mats = [(m.gate, m.up, m.down) for m in layer.experts]
         if layer.shared is not None:
             mats.append((layer.shared.gate, layer.shared.up, layer.shared.down))
@@ -573,29 +566,19 @@ class NativeOps(Ops):
                                     np.ascontiguousarray(target_argmax, np.int32))
 
 
-def _factory(kind: str):
+def make_ops(kind: str, backend_cfg: Any) -> Ops:
     """backend=cpu|cuda from config: a missing library or (cuda) a missing device is a ConfigError (one line)."""
-    def make(backend_cfg: Any) -> Ops:
-        path = "" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "library", "") or "")
-        try:
-            ops = NativeOps(kind, path)
-        except NativeError as e:
-            raise ConfigError(f"backend={kind} (backend.library={path or '<default>'}): {e}; or use "
-                              f"backend=numpy") from None
-        if kind == "cuda" and ops.lib.device_count == 0:
-            raise ConfigError(f"backend=cuda: no CUDA device ({ops.lib.device_reason}); use backend=cpu or "
-                              f"backend=numpy")
-        return ops
-    return make
+    path = "" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "library", "") or "")
+    try:
+        ops = NativeOps(kind, path)
+    except NativeError as e:
+        raise ConfigError(f"backend={kind} (backend.library={path or '<default>'}): {e}; or use "
+                          f"backend=numpy") from None
+    if kind == "cuda" and ops.lib.device_count == 0:
+        raise ConfigError(f"backend=cuda: no CUDA device ({ops.lib.device_reason}); use backend=cpu or "
+                          f"backend=numpy")
+    return ops
 
 
-def _register() -> None:
-    from kdtree.backends import register_backend
-    register_backend("cpu", _factory("cpu"))
-    register_backend("cuda", _factory("cuda"))
-
-
-_register()
-
-__all__ = ["ABI_VERSION", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count",
+__all__ = ["ABI_VERSION", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
            "library_path"]

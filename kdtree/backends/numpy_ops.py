@@ -16,24 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from kdtree import tree
 from kdtree.backends.base import Ops
-
-
-def unpack_visibility(visibility: np.ndarray, n_rows: int) -> np.ndarray:
-    """Packed u64[T, ceil(T/64)] -> bool[T, n_rows]: bit (k % 64) of word k // 64 is key k."""
-    vis = np.ascontiguousarray(visibility, dtype="<u8")
-    bits = np.unpackbits(vis.view(np.uint8).reshape(vis.shape[0], -1), axis=1, bitorder="little")
-    return bits[:, :n_rows].astype(bool)
-
-
-def pack_visibility(mask: np.ndarray) -> np.ndarray:
-    """bool[T, T] -> packed u64[T, ceil(T/64)] (the inverse of unpack_visibility)."""
-    mask = np.asarray(mask, dtype=bool)
-    T, K = mask.shape
-    words = (K + 63) // 64
-    padded = np.zeros((T, words * 64), np.uint8)
-    padded[:, :K] = mask
-    return np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64).reshape(T, words)
+from kdtree.tree import unpack_visibility
 
 
 class NumpyOps(Ops):
@@ -114,9 +99,7 @@ class NumpyOps(Ops):
     _rows_cache = None
 
     def tree_build(self, logp, ids, budget):
-        from kdtree.decode import tree
         return tree.tree_build(logp, ids, budget)
 
     def tree_accept(self, parents, tokens, target_argmax):
-        from kdtree.decode import tree
         return tree.tree_accept(parents, tokens, target_argmax)

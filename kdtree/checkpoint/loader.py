@@ -47,11 +47,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.hf_config import check_drafter_config, check_target_config, plain
 from kdtree.checkpoint.index import CONFIG_FILE, INDEX_FILE, CheckpointIndex, open_checkpoint
-from kdtree.checkpoint.safetensors_io import FLOAT_DTYPES, TensorInfo, bf16_to_f32
+from kdtree.bf16 import bf16_to_f32
+from kdtree.checkpoint.safetensors_io import FLOAT_DTYPES, TensorInfo
 from kdtree.errors import CheckpointError
+from kdtree.quant.int4 import Int4Weight
 
 ShardFn = Callable[[str, Tuple[int, ...]], Optional[Tuple[slice, ...]]]
 ProgressFn = Callable[[int, int, int, int], None]
@@ -697,11 +699,6 @@ def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: 
     if stored != tuple(logical):
         raise CheckpointError(f"{p['shape'].info.path}: tensor '{module}.weight_shape' holds {list(stored)} but the "
                               f"model config expects {list(logical)}; regenerate the quantized checkpoint")
-    try:
-        from kdtree.quant.int4 import Int4Weight
-    except ImportError as e:
-        raise CheckpointError(f"{p['packed'].info.path}: INT4 module '{module}' found but kdtree.quant.int4 cannot "
-                              f"be imported ({e}); install kdtree completely") from None
     shape = logical if sl is None else (sl[0][1] - sl[0][0], sl[1][1] - sl[1][0])
     return Int4Weight.from_tensors(f"{module}.weight", p["packed"].result, p["scale"].result, shape, group)
 

@@ -20,6 +20,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
+from kdtree.bf16 import f32_to_bf16
 from kdtree.errors import CheckpointError
 
 # safetensors dtype string -> numpy storage dtype (BF16 is stored as its raw uint16 bits)
@@ -63,20 +64,6 @@ class FileHeader:
     data_start: int                   # 8 + header length
     tensors: Dict[str, TensorInfo]    # in data-offset order
     metadata: Dict[str, str]
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bits -> float32 (exact)."""
-    wide = np.empty(bits.shape, np.uint32)
-    np.left_shift(bits, 16, out=wide, dtype=np.uint32, casting="unsafe")  # one pass, one allocation
-    return wide.view(np.float32)
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> uint16 bf16 bits, round to nearest even (NaN stays NaN)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded).astype(np.uint16)
 
 
 def read_header(path) -> FileHeader:

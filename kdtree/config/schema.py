@@ -6,10 +6,13 @@ compose time. Cross-field rules live in kdtree/config/validate.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import List
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass
@@ -169,11 +172,6 @@ class HealthConfig:
 
 
 @dataclass
-class GenerateConfig:
-    seed: int = 0
-
-
-@dataclass
 class PlanConfig:
     disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
     float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
@@ -216,12 +214,10 @@ class RootConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
-    extra: Optional[Any] = None
 
 
 GROUPS = {
@@ -240,3 +236,12 @@ def register() -> None:
     cs.store(name="root_schema", node=RootConfig)
     for group, node in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
+
+
+def group_config(group: str, name: str) -> DictConfig:
+    """conf/<group>/<name>.yaml on its group's schema, without Hydra composition (training, tools, tests);
+    `name` may also be a path to a YAML file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else CONF_DIR / group / f"{name}.yaml"
+    if not path.is_absolute() and not path.exists():
+        path = CONF_DIR.parent / path           # relative to the repository root
+    return OmegaConf.merge(OmegaConf.structured(GROUPS[group]), OmegaConf.load(path))

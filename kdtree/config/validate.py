@@ -5,10 +5,9 @@ Each failure is one ConfigError line naming the key, the value and what would be
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Iterable, List, Sequence
+from urllib.parse import urlsplit
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -113,31 +112,6 @@ def validate_tree(cfg: DictConfig) -> None:
         raise ConfigError(f"tree.width={t.width} with tree=chain; a chain has width 1 (use tree=ddtree for wider trees)")
 
 
-def cuda_device_problem() -> str:
-    """'' when a CUDA device is usable, else the reason (never raises)."""
-    try:
-        from kdtree.backends.native import cuda_device_count  # the native library's own answer
-        answer = cuda_device_count()  # int, or (count, reason)
-        n, reason = answer if isinstance(answer, tuple) else (answer, "")
-        return "" if n > 0 else (reason or "no CUDA device")
-    except ImportError:
-        pass
-    except Exception as e:  # a broken library is a reason, not a crash
-        return f"{type(e).__name__}: {e}"
-    if shutil.which("nvidia-smi") is None:
-        return "no CUDA device (nvidia-smi not found)"
-    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-    return "" if r.returncode == 0 and "GPU" in r.stdout else "no CUDA device (nvidia-smi lists none)"
-
-
-def validate_backend(cfg: DictConfig) -> None:
-    b = cfg.backend
-    if b.name == "cuda":
-        problem = cuda_device_problem()
-        if problem:
-            raise ConfigError(f"backend=cuda needs a CUDA device: {problem}; use backend=cpu or backend=numpy here")
-
-
 def validate_checkpoint_path(cfg: DictConfig) -> None:
     m = cfg.model
     if OmegaConf.is_missing(m, "path"):
@@ -178,8 +152,6 @@ def validate_bench_load(cfg: DictConfig) -> None:
 
 def check_url(key: str, url: str) -> None:
     """http(s)://host[:port][/path], the port in range: a URL curl can use, or one line saying why not."""
-    from urllib.parse import urlsplit
-
     fix = f"e.g. {key}=http://127.0.0.1:30001"
     try:
         u = urlsplit(url)
@@ -239,8 +211,14 @@ def validate_serve(cfg: DictConfig) -> None:
         raise ConfigError(f"stop.timeout_s={cfg.stop.timeout_s} must be >= 0 (seconds between SIGTERM and SIGKILL)")
 
 
+def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
+    """True when the pipeline (or `stages`) loads the model's weights: it needs a checkpoint and a device."""
+    return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline) if stages is None else stages))
+
+
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
-    """All cross-field checks; checkpoint and device checks only when the pipeline loads the model."""
+    """All cross-field checks; the checkpoint check only when the pipeline loads the model. The backend's
+    device check is kdtree.backends.check_device (config does not import the backends)."""
     if cfg.quant.method not in QUANT_METHODS:
         raise ConfigError(f"quant.method={cfg.quant.method} is unknown; use quant=fp32 or quant=int4_w4a16")
     if cfg.quant.group_size <= 0 or cfg.quant.group_size % 8:
@@ -261,6 +239,5 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
         stages = pipeline_stage_names(cfg.pipeline)
     validate_health(cfg, stages)
     validate_serve(cfg)
-    if MODEL_STAGES.intersection(stages):
-        validate_backend(cfg)
+    if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

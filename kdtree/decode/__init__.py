@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, List, Optional, Sequence
 
+from kdtree.decode.ar import generate_ar
+from kdtree.decode.ddtree import generate_ddtree
 from kdtree.decode.result import GenerationResult
 from kdtree.errors import ConfigError
 
@@ -17,13 +19,11 @@ def generate(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new_tokens
     on_tokens(new_ids): called after each commit with the tokens it added (live streaming); see the loops."""
     kind = str(tree_cfg.kind)
     if kind == "ar":
-        from kdtree.decode.ar import generate_ar
         return generate_ar(model, prompt_ids, max_new_tokens, eos_id=eos_id, stop_ids=stop_ids, on_tokens=on_tokens)
     if kind in ("chain", "ddtree"):
         if drafter is None:
             raise ConfigError(f"tree.kind={kind} needs the DFlash drafter but none is loaded; "
                               f"add <checkpoint>/drafter/ or use tree=ar")
-        from kdtree.decode.ddtree import generate_ddtree
         return generate_ddtree(model, drafter, tree_cfg, prompt_ids, max_new_tokens, eos_id=eos_id, stop_ids=stop_ids,
                                on_tokens=on_tokens)
     raise ConfigError(f"tree.kind={kind} is unknown; use tree=ar, tree=chain or tree=ddtree")

@@ -1,6 +1,6 @@
 """Greedy speculative decoding with a DFlash block drafter: DDTree (a best-first tree) and chain (width 1).
 
-Per round (docs/engine-contracts.md, DESIGN.md §5):
+Per round (docs/engine-contracts.md):
   draft      drafter block forward after the committed context -> logits of the next depth tokens
   tree_build per-depth top-`width` log-probs -> best-first tree of `budget` nodes (ops.tree_build)
   verify     ONE target forward over [bonus, nodes] at positions start + depth, ancestor-only visibility
@@ -19,7 +19,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kdtree.decode.result import GenerationResult
-from kdtree.decode.tree import draft_topk
+from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """DFlash block drafter: predicts the next B-1 tokens after the bonus token in one forward.
 
-Layout (names in kdtree/checkpoint/names.drafter_tensor_shapes): context features
+Layout (names in kdtree/model/names.drafter_tensor_shapes): context features
 `hidden_norm(fc(concat(target hiddens of target_layer_ids)))` for every committed position; the block is
 the target's embedding of [bonus, MASK x (B-1)]; each layer is a pre-norm Qwen3-style GQA attention
 (q/k RMSNorm per head, rotate_half RoPE at absolute positions) whose queries are the block rows and whose
@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Sequence
 
 import numpy as np
 
-from kdtree.checkpoint.names import drafter_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes
 from kdtree.errors import CheckpointError, ConfigError
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
-from kdtree.checkpoint.names import is_moe_layer
+from kdtree.model.names import is_moe_layer
 from kdtree.errors import CheckpointError, ConfigError
 from kdtree.model.rope import RotaryTable, softmax_scale
 

@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
+from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
 from kdtree.monitor.eta import RateMeter, eta_seconds
 from kdtree.monitor.history import History, compare
@@ -105,8 +107,6 @@ class Watcher:
 
     def _local_port(self) -> int:
         """The URL's port when the server listens on the host the probes run on (its owner can be found there)."""
-        from urllib.parse import urlsplit
-
         try:
             u = urlsplit(self.target.url)
             port = u.port or (443 if u.scheme == "https" else 80)
@@ -483,8 +483,6 @@ class HealthError(Exception):
 def history_for(cfg, url: str = "") -> History:
     """Cold starts are comparable when host, model, checkpoint, quant, tp and backend match (+ the URL
     for servers this run did not start)."""
-    from kdtree.engine import cache_dir
-
     fields = {"host": f"{cfg.host.name}:{cfg.host.address}", "model": cfg.model.name, "path": cfg.model.path,
               "quant": cfg.quant.method, "tp": cfg.tp.size, "backend": cfg.backend.name, "tree": cfg.tree.kind}
     if url:

@@ -1,4 +1,4 @@
-"""Tensor parallelism (DESIGN.md §8): a pass over the built K2 target, gpt-fast style.
+"""Tensor parallelism: a pass over the built K2 target, gpt-fast style.
 
     sharding.py  which slice of each tensor rank r of tp reads; bytes_per_rank for the plan
     comm.py      the process group and the rank-ordered (deterministic, batch-invariant) all-reduce

@@ -31,9 +31,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.config.validate import validate_tp
 from kdtree.errors import ConfigError
-from kdtree.parallel.comm import leave_group
+from kdtree.model.k2 import K2Model
+from kdtree.parallel.comm import init_group, leave_group, ordered_all_reduce, resolve_dist_backend
 from kdtree.parallel.model import TPError, TPModel
+from kdtree.parallel.sharding import shard_fn
 
 DEFAULT_TIMEOUT_S = 300.0     # collectives and rendezvous; a rank silent this long is treated as dead
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -157,14 +161,7 @@ def _watched(progress, workers: List[_Worker], tp: int, every_s: float = 0.2):
 def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     """Start ranks 1..N-1, load rank 0's slices here -> (TPModel, rank 0's LoadStats with bytes_read of ALL ranks)."""
     import torch.distributed as dist
-
-    from kdtree.checkpoint.loader import load_checkpoint, load_options
-    from kdtree.config.validate import validate_tp
-    from kdtree.model.k2 import K2Model
     from omegaconf import OmegaConf
-
-    from kdtree.parallel.comm import init_group, ordered_all_reduce, resolve_dist_backend
-    from kdtree.parallel.sharding import shard_fn
 
     validate_tp(cfg)
     tp = int(cfg.tp.size)

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding plan: which slice of each K2 tensor rank r of tp reads (DESIGN.md §8).
+"""Tensor-parallel sharding plan: which slice of each K2 tensor rank r of tp reads (the rules below).
 
     shard = shard_fn(cfg.model, rank=3, tp=8)            # load_checkpoint(..., shard=shard) reads only these bytes
     shard("model.layers.0.self_attn.q_b_proj.weight", (H * 24, 64)) -> (slice(3*H/8*24, 4*H/8*24), slice(None))
@@ -29,8 +29,9 @@ import math
 import re
 from typing import Callable, Optional, Tuple
 
-from kdtree.checkpoint import names
 from kdtree.errors import ConfigError
+from kdtree.model import names
+from kdtree.quant.int4 import module_is_quantized
 
 ROWS, COLS = 0, 1   # the axis of a [out, in] weight that is split
 
@@ -89,8 +90,6 @@ def bytes_per_rank(cfg, quant_cfg, tp: int, float_bytes: int = 2) -> int:
     the embedded tiny checkpoint). INT4 modules: weight_packed int32 [out, in/8], weight_scale bf16
     [out, in/group], weight_shape int32 [2] (read whole by every rank). tp=1 gives the whole target.
     """
-    from kdtree.quant.int4 import module_is_quantized
-
     group = int(quant_cfg.group_size) if quant_cfg is not None else 32
     linear = names.target_linear_shapes(cfg)
     total = 0

@@ -23,6 +23,12 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
+from kdtree.backends import get_ops
+from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.model.k2 import K2Model
+from kdtree.parallel.comm import init_group, ordered_all_reduce
+from kdtree.parallel.sharding import shard_fn
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -40,12 +46,6 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     import numpy as np
     import torch
     from omegaconf import OmegaConf
-
-    from kdtree.backends import get_ops
-    from kdtree.checkpoint.loader import load_checkpoint, load_options
-    from kdtree.model.k2 import K2Model
-    from kdtree.parallel.comm import init_group, ordered_all_reduce
-    from kdtree.parallel.sharding import shard_fn
 
     op, setup = conn.recv()
     assert op == "setup", op

@@ -2,15 +2,15 @@
 
     python -m kdtree.pipeline.engine_process --run-dir D --stages load,warmup,serve [--at 0]
 
-reads D/config.yaml (the resolved config) and D/pipeline.json (the resolved stages), creates the
-StatusFile (D/status.json) when kdtree.serve.status exists, calls every stage module's
-on_process_start(ctx) hook, runs the stages in order sharing ctx.state, and writes its exit status to
-D/engine.exit (0 = every stage ended, 1 = a stage failed, 143 = stopped by SIGTERM).
+reads D/config.yaml (the resolved config) and D/pipeline.json (the resolved stages), creates the status
+object the first of its stages declares (make_status: D/status.json), calls every stage module's
+on_process_start(ctx) hook, runs the stages in order sharing ctx.shared, closes ctx.shared, and writes its
+exit status to D/engine.exit (0 = every stage ended, 1 = a stage failed, 143 = stopped by SIGTERM).
 
-When a stage (or a hook, or the process setup) fails, status.json says phase "failed" with the error
+When a stage (or a hook, or the process setup) fails, the status says phase "failed" with the error
 ("<type>: <message>", error_type, failed_stage) before the process exits, so /status, /health (503) and the
-monitor report why. If the serve port is open it keeps answering that for FAILED_LINGER_S (a SIGTERM ends
-the wait) so a load balancer or monitor polling it reads the error, not just a refused connection.
+monitor report why; then the stages' on_process_failed(ctx) hooks run (serve keeps its open port answering
+that for a few seconds; a SIGTERM ends the wait).
 
 Also the controller-side helpers for such a process: launch (`launch_engine`), wait (`wait_engine`),
 stop (`stop_engine`), and the registry of launched engines (`<cache_dir>/engines.jsonl`) that
@@ -31,13 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from kdtree.errors import PipelineError
+from omegaconf import OmegaConf
+
+from kdtree.config.paths import cache_dir
+from kdtree.errors import HostError, PipelineError
 from kdtree.hosts.base import ALIVE_SH
+from kdtree.pipeline import registry
+from kdtree.pipeline.context import StageContext
+from kdtree.pipeline.events import EVENTS_FILE, EventLog, read_jsonl
+from kdtree.pipeline.execute import execute_stage
+from kdtree.pipeline.spec import StageSpec, repo_root
 
 PIDFILE, LOGFILE, EXITFILE, CONFIG, PIPELINE = "engine.pid", "engine.log", "engine.exit", "config.yaml", "pipeline.json"
 EXIT_OK, EXIT_FAILED, EXIT_TERMINATED = 0, 1, 143
 POLL_S = 0.5  # controller poll period while an engine runs (liveness, exit file, log tail)
-FAILED_LINGER_S = 5.0  # a failed engine with its serve port open answers /health 503 + the error this long
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,12 +60,13 @@ def _write_exit(run_dir: Path, code: int) -> None:
     os.replace(tmp, run_dir / EXITFILE)
 
 
-def _make_status(run_dir: Path):
-    try:
-        from kdtree.serve.status import StatusFile  # the serving engineer's; optional for the runner
-    except ImportError:
-        return None
-    return StatusFile(run_dir / "status.json")
+def _make_status(run_dir: Path, modules) -> Any:
+    """The status object of the first stage module that declares make_status(run_dir), else None."""
+    for module in modules:
+        make = getattr(module, "make_status", None)
+        if make is not None:
+            return make(run_dir)
+    return None
 
 
 class _FailureRecorder:
@@ -86,33 +94,26 @@ def _mark_failed(status, error_type: str, error: str, stage: Optional[str] = Non
         pass
 
 
-def _linger_if_serving(ctx, events) -> None:
-    """Keep an open serve port answering 'failed' for FAILED_LINGER_S; SIGTERM ends the wait early."""
-    app = ctx.state.get("serve_app") if ctx is not None else None
-    if app is None or not getattr(app, "listening", False) or FAILED_LINGER_S <= 0:
-        return
-    events.emit("failed_linger", url=getattr(app, "url", ""), seconds=FAILED_LINGER_S)
-    try:
-        deadline = time.monotonic() + FAILED_LINGER_S
-        while time.monotonic() < deadline:
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-    except EngineTerminated:
-        pass
+def _on_failed(ctx, modules, events) -> None:
+    """The stages' on_process_failed(ctx) hooks (after the status says failed); SIGTERM ends them early."""
+    for module in modules:
+        hook = getattr(module, "on_process_failed", None)
+        if hook is None or ctx is None:
+            continue
+        try:
+            hook(ctx)
+        except EngineTerminated:
+            return
+        except Exception as e:  # exiting anyway: the failure already recorded is what matters
+            events.emit("hook_error", hook="on_process_failed", error_type=type(e).__name__, error=str(e))
 
 
 def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
-    from omegaconf import OmegaConf
-
-    from kdtree import stages as stage_registry
-    from kdtree.pipeline.context import StageContext
-    from kdtree.pipeline.events import EVENTS_FILE, EventLog
-    from kdtree.pipeline.runner import execute_stage
-    from kdtree.pipeline.spec import StageSpec
-
     run_dir = Path(run_dir).resolve()
     events = _FailureRecorder(EventLog(run_dir / EVENTS_FILE, where="engine", console=sys.stdout))
     code = EXIT_FAILED
     ctx = None
+    modules: List[Any] = []
 
     def on_term(signum, frame):
         raise EngineTerminated(signal.Signals(signum).name)
@@ -121,15 +122,14 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
     try:
         events.emit("engine_start", stages=stage_names, host=socket.gethostname(),
                     ssh=os.environ.get("SSH_CONNECTION", ""), python=sys.executable)
+        modules = [registry.load_stage(name) for name in stage_names]
         cfg = OmegaConf.load(run_dir / CONFIG)
         doc = json.loads((run_dir / PIPELINE).read_text())
         specs = [StageSpec.from_dict(d) for d in doc["stages"][at:at + len(stage_names)]]
         if [s.stage for s in specs] != stage_names or any(s.on != "host" for s in specs):
             raise PipelineError(f"--stages {','.join(stage_names)} --at {at} does not match the host stages of "
                                 f"{run_dir / PIPELINE}; relaunch through kdtree.run")
-        ctx = StageContext(cfg=cfg, run_dir=run_dir, state={"results": {}}, emit=events.emit,
-                           status=_make_status(run_dir))
-        modules = [stage_registry.load_stage(s.stage) for s in specs]
+        ctx = StageContext(cfg=cfg, run_dir=run_dir, emit=events.emit, status=_make_status(run_dir, modules))
         for spec, module in zip(specs, modules):
             hook = getattr(module, "on_process_start", None)
             if hook is not None:
@@ -139,7 +139,8 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
                     events.emit("stage_fail", stage=spec.stage, index=spec.index, side="host", seconds=0.0,
                                 error_type=type(e).__name__, error=f"on_process_start: {e}")
                     _mark_failed(ctx.status, type(e).__name__, f"on_process_start: {e}", spec.stage)
-                    _linger_if_serving(ctx, events)
+                    _on_failed(ctx, modules, events)
+                    _close_shared(ctx)
                     return _finish(run_dir, events, EXIT_FAILED)
         code = EXIT_OK
 
@@ -147,6 +148,7 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
             f = events.last_fail or {}
             _mark_failed(ctx.status, f.get("error_type", "StageTimeout"), f.get("error", ""), f.get("stage"))
             _write_exit(run_dir, EXIT_FAILED)
+            os._exit(EXIT_FAILED)
 
         for spec in specs:
             if not execute_stage(ctx, spec, events, hard_exit=hard_exit):
@@ -154,23 +156,23 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
                 f = events.last_fail or {}
                 _mark_failed(ctx.status, f.get("error_type", "Error"), f.get("error", f"stage {spec.stage!r} failed"),
                              spec.stage)
-                _linger_if_serving(ctx, events)
+                _on_failed(ctx, modules, events)
                 break
     except EngineTerminated as e:
         events.emit("engine_terminated", signal=str(e))
         code = EXIT_TERMINATED
     except Exception as e:  # config/pipeline files unreadable: still leave an exit status behind
         events.emit("engine_error", error_type=type(e).__name__, error=str(e))
-        _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir), type(e).__name__, str(e))
+        _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir, modules), type(e).__name__,
+                     str(e))
         code = EXIT_FAILED
-    _close_engine(ctx)
+    _close_shared(ctx)
     return _finish(run_dir, events, code)
 
 
-def _close_engine(ctx) -> None:
-    """Shut down what the engine holds outside this process (tensor-parallel ranks) before exiting."""
-    engine = ctx.state.get("model_engine") if ctx is not None else None
-    close = getattr(engine, "close", None)
+def _close_shared(ctx) -> None:
+    """Close what the stages share (the model engine: its tensor-parallel ranks) before exiting."""
+    close = getattr(ctx.shared, "close", None) if ctx is not None else None
     if close is not None:
         try:
             close()
@@ -178,9 +180,9 @@ def _close_engine(ctx) -> None:
             print(f"engine close failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
-def _make_status_quietly(run_dir: Path):
+def _make_status_quietly(run_dir: Path, modules) -> Any:
     try:
-        return _make_status(run_dir)
+        return _make_status(run_dir, modules)
     except Exception:
         return None
 
@@ -218,9 +220,6 @@ class EngineHandle:
     def log(self) -> str:
         return f"{self.run_dir}/{LOGFILE}"
 
-    def state(self) -> Dict[str, Any]:
-        return {"pid": self.pid, "run_dir": self.run_dir, "host": self.host, "log": self.log,
-                "pidfile": f"{self.run_dir}/{PIDFILE}", "stages": list(self.stages)}
 
 
 def _host_run_dir(host, local_run_dir: Path) -> (str, bool):
@@ -242,8 +241,6 @@ def _engine_env(host) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith("KDTREE_")}
     env["PYTHONUNBUFFERED"] = "1"
     if host.kind == "local":
-        from kdtree.pipeline.spec import repo_root
-
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
@@ -334,8 +331,6 @@ def stop_engine(host, pid: int, grace_s: float = 10.0, poll_s: float = 0.2) -> s
 
     Every host command shares one budget (grace_s + 2 s for the SIGKILL): over a dead transport this gives up
     with StopUnreachable after that long instead of waiting a command timeout per call."""
-    from kdtree.errors import HostError
-
     give_up_at = time.monotonic() + max(0.0, grace_s) + 2.0
 
     def budget() -> float:     # seconds the next host command may take (>= 0.5 s so a live host can answer)
@@ -364,8 +359,6 @@ def fetch_back(engine: EngineHandle) -> None:
     """Copy the engine's files to the controller's run dir when they are not the same directory."""
     if engine.shared_fs:
         return
-    from kdtree.pipeline.events import EVENTS_FILE
-
     r = engine.host.run(["ls", "-1", engine.run_dir])
     for name in r.stdout.split():
         if name in (CONFIG, PIPELINE) or name.startswith("."):
@@ -390,12 +383,6 @@ def fetch_back(engine: EngineHandle) -> None:
 REGISTRY = "engines.jsonl"
 
 
-def cache_dir(cfg) -> Path:
-    from kdtree.engine import cache_dir as engine_cache_dir  # one rule for every cache user
-
-    return engine_cache_dir(cfg)
-
-
 def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Optional[int]) -> None:
     """Append this engine to the registry so `pipeline=stop` finds it by run dir or serve port."""
     d = cache_dir(cfg)
@@ -410,8 +397,6 @@ def record_engine(cfg, engine: EngineHandle, host_cfg: Dict[str, Any], port: Opt
 
 
 def registry_entries(cfg) -> List[Dict[str, Any]]:
-    from kdtree.pipeline.events import read_jsonl
-
     return read_jsonl(cache_dir(cfg) / REGISTRY)
 
 

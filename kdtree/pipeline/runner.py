@@ -6,41 +6,32 @@ Consecutive `on: host` stages run in ONE engine process launched through the hos
 run_dir/engine.{pid,log,exit}); controller stages run here. A controller stage that follows a host group
 runs while the engine runs (health_poll watches it); with none following, the controller waits for the
 engine, tails its log and propagates its failure. After the last stage an engine still running is waited
-for (foreground, Ctrl-C stops it) or, with serve.detach=true after a controller stage, left running.
+for (foreground, Ctrl-C stops it) or, when one of its stages declares KEEPS_RUNNING (serve with serve.detach=true)
+and the pipeline ends with a controller stage, left running. The runner knows no stage by name: what it needs
+from a stage module it reads from the module's declarations (pipeline/registry.py).
 """
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
-from kdtree import stages as stage_registry
-from kdtree.errors import KdtreeError, PipelineError
+from kdtree.errors import KdtreeError
+from kdtree.hosts import connect
 from kdtree.pipeline import engine_process as ep
+from kdtree.pipeline import registry
 from kdtree.pipeline.context import StageContext
 from kdtree.pipeline.events import EVENTS_FILE, EventLog, read_events
+from kdtree.pipeline.execute import execute_stage
 from kdtree.pipeline.spec import PipelineSpec, StageSpec, load_pipeline
 
 EXIT_OK, EXIT_STAGE_FAILED, EXIT_BAD_PLAN, EXIT_INTERRUPTED = 0, 1, 2, 130
-HARD_TIMEOUT_GRACE_S = 10.0  # engine only: a stage stuck in C code past timeout_s + this ends the process
-
-
-class StageTimeout(PipelineError):
-    """A stage ran past its timeout_s."""
-
-
-def _cfg_get(cfg, dotted: str, default=None):
-    try:
-        value = OmegaConf.select(cfg, dotted, default=default)
-    except Exception:
-        return default
-    return default if value is None else value
+DEFAULT_STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait for an engine whose stages declare no STOP_GRACE_S
 
 
 def save_config(cfg, run_dir: Path) -> Path:
@@ -56,60 +47,7 @@ def save_config(cfg, run_dir: Path) -> Path:
 
 def plan_pipeline(cfg) -> PipelineSpec:
     """The checked spec of cfg.pipeline; raises PipelineError (one line) when it cannot run."""
-    return load_pipeline(str(_cfg_get(cfg, "pipeline", "serve")), cfg)
-
-
-def execute_stage(ctx: StageContext, spec: StageSpec, events: EventLog,
-                  hard_exit: Optional[Callable[[], None]] = None) -> bool:
-    """Run one stage in this process with its timeout; record start/end/fail events. True when it ended."""
-    module = stage_registry.load_stage(spec.stage)
-    base = dict(stage=spec.stage, index=spec.index)
-    ctx.emit = lambda kind, **f: events.emit(kind, **{**base, **f})
-    events.emit("stage_start", side=spec.on, params=spec.params, timeout_s=spec.timeout_s, **base)
-    t0 = time.monotonic()
-    in_main = threading.current_thread() is threading.main_thread()
-    old_handler, watchdog = None, None
-    if spec.timeout_s and in_main:
-        def on_alarm(signum, frame):
-            raise StageTimeout(f"stage {spec.stage!r} exceeded timeout_s={spec.timeout_s:g}")
-        old_handler = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, spec.timeout_s)
-    if spec.timeout_s and hard_exit is not None:
-        def hard():  # the alarm could not interrupt the stage (blocked in C): end the process, leave a record
-            import os
-
-            events.emit("stage_fail", side=spec.on, seconds=round(time.monotonic() - t0, 3),
-                        error_type="StageTimeout", error=f"stage {spec.stage!r} exceeded timeout_s={spec.timeout_s:g} "
-                        f"and did not stop within {HARD_TIMEOUT_GRACE_S:g} s", **base)
-            hard_exit()
-            os._exit(ep.EXIT_FAILED)
-        watchdog = threading.Timer(spec.timeout_s + HARD_TIMEOUT_GRACE_S, hard)
-        watchdog.daemon = True
-        watchdog.start()
-    try:
-        result = module.run(ctx, **spec.params)
-    except Exception as e:
-        seconds = round(time.monotonic() - t0, 3)
-        _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-        events.emit("stage_fail", side=spec.on, seconds=seconds, error_type=type(e).__name__, error=msg, **base)
-        return False
-    finally:
-        _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)
-    seconds = round(time.monotonic() - t0, 3)
-    if result is not None:
-        ctx.state.setdefault("results", {})[spec.stage] = result
-    events.emit("stage_end", side=spec.on, seconds=seconds, result=result, **base)
-    return True
-
-
-def _disarm(old_handler, had_alarm: bool, watchdog) -> None:
-    if had_alarm:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if old_handler is not None:
-            signal.signal(signal.SIGALRM, old_handler)
-    if watchdog is not None:
-        watchdog.cancel()
+    return load_pipeline(str(cfg.pipeline), cfg)
 
 
 def _last_failure(run_dir: Path, where: Optional[str] = None) -> Optional[Dict[str, Any]]:
@@ -151,22 +89,31 @@ class _Run:
 
     def __init__(self, cfg, run_dir: Path, spec: PipelineSpec, events: EventLog, out):
         self.cfg, self.run_dir, self.spec, self.events, self.out = cfg, run_dir, spec, events, out
-        self.ctx = StageContext(cfg=cfg, run_dir=run_dir, state={"results": {}}, emit=events.emit)
+        self.ctx = StageContext(cfg=cfg, run_dir=run_dir, emit=events.emit)
         self.host = None
         self.engine: Optional[ep.EngineHandle] = None
+        self.engine_modules: List[Any] = []  # the stage modules the running engine process runs
         self.follower: Optional[_LogFollower] = None
 
     def error(self, line: str) -> None:
         print(f"error: {line}", file=sys.stderr, flush=True)
 
-    def launch(self, stages) -> None:
-        from kdtree.hosts import connect
+    def declared(self, attr: str) -> List[Any]:
+        """What the running engine's stages declare as `attr` (pipeline/registry.py), those that do."""
+        values = (registry.declared(m, attr, self.cfg) for m in self.engine_modules)
+        return [v for v in values if v is not None]
 
+    def keeps_running(self) -> bool:
+        return any(self.declared("KEEPS_RUNNING"))
+
+    def launch(self, stages: List[StageSpec]) -> None:
         if self.host is None:
             self.host = connect(self.cfg.host)
         self.engine = ep.launch_engine(self.host, self.run_dir, stages)
-        self.ctx.state["engine"] = self.engine.state()
-        port = _cfg_get(self.cfg, "serve.port") if any(s.stage == "serve" for s in stages) else None
+        self.engine_modules = [registry.load_stage(s.stage) for s in stages]
+        self.ctx.engine_process = self.engine
+        ports = self.declared("PORT")
+        port = int(ports[0]) if ports else None
         host_cfg = OmegaConf.to_container(self.cfg.host, resolve=True) if "host" in self.cfg else {"kind": "local"}
         ep.record_engine(self.cfg, self.engine, host_cfg, port)
         self.events.emit("engine_launch", pid=self.engine.pid, host=self.host.label, stages=self.engine.stages,
@@ -187,7 +134,6 @@ class _Run:
         code = ep.wait_engine(engine, tail=True, out=self.out)
         ep.fetch_back(engine)
         self.engine = None
-        self.ctx.state["engine"] = dict(self.ctx.state.get("engine") or {}, exit=code)
         if code == ep.EXIT_OK:
             return EXIT_OK
         failure = _last_failure(self.run_dir, "engine")
@@ -207,7 +153,7 @@ class _Run:
         self.stop_following()
         if self.engine is None:
             return
-        grace = float(_cfg_get(self.cfg, "stop.timeout_s", 10.0))
+        grace = max([float(g) for g in self.declared("STOP_GRACE_S")] or [DEFAULT_STOP_GRACE_S])
         engine, self.engine = self.engine, None
         try:
             how = ep.stop_engine(engine.host, engine.pid, grace_s=grace)
@@ -232,13 +178,14 @@ class _Run:
                 continue
             if not execute_stage(self.ctx, stages[0], self.events):
                 self.error(_fail_line(_last_failure(self.run_dir, "controller") or {}, self.spec))
-                # serve.detach=true leaves a READY engine running; one whose health poll failed is stopped
+                # KEEPS_RUNNING (serve.detach=true) leaves a READY engine running; one whose health poll failed
+                # is stopped (or the stop command printed, when its host does not answer)
                 self.stop_engine(f"stage {stages[0].stage!r} failed")
                 return EXIT_STAGE_FAILED
         if self.engine is None:
             return EXIT_OK
         last_side = groups[-1][0]
-        if last_side == "controller" and bool(_cfg_get(self.cfg, "serve.detach", False)):
+        if last_side == "controller" and self.keeps_running():
             if ep.engine_running(self.engine):
                 self.stop_following()
                 ep.tail_log(self.engine, self.out)

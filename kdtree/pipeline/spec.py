@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import kdtree
-from kdtree import stages as stage_registry
-from kdtree.errors import PipelineError
+from kdtree.pipeline import registry as stage_registry
+from kdtree.config.validate import read_yaml
+from kdtree.errors import ConfigError, PipelineError
 
 SIDES = ("host", "controller")
 STAGE_KEYS = ("stage", "on", "params")
@@ -58,7 +59,7 @@ def pipeline_path(name_or_path: str) -> Path:
 
 @dataclass
 class StageSpec:
-    stage: str                       # stage name = module kdtree.stages.<stage>
+    stage: str                       # stage name (pipeline/registry.py: module kdtree.stages.<stage>)
     on: str                          # "host" | "controller"
     index: int                       # position in the pipeline (0-based)
     params: Dict[str, Any] = field(default_factory=dict)   # resolved, without timeout_s
@@ -98,11 +99,8 @@ class PipelineSpec:
 
 
 def _read_yaml(path: Path, where: str) -> Any:
-    from kdtree.config.validate import read_yaml        # one message for a YAML syntax error: FILE:LINE:COL
-    from kdtree.errors import ConfigError
-
     try:
-        return read_yaml(path)
+        return read_yaml(path)                         # one message for a YAML syntax error: FILE:LINE:COL
     except ConfigError as e:
         raise PipelineError(str(e)) from None
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Tuple
 
 import numpy as np
 
-from kdtree.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16  # noqa: F401  (bf16 as uint16 bits, RNE)
+from kdtree.bf16 import bf16_to_f32, f32_to_bf16
 from kdtree.errors import CheckpointError, ConfigError
 
 PACK = 8          # 4-bit values per int32 word

@@ -127,3 +127,9 @@ def describe(snap: Dict[str, Any]) -> str:
     if phase == "failed" and snap.get("error"):
         parts.append(str(snap["error"]))
     return ", ".join(parts)
+
+
+def make_status(run_dir: Union[str, Path]) -> StatusFile:
+    """The engine process's status file, run_dir/status.json; the engine's stages declare this function as
+    their `make_status` (kdtree/pipeline/registry.py), so the engine process creates it at start."""
+    return StatusFile(Path(run_dir) / "status.json")

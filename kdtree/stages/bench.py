@@ -13,14 +13,16 @@ import os
 import platform
 import subprocess
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from kdtree.backends import native
 from kdtree.decode.result import STAGES
-from kdtree.engine import Engine
+from kdtree.engine import AR_TREE, Engine, EngineState
+from kdtree.errors import PipelineError
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
 PARAMS = {"prompts": str, "max_new_tokens": int, "repeats": int}
@@ -76,7 +78,6 @@ def _backend_build(cfg) -> dict:
     if cfg.backend.name == "numpy":
         return {"name": "numpy"}
     try:
-        from kdtree.backends import native
         return {"name": cfg.backend.name, **native.library_info(cfg.backend.name)}
     except Exception as e:  # provenance must never fail the benchmark
         return {"name": cfg.backend.name, "error": f"{type(e).__name__}: {e}"}
@@ -92,7 +93,7 @@ def provenance(ctx) -> dict:
         "rerun": "python -m kdtree.run " + " ".join(f"'{o}'" for o in overrides),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "git_commit": _git_commit(),
-        "seeds": {"model": int(cfg.model.seed), "generate": int(cfg.generate.seed)},
+        "seeds": {"model": int(cfg.model.seed)},
         "versions": _versions(),
         "cpu": _cpu_model(), "cores": os.cpu_count(), "gpu": _gpu_model(),
         "backend_build": _backend_build(cfg),
@@ -101,15 +102,12 @@ def provenance(ctx) -> dict:
 
 
 def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
-    from kdtree.decode import generate
-
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
     for ids in prompts_ids:
-        r = generate(engine.model, engine.drafter if tree_cfg.kind != "ar" else None, tree_cfg, ids,
-                     max_new_tokens, eos_id=engine.eos_id)
+        r = engine.generate(ids, max_new_tokens, tree=tree_cfg)
         per_prompt.append({"tokens": r.tokens, "acceptance_lengths": r.acceptance_lengths,
                            "target_forwards": r.target_forwards, "seconds": r.seconds})
         hist.update(r.acceptance_lengths)
@@ -132,15 +130,16 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg) -> dict:
 
 def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> dict:
     cfg = ctx.cfg
-    engine = ctx.state.get("model_engine") or Engine.from_config(cfg, status=ctx.status)
-    ctx.state["model_engine"] = engine
+    state = EngineState.of(ctx)
+    if state.engine is None:
+        state.engine = Engine.from_config(cfg, status=ctx.status)
+    engine = state.engine
     texts = load_prompts(prompts)
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
-    ar_cfg = OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0})
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
-        a = _run_set(engine, prompts_ids, max_new_tokens, ar_cfg)
+        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)
         t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if cfg.tree.kind != "ar" else a
         ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
         tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
@@ -168,7 +167,6 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
           f"{out['mean_acceptance_length']:.2f}, target forwards/token {out['target_forwards_per_token']:.3f}, "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
     if not lossless:
-        from kdtree.errors import PipelineError
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
                             f"broken (see {ctx.run_dir / 'bench.json'}); report this as a bug")
     return {k: out[k] for k in ("tokens_per_s", "speedup_vs_ar", "mean_acceptance_length")}

@@ -35,14 +35,15 @@ from typing import Dict, List, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint import names
 from kdtree.checkpoint.hf_config import target_config_json
 from kdtree.checkpoint.index import CONFIG_FILE
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.progress import ProgressReporter
-from kdtree.checkpoint.tiny import cache_root
 from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.config.paths import cache_root
 from kdtree.config.schema import ModelConfig, QuantConfig
+from kdtree.model import names
+from kdtree.quant.int4 import quantization_config_json
 
 SIDE = "controller"
 PARAMS = {"gb": float, "repeats": int, "threads": int, "strategy": str, "shards": int, "cold": bool}
@@ -125,8 +126,6 @@ def _tensors(cfg, block: np.ndarray) -> tuple:
 
 def ensure_bench_checkpoint(gb: float, shards: int, cache_dir: str = "") -> tuple:
     """(path, model_cfg, quant_cfg) of the synthetic checkpoint, built once (temp dir + atomic rename)."""
-    from kdtree.quant.int4 import quantization_config_json
-
     model, quant = bench_configs(gb)
     key = json.dumps({"v": FORMAT_VERSION, "dims": OmegaConf.to_container(model), "shards": shards}, sort_keys=True)
     root = cache_root(cache_dir) / "bench_load"

@@ -4,25 +4,22 @@ side (the same weights, the same process, the same prompt). Prints three lines; 
 tokens differ from AR's (the lossless invariant). serve.demo_tokens=0 skips it."""
 from __future__ import annotations
 
-from omegaconf import OmegaConf
-
+from kdtree.engine import AR_TREE, EngineState
 from kdtree.errors import PipelineError
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
 PARAMS = {"prompt": str, "max_new_tokens": int}
 
 
 def run(ctx, prompt: str, max_new_tokens: int) -> dict:
-    from kdtree.decode import generate
-
     if max_new_tokens <= 0:
         return {"skipped": True}
-    engine = ctx.state.get("model_engine")
+    engine = EngineState.of(ctx).engine
     if engine is None:
         raise PipelineError("stage demo: no engine in this process; put `{stage: load, on: host}` before demo")
     ids = engine.tokenizer.encode(prompt)
-    ar = generate(engine.model, None, OmegaConf.create({"kind": "ar", "width": 1, "depth": 0, "budget": 0}),
-                  ids, max_new_tokens, eos_id=engine.eos_id)
+    ar = engine.generate(ids, max_new_tokens, tree=AR_TREE)
     tree = engine.generate(ids, max_new_tokens) if engine.drafter is not None else ar
     if tree.tokens != ar.tokens:
         raise PipelineError(f"demo: tree={ctx.cfg.tree.kind} tokens differ from AR for prompt {prompt!r}: the "

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import json
 
-from kdtree.engine import Engine
+from kdtree.engine import Engine, EngineState
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
 PARAMS = {"prompt": str, "max_new_tokens": int}
 
 
 def run(ctx, prompt: str, max_new_tokens: int) -> dict:
-    engine = ctx.state.get("model_engine") or Engine.from_config(ctx.cfg, status=ctx.status)
-    ctx.state["model_engine"] = engine
+    state = EngineState.of(ctx)
+    if state.engine is None:
+        state.engine = Engine.from_config(ctx.cfg, status=ctx.status)
+    engine = state.engine
     prompt_ids = engine.tokenizer.encode(prompt)
     result = engine.generate(prompt_ids, max_new_tokens)
     text = engine.tokenizer.decode(result.tokens)

@@ -6,6 +6,7 @@ status.json, and `POST /v1/completions` on serve.host:serve.port as seen from th
 """
 from __future__ import annotations
 
+from kdtree.hosts import connect
 from kdtree.monitor.watcher import Target, history_for, watch
 
 SIDE = "controller"
@@ -13,23 +14,21 @@ PARAMS = {}
 NEEDS_ENGINE = True
 
 
-def engine_target(cfg, engine: dict) -> Target:
+def engine_target(cfg, pid: int, run_dir: str, log: str) -> Target:
+    """The engine process (pid, its run dir on its host, its log) as the monitor's target."""
     s, h = cfg.serve, cfg.health
     bind = "127.0.0.1" if s.host in ("0.0.0.0", "", "::") else s.host
     url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
     return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or s.api_key,
-                  pid=int(h.pid or engine.get("pid") or 0), status_path=f"{engine['run_dir']}/status.json",
-                  log=h.log or engine.get("log", ""), unit=h.unit, unit_user=h.unit_user, disk=h.disk,
+                  pid=int(h.pid or pid or 0), status_path=f"{run_dir}/status.json",
+                  log=h.log or log, unit=h.unit, unit_user=h.unit_user, disk=h.disk,
                   expected_bytes=int(h.expected_bytes))
 
 
 def run(ctx) -> dict:
-    engine = ctx.state.get("engine") or {}
-    host = engine.get("host")
-    if host is None:
-        from kdtree.hosts import connect
-        host = connect(ctx.cfg.host)
-    if not engine.get("run_dir"):
-        engine = dict(engine, run_dir=str(ctx.run_dir))
-    target = engine_target(ctx.cfg, engine)
+    engine = ctx.engine_process   # this run's engine process (EngineHandle), launched by the runner
+    if engine is not None:
+        host, target = engine.host, engine_target(ctx.cfg, engine.pid, engine.run_dir, engine.log)
+    else:
+        host, target = connect(ctx.cfg.host), engine_target(ctx.cfg, 0, str(ctx.run_dir), "")
     return watch(ctx.cfg, host, target, ctx.run_dir, history_for(ctx.cfg))

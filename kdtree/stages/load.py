@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
-from kdtree.engine import Engine
+from kdtree.checkpoint.progress import ProgressReporter
+from kdtree.engine import Engine, EngineState
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
 PARAMS = {}
@@ -14,8 +16,6 @@ def progress_sink(ctx):
     """progress(bytes_done, bytes_total, shards_done, shards_total) -> status.json + a terminal line."""
     reporter = None
     if ctx.cfg.load.progress:
-        from kdtree.checkpoint.progress import ProgressReporter
-
         reporter = ProgressReporter(label="load")
     t0 = time.monotonic()
 
@@ -35,7 +35,7 @@ def progress_sink(ctx):
 
 def run(ctx) -> dict:
     engine = Engine.from_config(ctx.cfg, status=ctx.status, progress=progress_sink(ctx))
-    ctx.state["model_engine"] = engine
+    EngineState.of(ctx).engine = engine
     r = engine.load_report
     ctx.emit("loaded", checkpoint=r.checkpoint, bytes=r.bytes_read, seconds=round(r.seconds, 3),
              mb_s=round(r.mb_s, 1))

@@ -5,7 +5,7 @@
 Per rank: the bytes of its slices of the sharded tensors (1/tp each) plus every replicated tensor; the
 latent KV cache per token; the shard files the rank reads (from the checkpoint's index when the checkpoint
 is there, else a computed layout of `shard_gb` shards in file order); the load time of the whole node at
-each disk rate. Sharding rules (the TP implementation's, DESIGN §8): q_b_proj and kv_b_proj split by head
+each disk rate. Sharding rules (kdtree/parallel/sharding.py): q_b_proj and kv_b_proj split by head
 (rows), o_proj by input columns; dense/shared/routed expert gate/up by rows, down by columns; latent
 projections (q_a, kv_a), norms, router gate, embed and lm_head replicated. Writes plan.json.
 """
@@ -19,7 +19,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
+from kdtree.checkpoint.index import open_checkpoint
+from kdtree.checkpoint.tiny import tiny_checkpoint_path
 from kdtree.errors import ConfigError
+from kdtree.model.names import target_linear_shapes, target_tensor_shapes
+from kdtree.parallel.sharding import split_axis as logical_split
+from kdtree.quant.int4 import module_is_quantized
 
 SIDE = "controller"
 PARAMS = {"disk_mb_s": list, "float_dtype": str, "shard_gb": float}
@@ -33,8 +38,6 @@ def split_axis(tensor: str):
 
     INT4 parts follow their logical weight: weight_packed/weight_scale split like `.weight`; weight_shape
     ([out, in], 2 integers) is read whole by every rank."""
-    from kdtree.parallel.sharding import split_axis as logical_split
-
     module, _, part = tensor.rpartition(".")
     if part == "weight_shape":
         return None
@@ -52,7 +55,6 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
         p = Path(str(path)).expanduser()
         return p if p.is_dir() else None
     try:
-        from kdtree.checkpoint.tiny import tiny_checkpoint_path
         p = tiny_checkpoint_path(cfg.model, cfg.quant, cfg.get("cache_dir", ""))
     except Exception:
         return None
@@ -61,9 +63,6 @@ def _checkpoint_dir(cfg) -> Optional[Path]:
 
 def computed_tensors(model, quant, float_bytes: int) -> Iterator[Tuple[str, int]]:
     """(tensor name, bytes) in file order for a checkpoint of this config (INT4 modules as packed/scale/shape)."""
-    from kdtree.checkpoint.names import target_linear_shapes, target_tensor_shapes
-    from kdtree.quant.int4 import module_is_quantized
-
     group = int(quant.group_size)
     linear = target_linear_shapes(model)  # only Linear modules are quantized (not embeddings, not the router)
     for name, shape in target_tensor_shapes(model).items():
@@ -109,8 +108,6 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         raise ConfigError(f"plan.disk_mb_s={list(disk_mb_s)}; give positive MB/s rates, e.g. [2000,240]")
     ckpt = _checkpoint_dir(cfg)
     if ckpt is not None:
-        from kdtree.checkpoint.index import open_checkpoint
-
         idx = open_checkpoint(ckpt)
         layout = [(t.name, t.path.name, t.nbytes) for t in idx.tensors.values()]
         n_files, source = len(idx.files), f"checkpoint index {ckpt}"

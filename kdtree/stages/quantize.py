@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kdtree.checkpoint.quantize import quantize_checkpoint
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 from kdtree.errors import ConfigError
 
 SIDE = "any"
@@ -22,14 +24,11 @@ def _source(cfg) -> Path:
     if cfg.model.name != "tiny":
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/fp32-checkpoint "
                           f"or pass src= to the quantize stage")
-    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
 
     return Path(ensure_tiny_checkpoint(cfg.model, None, cfg.get("cache_dir", "")))   # None = the FP32 one
 
 
 def run(ctx, src: str = "", dst: str = "") -> dict:
-    from kdtree.quant.checkpoint import quantize_checkpoint
-
     cfg = ctx.cfg
     if cfg.quant.method != "int4_w4a16":
         raise ConfigError(f"pipeline=quantize with quant={cfg.quant.method} has nothing to do; add quant=int4_w4a16")

@@ -6,20 +6,35 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
+from kdtree.engine import EngineState
 from kdtree.errors import PipelineError
 from kdtree.serve.app import ServeApp
 from kdtree.serve.sd_notify import SdNotifier
-from kdtree.serve.status import StatusFile
+from kdtree.serve.status import StatusFile, make_status
 
 SIDE = "host"
 PARAMS = {}
 DRAIN_TIMEOUT_S = 300.0          # longest a SIGTERM waits for accepted requests before closing anyway
+FAILED_LINGER_S = 5.0            # a failed engine with its port open answers /health 503 + the error this long
+
+
+def KEEPS_RUNNING(cfg) -> bool:  # serve.detach=true: the pipeline returns, the server keeps serving
+    return bool(cfg.serve.detach)
+
+
+def STOP_GRACE_S(cfg) -> float:  # SIGTERM drains accepted requests; SIGKILL after stop.timeout_s
+    return float(cfg.stop.timeout_s)
+
+
+def PORT(cfg) -> int:            # recorded in the engine registry: `pipeline=stop serve.port=N` finds it
+    return int(cfg.serve.port)
 
 
 def _status(ctx) -> StatusFile:
     if ctx.status is None:
-        ctx.status = StatusFile(ctx.run_dir / "status.json")
+        ctx.status = make_status(ctx.run_dir)
     return ctx.status
 
 
@@ -33,14 +48,27 @@ def on_process_start(ctx) -> ServeApp:
     s = ctx.cfg.serve
     app = ServeApp(status, host=s.host, port=s.port, model_name=s.model_name or ctx.cfg.model.name,
                    api_key=s.api_key, max_queue=s.max_queue).start()
-    ctx.state["serve_app"] = app
+    EngineState.of(ctx).server = app
     ctx.emit("serve_listening", url=app.url, phase=status.phase)
     return app
 
 
+def on_process_failed(ctx) -> None:
+    """Keep an open port answering 'failed' (status, /health 503) for FAILED_LINGER_S, so a load balancer or
+    the monitor polling it reads the error, not just a refused connection; a SIGTERM ends the wait."""
+    app = EngineState.of(ctx).server
+    if app is None or not app.listening or FAILED_LINGER_S <= 0:
+        return
+    ctx.emit("failed_linger", url=app.url, seconds=FAILED_LINGER_S)
+    deadline = time.monotonic() + FAILED_LINGER_S
+    while time.monotonic() < deadline:
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def run(ctx) -> dict:
-    app = ctx.state.get("serve_app") or on_process_start(ctx)
-    engine = ctx.state.get("model_engine")
+    state = EngineState.of(ctx)
+    app = state.server or on_process_start(ctx)
+    engine = state.engine
     if engine is None:
         raise PipelineError("stage serve: no engine in this process; put `{stage: load, on: host}` before serve")
     app.attach(engine)

@@ -10,11 +10,13 @@ connection. The run's files are left as they are (an engine_stop event is append
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from omegaconf import OmegaConf
 
+from kdtree.config.paths import cache_dir
 from kdtree.errors import PipelineError
+from kdtree.hosts import connect
 from kdtree.pipeline import engine_process as ep
 from kdtree.pipeline.events import EVENTS_FILE, EventLog
 
@@ -29,15 +31,13 @@ def _entry_for_run_dir(cfg, run_dir: Path) -> Dict[str, Any]:
     pidfile, config = run_dir / ep.PIDFILE, run_dir / ep.CONFIG
     if not pidfile.exists():
         raise PipelineError(f"stop.run_dir={run_dir}: no engine.pid there and no entry in "
-                            f"{ep.cache_dir(cfg) / ep.REGISTRY}; give the run dir of a pipeline that started an engine")
+                            f"{cache_dir(cfg) / ep.REGISTRY}; give the run dir of a pipeline that started an engine")
     host = OmegaConf.to_container(OmegaConf.load(config).host) if config.exists() else {"kind": "local"}
     return {"run_dir": str(run_dir), "host_run_dir": str(run_dir), "pid": int(pidfile.read_text().strip()),
             "host": host}
 
 
 def _entry_for_port(cfg, port: int) -> Dict[str, Any]:
-    from kdtree.hosts import connect
-
     entries = [e for e in ep.registry_entries(cfg) if e.get("port") == port]
     for e in reversed(entries):  # most recent first; skip engines that already ended
         host = connect(e.get("host") or {"kind": "local"})
@@ -47,12 +47,10 @@ def _entry_for_port(cfg, port: int) -> Dict[str, Any]:
         finally:
             host.close()
     raise PipelineError(f"serve.port={port}: no running engine of {len(entries)} launched on that port in "
-                        f"{ep.cache_dir(cfg) / ep.REGISTRY}; give stop.run_dir=<the run dir>")
+                        f"{cache_dir(cfg) / ep.REGISTRY}; give stop.run_dir=<the run dir>")
 
 
 def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0) -> dict:
-    from kdtree.hosts import connect
-
     if run_dir:
         entry = _entry_for_run_dir(ctx.cfg, Path(run_dir).expanduser().resolve())
     elif port:

@@ -14,22 +14,27 @@ import json
 import time
 from pathlib import Path
 
+from kdtree.train.data import Corpus
+from kdtree.train.evaluate import evaluate, heldout_prompts, load_engine
+from kdtree.train.export import training_md, write_assets
+from kdtree.train.recipe import RECIPE as R
+
 SIDE = "controller"
 PARAMS = {"target_steps": int, "drafter_steps": int, "batch": int, "seq_len": int, "target_lr": float,
           "drafter_lr": float, "n_prompts": int, "n_new": int, "seed": int, "threads": int, "out": str,
           "eval_prompts": int, "eval_new": int}
 
 
-def run(ctx, target_steps: int = 1800, drafter_steps: int = 1500, batch: int = 16, seq_len: int = 128,
-        target_lr: float = 4e-3, drafter_lr: float = 3e-3, n_prompts: int = 1536, n_new: int = 96, seed: int = 0,
-        threads: int = 1, out: str = "", eval_prompts: int = 0, eval_new: int = 96) -> dict:
-    """threads: torch threads; 1 is as fast as 2 on a loaded 2-core machine at a third of the CPU time
-    (small ops spin on OpenMP barriers), and 4x faster for the token-by-token greedy generation."""
-    import torch
+def run(ctx, target_steps: int = R.target_steps, drafter_steps: int = R.drafter_steps, batch: int = R.batch,
+        seq_len: int = R.seq_len, target_lr: float = R.target_lr, drafter_lr: float = R.drafter_lr,
+        n_prompts: int = R.n_prompts, n_new: int = R.n_new, seed: int = R.seed, threads: int = R.threads,
+        out: str = "", eval_prompts: int = 0, eval_new: int = 96) -> dict:
+    """Defaults: the recipe of the committed checkpoint (kdtree/train/recipe.py). threads: torch threads; 1 is as
+    fast as 2 on a loaded 2-core machine at a third of the CPU time (small ops spin on OpenMP barriers), and 4x
+    faster for the token-by-token greedy generation."""
+    import torch  # optional heavy dependency: only this stage needs it
 
-    from kdtree.train import loop
-    from kdtree.train.data import Corpus
-    from kdtree.train.export import training_md, write_assets
+    from kdtree.train import loop  # torch
 
     torch.set_num_threads(threads)
     cfg = ctx.cfg.model
@@ -42,12 +47,12 @@ def run(ctx, target_steps: int = 1800, drafter_steps: int = 1500, batch: int = 1
     t = loop.train_target(cfg, corpus, target_steps, batch, seq_len, target_lr, seed=seed, log=log,
                           eval_every=max(1, target_steps // 10))
     ctx.emit("target_trained", steps=t["steps"], heldout_loss=t["history"][-1]["heldout_loss"])
-    lens = [16, 32, 64, 128]
+    lens = list(R.prompt_lens)
     tr = loop.greedy_set(t["model"], corpus, n_prompts, lens, n_new, seed, "train", log=log)
     ho = loop.greedy_set(t["model"], corpus, min(64, max(2, n_prompts // 8)), [32, 96], n_new, seed + 1, "heldout",
                          log=log)
     d = loop.train_drafter(cfg, t["model"], tr, drafter_steps, min(batch, min(s["tokens"].shape[0] for s in tr)),
-                           lr=drafter_lr, seed=seed, log=log, eval_sets=ho,
+                           anchors_per_seq=R.anchors, lr=drafter_lr, decay=R.decay, seed=seed, log=log, eval_sets=ho,
                            eval_every=max(1, drafter_steps // 10))
     info = {"target": {"steps_done": t["steps"], "history": t["history"], "last_expert_load": t["last_expert_load"],
                        "corpus": corpus.provenance()},
@@ -58,7 +63,6 @@ def run(ctx, target_steps: int = 1800, drafter_steps: int = 1500, batch: int = 1
     summary = {"out": str(out_dir), "target_heldout_loss": t["history"][-1]["heldout_loss"],
                "drafter_chain_acceptance": d["history"][-1].get("chain_acceptance")}
     if eval_prompts > 0:
-        from kdtree.train.evaluate import evaluate, heldout_prompts, load_engine
         model, drafter = load_engine(out_dir, cfg)
         ev = evaluate(model, drafter, heldout_prompts(eval_prompts, 64, seed), eval_new, log=log)
         info["eval"] = ev

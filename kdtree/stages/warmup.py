@@ -15,7 +15,9 @@ from typing import List, Tuple
 
 import numpy as np
 
+from kdtree.engine import EngineState
 from kdtree.errors import PipelineError
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
 PARAMS = {}
@@ -54,7 +56,7 @@ class _VerifyBlock:
 
 
 def run(ctx) -> dict:
-    engine = ctx.state.get("model_engine")
+    engine = EngineState.of(ctx).engine
     if engine is None:
         raise PipelineError("stage warmup: no engine in this process; put `{stage: load, on: host}` before warmup")
     shapes = warmup_shapes(ctx.cfg, engine)

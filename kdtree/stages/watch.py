@@ -14,6 +14,7 @@ stage fails with the verdict otherwise (health.json in the run dir holds every s
 from __future__ import annotations
 
 from kdtree.errors import ConfigError
+from kdtree.hosts import connect
 from kdtree.monitor.watcher import Target, history_for, watch
 
 SIDE = "controller"
@@ -24,8 +25,6 @@ def run(ctx) -> dict:
     h = ctx.cfg.health
     if not h.url:   # also checked before the run (kdtree/config/validate.py); kept for direct callers
         raise ConfigError("health.url is empty; give the server to watch, e.g. health.url=http://127.0.0.1:30001")
-    from kdtree.hosts import connect
-
     host = connect(ctx.cfg.host)
     target = Target(url=h.url, model=h.model, api_key=h.api_key, pid=int(h.pid), status_path=h.status_path,
                     log=h.log, unit=h.unit, unit_user=h.unit_user, checkpoint=ctx.cfg.model.path,

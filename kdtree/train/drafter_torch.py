@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdtree.checkpoint.names import drafter_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes
 from kdtree.train.k2_torch import _key, rms_norm
 
 

@@ -18,6 +18,15 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from kdtree.backends.numpy_ops import NumpyOps
+from kdtree.checkpoint.loader import load_checkpoint, load_drafter
+from kdtree.config.schema import group_config
+from kdtree.decode.ar import generate_ar
+from kdtree.decode.ddtree import generate_ddtree
+from kdtree.model.drafter import DFlashDrafter
+from kdtree.model.k2 import K2Model
+from kdtree.train.data import Corpus
+
 SHAPES: Sequence[Tuple[str, int, int, int]] = (   # (kind, width, depth, budget)
     ("chain", 1, 7, 7),
     ("ddtree", 2, 7, 16),
@@ -28,11 +37,6 @@ SHAPES: Sequence[Tuple[str, int, int, int]] = (   # (kind, width, depth, budget)
 
 
 def load_engine(ckpt: Path, cfg):
-    from kdtree.backends.numpy_ops import NumpyOps
-    from kdtree.checkpoint.loader import load_checkpoint, load_drafter
-    from kdtree.model.drafter import DFlashDrafter
-    from kdtree.model.k2 import K2Model
-
     tw, _ = load_checkpoint(ckpt, cfg, None)
     dw, _ = load_drafter(ckpt, cfg, None)
     model = K2Model(cfg, tw, NumpyOps())
@@ -40,14 +44,10 @@ def load_engine(ckpt: Path, cfg):
 
 
 def heldout_prompts(n: int, length: int, seed: int = 0) -> List[List[int]]:
-    from kdtree.train.data import Corpus
     return [list(map(int, p)) for p in Corpus().prompts(np.random.default_rng(seed), n, length, "heldout")]
 
 
 def evaluate(model, drafter, prompts: List[List[int]], max_new: int, shapes=SHAPES, eos_id=None, log=print) -> Dict:
-    from kdtree.decode.ar import generate_ar
-    from kdtree.decode.ddtree import generate_ddtree
-
     ar = []
     t0 = time.perf_counter()
     for p in prompts:
@@ -85,17 +85,16 @@ def table(ev: Dict) -> str:
 
 
 def main(argv=None) -> int:
-    from kdtree.train.run import model_cfg
     ap = argparse.ArgumentParser(prog="python -m kdtree.train.evaluate")
     ap.add_argument("--ckpt", default="kdtree/assets/tiny")
-    ap.add_argument("--model", default="conf/model/tiny.yaml")
+    ap.add_argument("--model", default="tiny", help="conf/model/<name>.yaml, or a YAML path")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
-    cfg = model_cfg(a.model)
+    cfg = group_config("model", a.model)
     model, drafter = load_engine(Path(a.ckpt), cfg)
     ev = evaluate(model, drafter, heldout_prompts(a.prompts, a.prompt_len, a.seed), a.new)
     ev["command"] = "python -m kdtree.train.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -12,11 +12,23 @@ from typing import Dict, Mapping, Optional
 
 import numpy as np
 
+from safetensors.numpy import load_file, save_file
+
 from kdtree.checkpoint.hf_config import drafter_config_json, target_config_json
-from kdtree.checkpoint.names import drafter_tensor_shapes, target_tensor_shapes
 from kdtree.checkpoint.writer import write_checkpoint
+from kdtree.model.names import drafter_tensor_shapes, target_tensor_shapes
+from kdtree.train.evaluate import table
 
 SHARD_BYTES = 4 * 2 ** 20   # the same shard size as the generated tiny checkpoint
+
+
+def save_tensors(path: Path, tensors) -> None:
+    """A work dir's weights file (target/drafter .safetensors of `python -m kdtree.train.run`)."""
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path))
+
+
+def load_tensors(path: Path) -> Dict[str, np.ndarray]:
+    return dict(load_file(str(path)))
 
 
 def _check(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple], what: str) -> Dict[str, np.ndarray]:
@@ -51,7 +63,7 @@ def training_md(info: dict, commands: str = "") -> str:
     L = ["# The trained tiny K2 checkpoint", "",
          "Target: the tiny K2 (DeepSeek-V3 architecture, conf/model/tiny.yaml) trained as a byte-level LM;",
          "drafter: its DFlash block drafter distilled on the target's own greedy continuations.",
-         "Code: kdtree/train/ (torch, CPU). Weights fp32, tensor names of kdtree/checkpoint/names.py.", "",
+         "Code: kdtree/train/ (torch, CPU). Weights fp32, tensor names of kdtree/model/names.py.", "",
          "## Data", "",
          f"* {c['source']}; Python {c['python']} ({c['stdlib']}), {c['n_files']} files, each as",
          "  bos(256) + utf-8 bytes + eos(257)" + (f", at most {c['max_bytes_per_file']} bytes per file" if c.get("max_bytes_per_file") else "") + ".",
@@ -77,7 +89,6 @@ def training_md(info: dict, commands: str = "") -> str:
     L += [f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
           f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]
     if ev:
-        from kdtree.train.evaluate import table
         L += ["", "## Acceptance (numpy engine, held-out prompts)", "",
               f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
               f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
@@ -91,8 +102,6 @@ def training_md(info: dict, commands: str = "") -> str:
 
 def export_assets(cfg, work: Path, out: Path) -> Path:
     """From a `python -m kdtree.train.run` work dir (target/drafter .safetensors + .json)."""
-    from kdtree.train.run import load_tensors
-
     work = Path(work)
     t = json.loads((work / "target.json").read_text())
     d = json.loads((work / "drafter.json").read_text())

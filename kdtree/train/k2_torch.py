@@ -7,7 +7,7 @@ Same math as kdtree/model/k2.py, but MLA in the *non-absorbed* form (mathematica
   score  = (q_nope . k_nope + rope(q_pe) . rope(k_pe)) * softmax_scale(cfg)    (YaRN, interleaved pairs)
 MoE: s = sigmoid(x Wg^T); top-k of s + e_score_correction_bias; weights = selected s normalised x
 routed_scaling_factor; + the shared expert. Parameters keep the checkpoint tensor names
-(kdtree/checkpoint/names.target_tensor_shapes) so `export()` writes a checkpoint directly.
+(kdtree/model/names.target_tensor_shapes) so `export()` writes a checkpoint directly.
 
 The router bias is a buffer, not a parameter: gradients never touch it. `K2Torch.update_router_bias`
 applies DeepSeek-V3's auxiliary-loss-free balancing (bias += gamma * sign(mean load - load)) from the
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdtree.checkpoint.names import is_moe_layer, target_tensor_shapes
+from kdtree.model.names import is_moe_layer, target_tensor_shapes
 from kdtree.model.rope import rope_mscale, softmax_scale, yarn_inv_freq
 
 

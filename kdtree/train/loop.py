@@ -18,10 +18,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.train.data import Corpus
 from kdtree.train.drafter_torch import DrafterTorch
 from kdtree.train.k2_torch import K2Torch
+from kdtree.train.recipe import RECIPE as R
 
 Log = Callable[[str], None]
 
@@ -54,9 +55,9 @@ def eval_target(model: K2Torch, corpus: Corpus, n: int = 16, seq_len: int = 128,
     return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)))
 
 
-def train_target(cfg, corpus: Corpus, steps: int, batch: int = 16, seq_len: int = 256, lr: float = 3e-3,
-                 warmup: int = 50, weight_decay: float = 0.01, bias_gamma: float = 1e-3, seed: int = 0,
-                 log: Log = print, eval_every: int = 100, time_limit_s: Optional[float] = None,
+def train_target(cfg, corpus: Corpus, steps: int, batch: int = R.batch, seq_len: int = R.seq_len,
+                 lr: float = R.target_lr, warmup: int = 50, weight_decay: float = 0.01, bias_gamma: float = 1e-3,
+                 seed: int = R.seed, log: Log = print, eval_every: int = R.eval_every, time_limit_s: Optional[float] = None,
                  init: Optional[Dict[str, np.ndarray]] = None, stop_after: Optional[int] = None) -> Dict:
     torch.manual_seed(seed)
     model = K2Torch(cfg, init if init is not None else init_target(cfg, seed))
@@ -148,9 +149,10 @@ def eval_drafter(target: K2Torch, drafter: DrafterTorch, sets: List[Dict], max_s
             "n_blocks": int(hits.shape[0])}
 
 
-def train_drafter(cfg, target: K2Torch, sets: List[Dict], steps: int, batch: int = 16, anchors_per_seq: int = 16,
-                  lr: float = 2e-3, warmup: int = 30, decay: float = 4.0, seed: int = 0, log: Log = print,
-                  eval_sets: Optional[List[Dict]] = None, eval_every: int = 200,
+def train_drafter(cfg, target: K2Torch, sets: List[Dict], steps: int, batch: int = R.batch,
+                  anchors_per_seq: int = R.anchors, lr: float = R.drafter_lr, warmup: int = 30, decay: float = R.decay,
+                  seed: int = R.seed, log: Log = print, eval_sets: Optional[List[Dict]] = None,
+                  eval_every: int = R.eval_every,
                   time_limit_s: Optional[float] = None) -> Dict:
     torch.manual_seed(seed)
     target.eval()

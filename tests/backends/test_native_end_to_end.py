@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kdtree.backends import native
 from kdtree.engine import Engine
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 PROMPTS = ["2+2=", "def __init__(self, ", "The quick brown fox", "\x00\x01abc\xff", "import os\n"]
 
 

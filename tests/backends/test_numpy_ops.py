@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kdtree.backends import get_ops, register_backend
-from kdtree.backends.numpy_ops import NumpyOps, pack_visibility, unpack_visibility
+from kdtree.backends.numpy_ops import NumpyOps
+from kdtree.tree import pack_visibility, unpack_visibility
 from kdtree.config.schema import BackendConfig
 from kdtree.errors import ConfigError
 

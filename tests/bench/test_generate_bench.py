@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from kdtree.decode import generate
-from kdtree.engine import Engine
+from kdtree.engine import AR_TREE, Engine
+from tests.native_lib import CPU_ERROR, CPU_SKIPPED
 
 PROMPT = "def __init__(self, "
 TREES = {
@@ -27,10 +27,8 @@ _engines = {}
 
 def _engine(compose_cfg, backend):
     if backend not in _engines:
-        if backend != "numpy":
-            from kdtree.backends import native
-            if not native.library_path(backend).exists():
-                pytest.skip(f"libkdtree_{backend}.so not built (make native)")
+        if backend == "cpu" and CPU_SKIPPED:
+            pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR}); make native")
         _engines[backend] = Engine.from_config(compose_cfg(f"backend={backend}", "load.progress=false"))
     return _engines[backend]
 
@@ -42,10 +40,8 @@ def test_generate(benchmark, compose_cfg, backend, tree):
     benchmark.group = f"generate(backend={backend})"
     ids = engine.tokenizer.encode(PROMPT)
     tree_cfg = OmegaConf.create(TREES[tree])
-    drafter = None if tree == "ar" else engine.drafter
-    result = benchmark.pedantic(generate, args=(engine.model, drafter, tree_cfg, ids, 32),
-                                kwargs={"eos_id": engine.eos_id}, rounds=3, iterations=1)
-    ar = generate(engine.model, None, OmegaConf.create(TREES["ar"]), ids, 32, eos_id=engine.eos_id)
+    result = benchmark.pedantic(engine.generate, args=(ids, 32), kwargs={"tree": tree_cfg}, rounds=3, iterations=1)
+    ar = engine.generate(ids, 32, tree=AR_TREE)
     assert result.tokens == ar.tokens
     benchmark.extra_info.update(tokens=len(result.tokens), target_forwards=result.target_forwards,
                                 target_forwards_per_token=result.target_forwards / max(len(result.tokens), 1),

@@ -4,7 +4,7 @@
     .venv/bin/python -m pytest tests/bench/test_native_bench.py --benchmark-enable --benchmark-only -m gpu  # GPU
 
 Groups (compare the mean of the rows of a group side by side):
-  tree_build(budget=B)   plain-Python heapq reference (kdtree/decode/tree.py) vs NativeOps.tree_build (cffi
+  tree_build(budget=B)   plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
                          wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
   gemv(4096x4096,T=1)    native W4A16 GEMV vs numpy FP32 GEMV (w @ x, 64 MiB: does not fit in cache) vs native
                          FP32 GEMV. Bytes per call in extra_info: GB/s = bytes / mean.
@@ -19,10 +19,11 @@ import pytest
 
 from kdtree.backends import native
 from kdtree.backends.numpy_ops import NumpyOps
-from kdtree.decode import tree as tree_ref
+from kdtree import tree as tree_ref
 from kdtree.quant import int4
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 EPS = float(np.finfo(np.float32).eps)
 REF = NumpyOps()
 

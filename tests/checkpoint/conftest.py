@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kdtree.checkpoint.hf_config import target_config_json
-from kdtree.checkpoint.names import init_weights, target_tensor_shapes
+from kdtree.model.names import init_weights, target_tensor_shapes
 from kdtree.checkpoint.tiny import TINY_SHARD_BYTES
 from kdtree.checkpoint.writer import write_checkpoint
 from tests.checkpoint.configs import model_cfg, quant_cfg

@@ -9,7 +9,8 @@ from safetensors.numpy import load_file
 
 from kdtree.checkpoint import loader
 from kdtree.checkpoint.loader import load_checkpoint
-from kdtree.checkpoint.safetensors_io import bf16_to_f32, f32_to_bf16, read_header
+from kdtree.bf16 import bf16_to_f32, f32_to_bf16
+from kdtree.checkpoint.safetensors_io import read_header
 
 
 def test_hf_layout_with_index_and_sizes(write, weights):

@@ -13,7 +13,8 @@ import pytest
 
 from kdtree.checkpoint import loader
 from kdtree.checkpoint.loader import load_checkpoint
-from kdtree.checkpoint.safetensors_io import f32_to_bf16, read_header
+from kdtree.bf16 import f32_to_bf16
+from kdtree.checkpoint.safetensors_io import read_header
 
 
 def _mapped(path) -> dict:

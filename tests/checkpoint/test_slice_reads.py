@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint
-from kdtree.checkpoint.names import target_linear_shapes
+from kdtree.model.names import target_linear_shapes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-from tests.checkpoint.configs import int4_available, quant_cfg
+from tests.checkpoint.configs import quant_cfg
 
 RANK, TP = 1, 4
 
@@ -57,7 +57,6 @@ def test_three_dim_and_empty_slices(tmp_path):
         assert shape == want.shape and got == want.tobytes()
 
 
-@pytest.mark.skipif(not int4_available(), reason="kdtree.quant.int4 quantize_checkpoint/Int4Weight not importable")
 def test_int4_slices_equal_rows_and_cols_of_the_full_weight(tmp_path, cfg):
     q = quant_cfg("int4_w4a16")
     d = ensure_tiny_checkpoint(cfg, q, str(tmp_path))
@@ -78,8 +77,6 @@ def test_int4_slices_equal_rows_and_cols_of_the_full_weight(tmp_path, cfg):
 
 
 def test_int4_column_slice_off_the_group_grid_is_refused(tmp_path, cfg):
-    if not int4_available():
-        pytest.skip("kdtree.quant.int4 quantize_checkpoint/Int4Weight not importable")
     q = quant_cfg("int4_w4a16")
     d = ensure_tiny_checkpoint(cfg, q, str(tmp_path))
     with pytest.raises(ValueError, match="multiples of"):

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from kdtree.checkpoint.loader import load_checkpoint, load_drafter
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-from tests.checkpoint.configs import ROOT, int4_available, model_cfg, quant_cfg
+from kdtree.quant.int4 import Int4Weight
+from tests.checkpoint.configs import ROOT, model_cfg, quant_cfg
 
 
 def tree_bytes(d: Path) -> dict:
@@ -78,10 +78,7 @@ def test_racing_processes_both_get_the_complete_checkpoint(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [d.name]
 
 
-@pytest.mark.skipif(not int4_available(), reason="kdtree.quant.int4 quantize_checkpoint/Int4Weight not importable")
 def test_int4_tiny_checkpoint_loads_packed_experts(tmp_path, cfg):
-    from kdtree.quant.int4 import Int4Weight
-
     q = quant_cfg("int4_w4a16")
     d = ensure_tiny_checkpoint(cfg, q, str(tmp_path))
     assert d.name.startswith("tiny-int4_w4a16-")
@@ -110,10 +107,6 @@ def test_default_tiny_is_the_shipped_trained_checkpoint(tmp_path, fp32):
 
 
 def test_trained_int4_is_quantized_from_the_shipped_checkpoint_once(tmp_path):
-    if not int4_available():
-        pytest.skip("kdtree.quant.int4 not importable")
-    from kdtree.quant.int4 import Int4Weight
-
     trained = model_cfg("tiny", init="trained")
     d = ensure_tiny_checkpoint(trained, quant_cfg("int4_w4a16"), str(tmp_path))
     assert "-trained-" in d.name and d.parent == tmp_path / "checkpoints"

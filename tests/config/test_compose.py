@@ -12,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from kdtree.backends import check_device, cuda_device_problem
 from kdtree.config.schema import register
 from kdtree.config.validate import validate
 from kdtree.errors import ConfigError
@@ -78,7 +79,6 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["quant=int4_w4a16", "tp='8'", "quant.group_size=64"], r"not a multiple of quant.group_size=64"),
     (["model.path=/does/not/exist"], r"model.path=/does/not/exist does not exist"),
     (["model=k26"], r"model.path is empty for model=k26"),
-    (["backend=cuda"], r"backend=cuda needs a CUDA device"),
     (["load.strategy=fast"], r"load.strategy=fast is unknown; use load.strategy=mmap"),
     (["load.threads=0"], r"load.threads=0 must be >= 1"),
     (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
@@ -87,12 +87,15 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
     cfg = _compose(*overrides)
-    if "backend=cuda" in overrides:
-        from kdtree.config.validate import cuda_device_problem
-        if not cuda_device_problem():
-            pytest.skip("this machine has a CUDA device")
     with pytest.raises(ConfigError, match=match):
         validate(cfg, stages=["load"])
+
+
+def test_backend_cuda_without_a_device_names_the_fix():
+    if not cuda_device_problem():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ConfigError, match=r"backend=cuda needs a CUDA device"):
+        check_device(_compose("backend=cuda"))
 
 
 def test_plan_needs_neither_checkpoint_nor_gpu():
@@ -120,7 +123,6 @@ def test_bad_overrides_exit_nonzero_with_one_line(args, match, tmp_path):
 
 
 def test_backend_cuda_without_a_device_fails_in_one_line(tmp_path):
-    from kdtree.config.validate import cuda_device_problem
     if not cuda_device_problem():
         pytest.skip("this machine has a CUDA device")
     r = _run("pipeline=generate", "backend=cuda", tmp_path=tmp_path)

@@ -10,9 +10,9 @@ import zlib
 from typing import Callable, Dict, Optional, Sequence
 
 import numpy as np
-import pytest
 
-from kdtree.checkpoint.names import is_moe_layer
+from kdtree.model.names import is_moe_layer
+from kdtree.quant import int4
 
 PROMPTS = {
     "text": list(b"The quick brown fox jumps over"),
@@ -24,7 +24,6 @@ PROMPTS = {
 
 def int4_weights(cfg, weights, group_size: int = 32):
     """Routed-expert Linears quantized to Int4Weight (K2's scheme); everything else stays float32."""
-    int4 = pytest.importorskip("kdtree.quant.int4")
     out = dict(weights)
     for name, w in weights.items():
         if ".mlp.experts." in name and name.endswith("_proj.weight"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from scripted_drafter import PROMPTS, scripted
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights
+from kdtree.model.names import drafter_tensor_shapes, init_weights
 from kdtree.config.schema import TreeConfig
 from kdtree.decode import generate
 from kdtree.decode.ar import generate_ar

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from scripted_drafter import PROMPTS, noisy_rank, scripted
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights
+from kdtree.model.names import drafter_tensor_shapes, init_weights
 from kdtree.config.schema import TreeConfig
 from kdtree.decode import generate
 from kdtree.decode.ar import generate_ar

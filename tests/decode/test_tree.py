@@ -1,4 +1,4 @@
-"""kdtree/decode/tree.py against an independent path-based heapq tree builder, and accept-walk edge cases.
+"""kdtree/tree.py against an independent path-based heapq tree builder, and accept-walk edge cases.
 
     .venv/bin/python -m pytest -q tests/decode/test_tree.py
 """
@@ -9,8 +9,7 @@ import heapq
 import numpy as np
 import pytest
 
-from kdtree.backends.numpy_ops import unpack_visibility
-from kdtree.decode.tree import causal_visibility, draft_topk, tree_accept, tree_build
+from kdtree.tree import causal_visibility, draft_topk, tree_accept, tree_build, unpack_visibility
 
 
 def heapq_tree(logp: np.ndarray, ids: np.ndarray, budget: int):

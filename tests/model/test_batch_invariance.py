@@ -13,16 +13,13 @@ import pytest
 from kdtree.backends import get_ops
 from kdtree.backends.numpy_ops import NumpyOps
 from kdtree.model.k2 import K2Model, route, route_rows
+from tests.native_lib import CPU_SKIPPED, needs_cpu_library
 
 PROMPT = np.array([256, 50, 43, 50, 61], np.int32)
 
 
 def _backends():
-    out = ["numpy"]
-    from kdtree.backends import native
-    if native.library_path("cpu").exists():
-        out.append("cpu")
-    return out
+    return ["numpy"] if CPU_SKIPPED else ["numpy", "cpu"]
 
 
 def _int4(cfg, weights):
@@ -96,7 +93,7 @@ def test_numpy_ops_rows_independent_of_T(n_in, n_out):
             np.testing.assert_array_equal(ops.silu_mul(x[s:s + T], x[::-1][s:s + T]), one["silu_mul"][s:s + T])
 
 
-@pytest.mark.skipif("cpu" not in _backends(), reason="libkdtree_cpu.so not built")
+@needs_cpu_library
 def test_fused_moe_equals_grouped_path(tiny_cfg, tiny_weights):
     """backend=cpu runs each MoE layer as one kd_moe_f32 call; it gives the grouped Python path's bits."""
     fused_ops, plain_ops = get_ops("cpu"), get_ops("cpu")

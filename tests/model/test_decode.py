@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdtree.backends.numpy_ops import pack_visibility
+from kdtree.tree import pack_visibility
 from kdtree.decode.ar import generate_ar
 from kdtree.errors import ConfigError
 
@@ -172,8 +172,8 @@ def test_cache_overflow_and_empty_prompt_are_one_line_errors(tiny_model):
 
 
 def test_tree_module_packs_the_same_visibility():
-    """kdtree.decode.tree builds verify masks with node parents (-1 = root); it must equal ours."""
-    from kdtree.decode.tree import ancestor_visibility
+    """kdtree.tree builds verify masks with node parents (-1 = root); it must equal ours."""
+    from kdtree.tree import ancestor_visibility
 
     node_parents = np.array([p - 1 for p in TREE_PARENTS[1:]], np.int32)
     assert np.array_equal(ancestor_visibility(node_parents), pack_visibility(ancestors_mask(TREE_PARENTS)))

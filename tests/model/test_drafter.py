@@ -9,11 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
-from kdtree.config.schema import ModelConfig
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.errors import CheckpointError, KdtreeError
 from kdtree.model.drafter import DFlashDrafter
 
@@ -21,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/tiny.yaml"))
+def cfg(tiny_cfg):
+    return tiny_cfg
 
 
 @pytest.fixture(scope="module")

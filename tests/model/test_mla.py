@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdtree.checkpoint.names import is_moe_layer
+from kdtree.model.names import is_moe_layer
 from kdtree.model.rope import rope_mscale, softmax_scale, yarn_inv_freq
 
 
@@ -107,7 +107,7 @@ def test_absorbed_attention_with_cache_equals_naive(tiny_cfg, tiny_weights, tiny
 
 def test_absorbed_attention_under_a_tree_mask_equals_naive(tiny_cfg, tiny_weights, tiny_model):
     """Block rows see the cache and only the block rows their visibility bits name."""
-    from kdtree.backends.numpy_ops import pack_visibility
+    from kdtree.tree import pack_visibility
 
     cfg, m = tiny_cfg, tiny_model
     rng = np.random.default_rng(2)

@@ -1,7 +1,7 @@
 """Parity suite of the native library (in the spirit of llama.cpp's test-backend-ops).
 
 Every op x several shapes x every available backend ("cpu"; "cuda" is marked gpu and skipped without a device)
-against the numpy reference: kdtree/decode/tree.py for the tree ops, kdtree.backends.numpy_ops for the dense
+against the numpy reference: kdtree/tree.py for the tree ops, kdtree.backends.numpy_ops for the dense
 ops, kdtree.quant.int4.dequantize for W4A16. Integer outputs are bit-exact; float outputs are within a per-op
 tolerance (justified where it is computed); every output buffer is surrounded by sentinel guard regions that
 must survive the call. A case id re-runs one case:
@@ -11,28 +11,26 @@ must survive the call. A case id re-runs one case:
 """
 from __future__ import annotations
 
+import subprocess
+
 import numpy as np
 import pytest
 
 from kdtree.backends import native
-from kdtree.backends.numpy_ops import NumpyOps, unpack_visibility
-from kdtree.decode import tree as tree_ref
+from kdtree.backends.numpy_ops import NumpyOps
+from kdtree import tree as tree_ref
+from kdtree.tree import unpack_visibility
 from kdtree.errors import NativeError
 from kdtree.quant import int4
+from tests.native_lib import needs_cpu_library
 
 EPS = float(np.finfo(np.float32).eps)
 GUARD = 37                       # sentinel elements on each side of every output
 SENTINEL = np.uint32(0x7FC0DEAD)  # a NaN payload no kernel writes by accident
 REF = NumpyOps()
 
-try:
-    native.load_library("cpu")
-    _CPU_ERR = ""
-except NativeError as e:
-    _CPU_ERR = str(e)
-
 BACKENDS = [
-    pytest.param("cpu", marks=pytest.mark.skipif(bool(_CPU_ERR), reason=_CPU_ERR or "-")),
+    pytest.param("cpu", marks=needs_cpu_library),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         native.cuda_device_count() == 0, reason=f"no CUDA device: {native.CUDA_REASON}")]),
 ]
@@ -434,3 +432,14 @@ def test_cuda_on_torch_memory_and_stream():
                                       lib.stream(torch.cuda.current_stream().cuda_stream)), "kd_linear_f32")
     stream.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(), native.NativeOps("cuda").linear(x, w))
+
+
+def test_a_library_of_another_abi_version_is_refused_naming_make_native(tmp_path):
+    """A libkdtree_cpu.so built from an older header (kd_version() = 1) must not be used: one line, the fix."""
+    src = tmp_path / "old.c"
+    src.write_text("int kd_version(void) { return 1; }\n")
+    lib = tmp_path / "libkdtree_cpu.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, timeout=60)
+    with pytest.raises(NativeError, match=rf"ABI version 1, kdtree expects {native.ABI_VERSION}; rebuild it with "
+                                          r"`make native`"):
+        native.load_library("cpu", str(lib))

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from kdtree.backends import native
+from tests.native_lib import needs_cpu_library
 
 BACKENDS = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not native.library_path("cpu").exists(), reason="no cpu lib")),
+    pytest.param("cpu", marks=needs_cpu_library),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         native.cuda_device_count() == 0, reason=f"no CUDA device: {native.CUDA_REASON}")]),
 ]

@@ -16,8 +16,9 @@ import pytest
 
 from kdtree.backends import native
 from kdtree.quant import int4
+from tests.native_lib import needs_cpu_library
 
-pytestmark = pytest.mark.skipif(not native.library_path("cpu").exists(), reason="libkdtree_cpu.so not built")
+pytestmark = needs_cpu_library
 
 SIZES = [(1, 5), (7, 9), (16, 4), (40, 13), (96, 21), (130, 6), (256, 33)]   # (n_in, n_out)
 

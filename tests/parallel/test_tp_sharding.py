@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.config.schema import register

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from kdtree import stages
+from kdtree.pipeline import registry as stages
 from kdtree.errors import PipelineError
 from kdtree.pipeline.spec import available_pipelines, load_pipeline, pipeline_path
 

@@ -1,19 +1,16 @@
 """A small FP32 K2 checkpoint on disk (2 shards + index + drafter/), written with the project's writer."""
-from pathlib import Path
+import copy
 
 import pytest
-from omegaconf import OmegaConf
 
-from kdtree.checkpoint import names
 from kdtree.checkpoint.hf_config import drafter_config_json, target_config_json
 from kdtree.checkpoint.writer import write_checkpoint
-from kdtree.config.schema import ModelConfig, QuantConfig
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from kdtree.config.schema import group_config
+from kdtree.model import names
 
 
 def quant_cfg(name: str, **overrides):
-    cfg = OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(CONF / "quant" / f"{name}.yaml"))
+    cfg = group_config("quant", name)
     for k, v in overrides.items():
         cfg[k] = v
     return cfg
@@ -26,8 +23,9 @@ def make_quant_cfg():
 
 
 @pytest.fixture(scope="session")
-def tiny_cfg():
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / "tiny.yaml"))
+def tiny_cfg(tiny_cfg):
+    """The tests' tiny_cfg cut to 2 layers for the quantization tests."""
+    cfg = copy.deepcopy(tiny_cfg)
     cfg.num_hidden_layers = 2                       # layer 0 dense, layer 1 MoE: every kind of Linear, fast
     cfg.drafter.target_layer_ids = [0, 1]
     return cfg

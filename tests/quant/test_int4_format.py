@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from kdtree.errors import CheckpointError, ConfigError
-from kdtree.quant.int4 import (Int4Weight, bf16_to_f32, dequantize, f32_to_bf16, pack_int4, quantize_weight,
-                               unpack_int4)
+from kdtree.bf16 import bf16_to_f32, f32_to_bf16
+from kdtree.quant.int4 import Int4Weight, dequantize, pack_int4, quantize_weight, unpack_int4
 
 U = 2 ** 32  # a word written in hex is stored as int32: subtract 2**32 when its top nibble is >= 8
 

@@ -4,20 +4,17 @@ The embedded tiny checkpoint is the trained one (kdtree/assets/tiny): measured a
 positions (1.0 where FP32 is confident, FP32's argmax always in INT4's top 5), and 0.98 on 400 bytes of held-out
 stdlib source (heapq.py). On random-init weights (logit gaps ~0.2 vs INT4 noise ~0.3) it was only ~0.6.
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
 from kdtree.backends.numpy_ops import NumpyOps
 from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
-from kdtree.config.schema import ModelConfig
+from kdtree.config.schema import group_config
 from kdtree.model.k2 import K2Model
 from kdtree.quant.int4 import Int4Weight
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 TEXT = b"The quick brown fox jumps over the lazy dog. 2+2=4, and kdtree serves Kimi K2 on a CPU."
 MIN_AGREE = 0.9          # exact argmax agreement over all positions (0.954 measured on the trained tiny)
 MIN_CONFIDENT = 0.97     # ... where FP32's top-1 leads top-2 by > 0.5 logits (1.0 measured)
@@ -34,7 +31,7 @@ def _forward(model_cfg, weights):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, make_quant_cfg):
     cache = str(tmp_path_factory.mktemp("cache"))
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(CONF / "model" / "tiny.yaml"))
+    model_cfg = group_config("model", "tiny")   # all layers (this package's tiny_cfg has 2)
     quant = make_quant_cfg("int4_w4a16")
     fp32_w, _ = load_checkpoint(ensure_tiny_checkpoint(model_cfg, None, cache), model_cfg, None)
     int4_w, _ = load_checkpoint(ensure_tiny_checkpoint(model_cfg, quant, cache), model_cfg, quant)

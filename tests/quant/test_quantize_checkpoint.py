@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.safetensors_io import read_file
 from kdtree.errors import CheckpointError, ConfigError
-from kdtree.quant.checkpoint import quantize_checkpoint
+from kdtree.checkpoint.quantize import quantize_checkpoint
 from kdtree.quant.int4 import Int4Weight, module_is_quantized, quantization_config_json
 
 

@@ -5,9 +5,7 @@ import base64
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
-from kdtree.config.schema import ModelConfig
 from kdtree.errors import CheckpointError, ConfigError
 from kdtree.tokenizer import ByteTokenizer, TiktokenTokenizer, load_tokenizer
 from tests.checkpoint.configs import model_cfg
@@ -76,7 +74,7 @@ def test_corrupt_tiktoken_file_names_the_line(tmp_path):
 
 def test_load_tokenizer_from_model_config(tmp_path):
     assert isinstance(load_tokenizer(model_cfg("tiny"), tmp_path), ByteTokenizer)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), model_cfg("tiny"))
+    cfg = model_cfg("tiny")
     n = write_bpe(tmp_path / "tiktoken.model")
     cfg.tokenizer, cfg.vocab_size = "tiktoken", n + 256
     cfg.bos_token_id, cfg.eos_token_id, cfg.mask_token_id, cfg.pad_token_id = n, n + 1, n + 254, n + 255

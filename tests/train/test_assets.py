@@ -11,9 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
-from kdtree.config.schema import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more threads
@@ -22,12 +19,12 @@ ASSETS = ROOT / "kdtree/assets/tiny"
 pytestmark = pytest.mark.skipif(not (ASSETS / "config.json").exists(), reason="no trained tiny assets")
 
 
-def test_trained_pair_accepts_and_equals_ar():
+def test_trained_pair_accepts_and_equals_ar(tiny_cfg):
     from kdtree.decode.ar import generate_ar
     from kdtree.decode.ddtree import generate_ddtree
     from kdtree.train.evaluate import load_engine
 
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/tiny.yaml"))
+    cfg = tiny_cfg
     model, drafter = load_engine(ASSETS, cfg)
     prompt = list(b"    def __init__(self, name, value=None):\n        self.name = name\n")
     ar = generate_ar(model, prompt, 40)

@@ -9,11 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from kdtree.backends.numpy_ops import NumpyOps
-from kdtree.checkpoint.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
-from kdtree.config.schema import ModelConfig
+from kdtree.model.names import drafter_tensor_shapes, init_weights, target_tensor_shapes
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model
 from kdtree.train.drafter_torch import DrafterTorch
@@ -24,8 +22,8 @@ torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more th
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/tiny.yaml"))
+def cfg(tiny_cfg):
+    return tiny_cfg
 
 
 def _nonunit(w, seed):

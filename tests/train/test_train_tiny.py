@@ -14,8 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kdtree.checkpoint.names import drafter_tensor_shapes, target_tensor_shapes
-from kdtree.config.schema import ModelConfig
+from kdtree.model.names import drafter_tensor_shapes, target_tensor_shapes
 from kdtree.train import loop
 from kdtree.train.data import Corpus
 
@@ -24,8 +23,8 @@ torch.set_num_threads(1)  # shared CI cores: small ops gain nothing from more th
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(ROOT / "conf/model/tiny.yaml"))
+def cfg(tiny_cfg):
+    return tiny_cfg
 
 
 @pytest.fixture(scope="module")

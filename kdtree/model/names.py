@@ -1,4 +1,5 @@
-"""Tensor names and shapes of a K2 target and its DFlash drafter, derived from the config alone.
+"""The K2 architecture rules (which layers are MoE) and the tensor names and shapes of a K2 target and its DFlash
+drafter, derived from the config alone.
 
 The single source of truth for "which tensors must a checkpoint hold": the loader validates against it,
 the tiny checkpoint generator fills it, the planner sizes it, the quantizer decides per module.

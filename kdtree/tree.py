@@ -1,4 +1,6 @@
-"""DDTree draft tree: the numpy/Python reference of tree build and greedy accept (docs/engine-contracts.md, "Tree").
+"""The DDTree draft tree: the numpy/Python reference of tree build, greedy accept and the packed visibility
+masks (docs/engine-contracts.md, "Tree"). Low level on purpose: decode/ and backends/ both use it, it imports
+nothing from kdtree.
 
 Written for clarity; the native library (native/src/common/kd_common.c) implements the same rule and is
 checked against this module bit-for-bit (tests/native/test_backend_ops.py).
@@ -15,7 +17,23 @@ from typing import Tuple
 
 import numpy as np
 
-from kdtree.backends.numpy_ops import pack_visibility  # the one packer (bit k % 64 of word k // 64 = key k)
+
+
+def unpack_visibility(visibility: np.ndarray, n_rows: int) -> np.ndarray:
+    """Packed u64[T, ceil(T/64)] -> bool[T, n_rows]: bit (k % 64) of word k // 64 is key k."""
+    vis = np.ascontiguousarray(visibility, dtype="<u8")
+    bits = np.unpackbits(vis.view(np.uint8).reshape(vis.shape[0], -1), axis=1, bitorder="little")
+    return bits[:, :n_rows].astype(bool)
+
+
+def pack_visibility(mask: np.ndarray) -> np.ndarray:
+    """bool[T, T] -> packed u64[T, ceil(T/64)] (the inverse of unpack_visibility)."""
+    mask = np.asarray(mask, dtype=bool)
+    T, K = mask.shape
+    words = (K + 63) // 64
+    padded = np.zeros((T, words * 64), np.uint8)
+    padded[:, :K] = mask
+    return np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64).reshape(T, words)
 
 
 @dataclass
@@ -119,4 +137,4 @@ def tree_accept(parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarr
 
 
 __all__ = ["Tree", "draft_topk", "tree_build", "tree_accept", "ancestor_visibility", "causal_visibility",
-           "pack_visibility"]
+           "pack_visibility", "unpack_visibility"]

@@ -8,7 +8,7 @@ Per source shard, one destination shard of the same file name (same sharding sch
 Then a new index (weight_map + metadata.total_size = tensor-data bytes), config.json + quantization_config,
 and everything else in the directory (drafter/, tokenizer files) copied unchanged - the drafter stays FP32.
 
-Linear modules come from kdtree.checkpoint.names.target_linear_shapes over the source config.json (or the
+Linear modules come from kdtree.model.names.target_linear_shapes over the source config.json (or the
 given model config). The result is written into a temporary sibling directory and renamed into place, so
 dst is either absent or complete; concurrent callers (tp ranks) racing on the same dst all end up with it.
 """
@@ -23,13 +23,14 @@ from typing import Dict
 
 import numpy as np
 
-from kdtree.checkpoint import names
+from kdtree.model import names
 from kdtree.checkpoint.hf_config import plain
 from kdtree.checkpoint.index import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, open_checkpoint
 from kdtree.checkpoint.safetensors_io import read_file, write_file
 from kdtree.checkpoint.writer import write_config
 from kdtree.errors import CheckpointError, ConfigError
-from kdtree.quant.int4 import bf16_to_f32, module_is_quantized, quantization_config_json, quantize_weight
+from kdtree.bf16 import bf16_to_f32
+from kdtree.quant.int4 import module_is_quantized, quantization_config_json, quantize_weight
 
 _META = {"format": "pt"}    # what HF transformers expects in a shard's __metadata__
 

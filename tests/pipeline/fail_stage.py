@@ -1,4 +1,5 @@
-"""fail: a stage that raises PipelineError(message) after delay_s — to test failure paths, timeouts and stop.
+"""fail (tests only; registered by tests/conftest.py): raises PipelineError(message) after delay_s — to test failure
+paths, timeouts and stop.
 
     - {stage: fail, on: host, params: {message: "boom", delay_s: 0}}
 """
@@ -10,6 +11,10 @@ from kdtree.errors import PipelineError
 
 SIDE = "any"
 PARAMS = {"message": str, "delay_s": float}
+
+
+def KEEPS_RUNNING(cfg) -> bool:  # the detach tests use a long `fail` as a stand-in for serve
+    return bool(cfg.serve.detach)
 
 
 def run(ctx, message: str = "deliberate failure", delay_s: float = 0.0):

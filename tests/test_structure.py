@@ -1,0 +1,136 @@
+"""The package structure: the import graph of kdtree/ (every `import kdtree...`, at the top of a module AND inside
+functions) has no cycle and none of the forbidden package edges, and the pipeline layer names no stage."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+KDTREE = Path(__file__).resolve().parents[1] / "kdtree"
+
+# (importing package, imported package): the layering rules
+FORBIDDEN = [("pipeline", p) for p in ("serve", "engine", "model", "decode", "backends", "checkpoint", "stages")] + [
+    ("backends", "decode"),
+    ("quant", "checkpoint"),    # checkpoint -> quant (the loader builds Int4Weight), never back
+    ("config", "backends"),
+]
+
+
+def _modules() -> Dict[str, Path]:
+    out = {}
+    for p in KDTREE.rglob("*.py"):
+        parts = list(p.relative_to(KDTREE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(module: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+    """The kdtree modules `module` imports anywhere in its file (a name imported from a package counts as the
+    submodule when it is one, else as the package)."""
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(resolve(a.name) for a in node.names if a.name.split(".")[0] == "kdtree")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] != "kdtree":
+                continue
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out.add(full if full in modules else resolve(base))
+    out.discard("")
+    out.discard(module)
+    return out
+
+
+def _graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _package(module: str) -> str:
+    """kdtree.pipeline.runner -> pipeline; kdtree.engine -> engine (a top-level module is its own package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_edges(graph) -> Set[Tuple[str, str, str, str]]:
+    return {(_package(a), _package(b), a, b) for a, bs in graph.items() for b in bs if _package(a) != _package(b)}
+
+
+def test_the_graph_is_read_from_top_level_and_function_level_imports():
+    g = _graph()
+    assert "kdtree.pipeline.registry" in g["kdtree.pipeline.spec"]       # top level
+    assert "kdtree.train.loop" in g["kdtree.stages.train_tiny"]          # inside run() (torch is optional)
+
+
+def test_no_import_cycle_in_kdtree():
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("src,dst", FORBIDDEN, ids=[f"{a}->{b}" for a, b in FORBIDDEN])
+def test_forbidden_package_edge(src, dst):
+    bad = sorted(f"{a} -> {b}" for pa, pb, a, b in _package_edges(_graph()) if (pa, pb) == (src, dst))
+    assert bad == [], f"{src} must not import {dst}"
+
+
+def test_pipeline_layer_names_no_stage():
+    """The runner, the engine process and the registry know stages only through their declarations."""
+    stages = {p.stem for p in (KDTREE / "stages").glob("*.py") if not p.stem.startswith("_")}
+    named = []
+    for path in sorted((KDTREE / "pipeline").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in stages:
+                named.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    assert named == []
