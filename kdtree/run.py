@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from omegaconf import DictConfig
 
 from kdtree.backends import check_device
 from kdtree.config.schema import CONF_DIR, GROUPS, register
+from kdtree.config.secrets import redact, secrets
 from kdtree.config.validate import check_group_overrides, loads_model, validate
 from kdtree.errors import KdtreeError
 from kdtree.pipeline.runner import run_pipeline
@@ -36,6 +38,9 @@ def _fail(message: str, code: int = 2) -> None:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    _redact_hydra_files(run_dir, cfg)
+    for sig in (signal.SIGTERM, signal.SIGHUP):     # a supervisor's stop, a closed terminal: stop like Ctrl-C
+        signal.signal(sig, _interrupt)
     try:
         validate(cfg)
         if loads_model(cfg):
@@ -47,6 +52,19 @@ def _main(cfg: DictConfig) -> None:
         _fail("interrupted", 130)
     if code:
         sys.exit(code)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _redact_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
+    """Hydra saved the overrides and the config under .hydra/ before kdtree ran: no secret stays in them."""
+    values = secrets(cfg)
+    for f in (run_dir / ".hydra").glob("*.yaml") if values else ():
+        text = f.read_text()
+        if any(v in text for v in values):
+            f.write_text(redact(text, values))
 
 
 FREE_TEXT_KEYS = {"prompt"}  # values taken verbatim: `prompt='2+2='` must not need Hydra's quoting rules

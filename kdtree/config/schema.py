@@ -145,7 +145,14 @@ class LoadConfig:
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30001
-    api_key: str = ""
+    api_key: str = ""  # refused (a key on a command line is in `ps` and the run dir): use KDTREE_API_KEY or api_key_file
+    api_key_file: str = ""  # a file holding the /v1 Bearer key (on the engine's host); KDTREE_API_KEY wins
+    cors_origins: List[str] = field(default_factory=list)  # browser origins allowed (CORS); empty = CORS off
+    drain_timeout_s: float = 600.0  # SIGTERM: finish accepted requests this long (a full 2k-token request fits)
+    max_body_bytes: int = 8388608  # 8 MiB request body; more is a 413
+    max_header_bytes: int = 16384  # request line + headers; more is a 431
+    max_connections: int = 1024  # open sockets; more are answered 503 and closed
+    keepalive_s: float = 5.0  # idle connections (also ones that never send a request) are closed after this
     model_name: str = ""  # empty = model.name
     detach: bool = False
     max_queue: int = 256
@@ -165,7 +172,7 @@ class HealthConfig:
     pid: int = 0
     unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
-    api_key: str = ""  # Bearer key for health.url (this run's engine uses serve.api_key)
+    api_key: str = ""  # Bearer key for health.url (this run's engine: KDTREE_API_KEY or serve.api_key_file); redacted when saved
     status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
     disk: str = ""  # block device holding the weights (nvme0n1, as in /proc/diskstats): its reads count as progress
     expected_bytes: int = 0  # checkpoint size in bytes for the ETA of servers that report nothing; 0 = model.path's size
@@ -196,7 +203,7 @@ class BenchLoadConfig:
 @dataclass
 class StopConfig:
     run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
-    timeout_s: float = 10.0  # SIGTERM, wait this long, then SIGKILL the engine's process group
+    timeout_s: float = 10.0  # SIGTERM, wait serve.drain_timeout_s + this long (the drain, then the exit), then SIGKILL
 
 
 @dataclass

@@ -198,6 +198,15 @@ HEALTH_DEFAULTS = {"interval_s": 1.0, "stall_window_s": 30.0, "deadline_s": 600.
 
 def validate_serve(cfg: DictConfig) -> None:
     s = cfg.serve
+    if s.api_key:
+        raise ConfigError("serve.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set serve.api_key_file=<file with the key>")
+    for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
+        if int(s[key]) < 1:
+            raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
+    for key in ("drain_timeout_s", "keepalive_s"):
+        if not float(s[key]) > 0:
+            raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
     if not 0 <= s.port <= 65535:
         raise ConfigError(f"serve.port={s.port} is not a TCP port; use 1..65535 (or 0 for any free port)")
     ipv6 = s.host.count(":") >= 2
@@ -232,12 +241,12 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
     validate_load(cfg)
+    validate_serve(cfg)
     validate_bench_load(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline)
     validate_health(cfg, stages)
-    validate_serve(cfg)
     if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

@@ -142,11 +142,13 @@ class Host:
 
     # --- detached processes -------------------------------------------------------------------
     def start_detached(self, argv: List[object], log: str, pidfile: str, cwd: Optional[str] = None,
-                       env: Optional[Dict[str, str]] = None, unit: str = "") -> int:
+                       env: Optional[Dict[str, str]] = None, unit: str = "",
+                       secret_env: Optional[Dict[str, str]] = None) -> int:
         """Start argv in its own session (pgid = pid), stdout+stderr appended to `log`; write and return its pid.
 
         nohup: `nohup setsid sh -c 'echo $$ > pidfile; exec argv'`, so the pid is the program itself.
         systemd: a transient user unit (`systemd-run --user --unit kdtree-<unit>`), pid from MainPID.
+        secret_env: variables read from stdin by the launching shell (`read -r`), never written on a command line.
         """
         cwd = cwd or self.workdir or None
         q = shlex.quote
@@ -158,6 +160,7 @@ class Host:
             if cwd:
                 opts.append(f"--working-directory={cwd}")
             opts += [f"--setenv={k}={v}" for k, v in (env or {}).items()]
+            opts += [f"--setenv={k}" for k in (secret_env or {})]      # the value comes from the environment
             script = (f"mkdir -p {q(_dirname(log))} {q(_dirname(pidfile))} && "
                       f"{quote_argv(opts + ['--'] + list(argv))} >/dev/null && "
                       f"systemctl --user show -p MainPID --value {q(unit_name)} > {q(pidfile)} && cat {q(pidfile)}")
@@ -169,7 +172,10 @@ class Host:
                       + f"(nohup setsid sh -c {q(launcher)} {q(pidfile)} {inner} >> {q(log)} 2>&1 < /dev/null &) ; "
                       f"i=0; while [ ! -s {q(pidfile)} ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; "
                       f"cat {q(pidfile)}")
-        r = self.shell(script)
+        secrets = {k: v for k, v in (secret_env or {}).items() if v}
+        if secrets:
+            script = "".join(f"IFS= read -r {k} && export {k} && " for k in secrets) + script
+        r = self.shell(script, stdin="".join(f"{v}\n" for v in secrets.values()) if secrets else None)
         out = r.stdout.strip()
         if not r.ok or not out.isdigit() or int(out) <= 0:
             err = (r.stderr.strip().splitlines() or [out or "(no output)"])[-1]

@@ -13,7 +13,8 @@ confused with "the server does not answer" (curl timed out inside a sample that 
     log          engine log size/mtime/last lines, or systemctl + journalctl for a unit
 
 The HTTP probes run in the background of the script so /proc is read when the sample starts, not after a frozen
-server's curl gave up. The API key reaches curl through the script's stdin (never a command line).
+server's curl gave up. The API key reaches curl through the script's stdin (never a command line). The User-Agent
+kdtree-monitor tells kdtree's server not to access-log the probes (their lines would read as log growth).
 """
 from __future__ import annotations
 
@@ -86,10 +87,10 @@ kd_hdr() { if [ -n "$KD_KEY" ]; then printf 'Authorization: Bearer %s\n' "$KD_KE
 kd_http() {  # name max_time url [json body]
   ( s=$(date +%s.%N)
     if [ -n "$4" ]; then
-      kd_hdr | curl -sS -o "$D/$1.body" -w '%{http_code} %{time_connect}' --max-time "$2" -H @- \
+      kd_hdr | curl -sS -o "$D/$1.body" -w '%{http_code} %{time_connect}' --max-time "$2" -A kdtree-monitor -H @- \
         -H 'Content-Type: application/json' --data-binary "$4" "$3" >"$D/$1.w" 2>"$D/$1.err"
     else
-      kd_hdr | curl -sS -o "$D/$1.body" -w '%{http_code} %{time_connect}' --max-time "$2" -H @- "$3" \
+      kd_hdr | curl -sS -o "$D/$1.body" -w '%{http_code} %{time_connect}' --max-time "$2" -A kdtree-monitor -H @- "$3" \
         >"$D/$1.w" 2>"$D/$1.err"
     fi
     echo "$? $s $(date +%s.%N)" >"$D/$1.rc" ) &

@@ -237,8 +237,11 @@ def _host_run_dir(host, local_run_dir: Path) -> (str, bool):
     return f"{base}/kdtree-runs/{local_run_dir.parent.name}/{local_run_dir.name}", False
 
 
+SECRET_ENV = ("KDTREE_API_KEY",)  # passed on stdin at launch, never as `env K=V` on a command line
+
+
 def _engine_env(host) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith("KDTREE_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith("KDTREE_") and k not in SECRET_ENV}
     env["PYTHONUNBUFFERED"] = "1"
     if host.kind == "local":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root()), os.environ.get("PYTHONPATH", "")) if p)
@@ -261,7 +264,8 @@ def launch_engine(host, local_run_dir: Path, stages: List[Any]) -> EngineHandle:
             "--stages", ",".join(names), "--at", str(stages[0].index)]
     cwd = host.workdir or (os.getcwd() if host.kind == "local" else None)
     pid = host.start_detached(argv, log=f"{rdir}/{LOGFILE}", pidfile=f"{rdir}/{PIDFILE}", cwd=cwd,
-                              env=_engine_env(host), unit=f"{local_run_dir.name}-{stages[0].index}")
+                              env=_engine_env(host), unit=f"{local_run_dir.name}-{stages[0].index}",
+                              secret_env={k: os.environ[k] for k in SECRET_ENV if os.environ.get(k)})
     return EngineHandle(host=host, pid=pid, run_dir=rdir, local_run_dir=local_run_dir, shared_fs=shared,
                         stages=names)
 

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import OmegaConf
 
+from kdtree.config.secrets import redact, secrets
 from kdtree.errors import KdtreeError
 from kdtree.hosts import connect
 from kdtree.pipeline import engine_process as ep
@@ -41,7 +42,7 @@ def save_config(cfg, run_dir: Path) -> Path:
     except Exception:  # an interpolation to a missing value: keep it unresolved rather than fail here
         text = OmegaConf.to_yaml(cfg, resolve=False)
     path = run_dir / ep.CONFIG
-    path.write_text(text)
+    path.write_text(redact(text, secrets(cfg)))     # the engine reads its key from the environment or a file
     return path
 
 
@@ -148,12 +149,16 @@ class _Run:
                        f"see {engine.log}")
         return EXIT_STAGE_FAILED
 
-    def stop_engine(self, why: str) -> None:
-        """Stop the engine this run started; a host that does not answer gets the exact command to run later."""
+    def stop_engine(self, why: str, drain: bool = False) -> None:
+        """drain: the user stopped a working engine (Ctrl-C, SIGTERM, SIGHUP): wait the grace its stages declare
+        (STOP_GRACE_S; serve's covers finishing the accepted requests) before any SIGKILL. After a failure the
+        engine is not serving anyone: DEFAULT_STOP_GRACE_S. A host that does not answer gets the exact command to
+        stop it later (ep.stop_engine gives up after its grace + 2 s)."""
         self.stop_following()
         if self.engine is None:
             return
-        grace = max([float(g) for g in self.declared("STOP_GRACE_S")] or [DEFAULT_STOP_GRACE_S])
+        declared = [float(g) for g in self.declared("STOP_GRACE_S")]
+        grace = max(declared) if drain and declared else DEFAULT_STOP_GRACE_S
         engine, self.engine = self.engine, None
         try:
             how = ep.stop_engine(engine.host, engine.pid, grace_s=grace)
@@ -215,9 +220,9 @@ def run_pipeline(cfg, run_dir, out=None) -> int:
     run = _Run(cfg, run_dir, spec, events, out)
     try:
         code = run.run()
-    except KeyboardInterrupt:
-        events.emit("interrupted")
-        run.stop_engine("Ctrl-C")
+    except KeyboardInterrupt as e:                  # Ctrl-C, or SIGTERM/SIGHUP (kdtree.run turns them into this)
+        events.emit("interrupted", signal=str(e) or "SIGINT")
+        run.stop_engine(str(e) or "Ctrl-C", drain=True)
         code = EXIT_INTERRUPTED
     except KdtreeError as e:  # the host could not be reached, the engine could not start, ...
         events.emit("pipeline_error", error_type=type(e).__name__, error=str(e))

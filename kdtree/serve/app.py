@@ -1,269 +1,114 @@
-"""The HTTP server: OpenAI-compatible completions plus the endpoints an operator watches during a cold start.
+"""The HTTP server: the OpenAI completions and chat completions APIs plus the endpoints an operator watches during
+a cold start, on FastAPI + uvicorn + pydantic. kdtree/serve/protocol.py holds the request/response models,
+kdtree/serve/transport.py the limits, the key check, the access log and the one error shape (ApiError).
 
     app = ServeApp(status, host="127.0.0.1", port=30001, model_name="tiny").start()   # port open, status only
     app.attach(engine)        # when the load stage is done: completions start being served
     app.mark_ready()          # phase=ready (sd_notify READY=1 through the status listener)
-    app.drain()               # SIGTERM: phase=draining, finish accepted requests, close, phase=stopped
+    app.drain(timeout_s)      # SIGTERM: phase=draining, finish accepted requests (new ones 503), close, stopped
 
-Endpoints
-    POST /v1/completions   prompt (string | token ids | a list of either), max_tokens (default 16), temperature
-                           (0 or absent = greedy; >0 is refused with 400: kdtree decodes greedily only, that is
-                           what makes speculative decoding lossless), stop (string | list), stream (SSE), echo
-    GET  /v1/models        the one served model
-    GET  /health           liveness: 200 while the process answers (also while loading), 503 once failed
-    GET  /ready            readiness: 200 when completions are served, else 503 with the phase
-    GET  /status           the engine status (status.json) + queue depth
-    GET  /metrics          Prometheus text
-/v1/* needs `Authorization: Bearer <serve.api_key>` when serve.api_key is set; the operator endpoints do not
-(monitors and load balancers poll them without secrets). Errors are OpenAI-shaped:
-{"error": {"message", "type", "param", "code"}}.
+Endpoints (the schema is at GET /openapi.json)
+    POST /v1/completions, /v1/chat/completions   greedy generation, streamed as SSE with `stream: true`
+    GET  /v1/models, /v1/models/{id}             the one served model, with max_model_len
+    GET  /health    liveness: 200 while the process answers (also while loading), 503 once failed
+    GET  /ready     readiness: 200 when completions are served, else 503 with the phase
+    GET  /status    the engine status (status.json) + queue depth
+    GET  /metrics   Prometheus text (kdtree/serve/metrics.py)
+/v1/* needs `Authorization: Bearer <key>` when a key is set (KDTREE_API_KEY or serve.api_key_file), checked
+before the body is read; the operator endpoints stay open (monitors and load balancers poll them without
+secrets). Every error, whatever its status and whoever raised it (a route, the router, the body limit, the
+HTTP parser), is OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}.
 
-Streaming (`stream: true`) is live: the engine worker hands each commit's tokens (engine.generate's
-on_tokens: the prefill token, each AR step, each DDTree round's path + bonus) to the request's handler, which
-sends them as SSE chunks as they arrive: never splitting a UTF-8 character, holding back only text that could
-still be the start of a stop string, then a chunk with finish_reason, the usage chunk when
-stream_options.include_usage, and `data: [DONE]`. The streamed text equals the non-streamed text. A stop
-string, or the client going away, cancels the rest of the generation. An error before the first token
-answers as JSON (4xx/5xx); one after the stream started is sent as an SSE `{"error": ...}` event.
-The wire format is OpenAI's, so every client streams it.
+Streaming is live: the engine worker hands each commit's tokens to the request, which sends them as SSE chunks
+(never splitting a UTF-8 character, holding back text that could still start a stop string), then a chunk with
+finish_reason, the usage chunk when stream_options.include_usage, and `data: [DONE]`. An error before the first
+token answers as JSON; one after the stream started (the engine failed, the server stopped before the request
+finished) is an SSE `{"error": ...}` event before [DONE]: a stream never just ends.
 """
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
-import queue
 import socket
-import socketserver
 import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from kdtree.errors import KdtreeError
+from kdtree.serve import protocol as P
+from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
+from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.metrics import Metrics
-from kdtree.serve.request_queue import Draining, EngineWorker, Job, QueueFull
+from kdtree.serve.request_queue import Cancelled, Draining, EngineWorker, Job, QueueFull
 from kdtree.serve.status import StatusFile, describe
+from kdtree.serve.text_stream import TextStream, cut_at_stop
+from kdtree.serve.transport import MAX_CONNECTIONS, Access, ApiError, Guard, JsonH11Protocol
 
 MAX_BODY_BYTES = 8 << 20          # 8 MiB: a prompt as long as any context, JSON-encoded, fits with room
-DEFAULT_MAX_TOKENS = 16           # OpenAI's default for /v1/completions
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-@dataclass
-class CompletionRequest:
-    prompts: List[List[int]]          # one token-id list per choice
-    prompt_texts: List[str]
-    max_tokens: int
-    stop: List[str]
-    stop_ids: Tuple[int, ...]
-    stream: bool
-    echo: bool
-    include_usage: bool
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_completion(body: Any, model_name: str, engine: Any) -> CompletionRequest:
-    """Validate an OpenAI /v1/completions body against the served engine; raises ApiError (4xx)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and model != model_name:
-        raise ApiError(404, f"model {model!r} is not served here; this server serves {model_name!r} "
-                            f"(GET /v1/models)", param="model", code="model_not_found")
-    if "prompt" not in body or body["prompt"] is None:
-        raise ApiError(400, "missing required field 'prompt' (a string or a list of token ids)", param="prompt")
-    raw = body["prompt"]
-    if isinstance(raw, str) or (isinstance(raw, list) and raw and all(_is_int(t) for t in raw)):
-        raws = [raw]
-    elif isinstance(raw, list) and raw and all(isinstance(p, (str, list)) for p in raw):
-        raws = raw
-    else:
-        raise ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of those; "
-                            f"got {type(raw).__name__} {json.dumps(raw)[:80]}", param="prompt")
-    vocab = getattr(engine, "vocab_size", None) or getattr(getattr(engine, "tokenizer", None), "vocab_size", None)
-    prompts, texts = [], []
-    for p in raws:
-        if isinstance(p, str):
-            ids = list(engine.tokenizer.encode(p))
-            text = p
-        else:
-            bad = [t for t in p if not _is_int(t) or t < 0 or (vocab is not None and t >= vocab)]
-            if bad:
-                raise ApiError(400, f"prompt token id {bad[0]!r} is not an id of this model "
-                                    f"(0..{vocab - 1 if vocab else 'vocab-1'})", param="prompt")
-            ids = list(p)
-            text = engine.tokenizer.decode(ids)
-        if not ids:
-            raise ApiError(400, "prompt is empty (0 tokens); give at least one token", param="prompt")
-        prompts.append(ids)
-        texts.append(text)
-
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS
-    if not _is_int(max_tokens) or max_tokens < 0:
-        raise ApiError(400, f"max_tokens must be an integer >= 0; got {json.dumps(max_tokens)}", param="max_tokens")
-    ctx = int(engine.max_context)
-    for ids in prompts:
-        if len(ids) + max_tokens > ctx:
-            raise ApiError(400, f"this model's maximum context length is {ctx} tokens, however you requested "
-                                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-                                f"completion); shorten the prompt or lower max_tokens",
-                           param="prompt", code="context_length_exceeded")
-
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise ApiError(400, f"temperature must be a number >= 0; got {json.dumps(temperature)}",
-                           param="temperature")
-        if temperature > 0:
-            raise ApiError(400, f"only greedy decoding is supported: send temperature=0 (got {temperature}); "
-                                f"greedy is what keeps speculative decoding lossless", param="temperature")
-    for key in ("n", "best_of"):
-        v = body.get(key)
-        if v is not None and v != 1:
-            raise ApiError(400, f"{key}={json.dumps(v)} is not supported; greedy decoding has one answer, use {key}=1",
-                           param=key)
-    if body.get("logprobs") not in (None, 0, False):
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-
-    stop = body.get("stop")
-    if stop is None:
-        stops: List[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise ApiError(400, f"stop must be a string or a list of strings; got {json.dumps(stop)[:80]}", param="stop")
-    if any(s == "" for s in stops):
-        raise ApiError(400, "stop strings must be non-empty", param="stop")
-    # A stop string that is exactly one token lets the engine stop early; longer ones are cut from the text.
-    stop_ids = []
-    for s in stops:
-        ids = engine.tokenizer.encode(s)
-        if len(ids) == 1:
-            stop_ids.append(int(ids[0]))
-
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"stream must be true or false; got {json.dumps(stream)}", param="stream")
-    opts = body.get("stream_options") or {}
-    return CompletionRequest(prompts, texts, int(max_tokens), stops, tuple(stop_ids), stream,
-                             bool(body.get("echo", False)), bool(isinstance(opts, dict) and opts.get("include_usage")))
-
-
-def cut_at_stop(text: str, stops: List[str]) -> Tuple[str, bool]:
-    """Text up to (excluding) the earliest stop string, and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-class TextStream:
-    """The text of one streamed choice, piece by piece as tokens arrive, equal in the end to the non-streamed
-    text (cut_at_stop(decode(tokens), stops)).
-
-        ts = TextStream(tokenizer, stops)
-        ts.push([ids...]) -> str      text that is final now ("" while it could still change)
-        ts.finish()       -> str      the rest, once generation ended
-        ts.stopped                    a stop string was reached: nothing more will be emitted
-
-    Held back: a trailing incomplete UTF-8 character (decodes to U+FFFD until its bytes arrive), and a tail
-    that could still be the start of a stop string. A stop string ends the text at its earliest start, as
-    cut_at_stop does, once no earlier-starting stop string can still complete.
-    """
-
-    def __init__(self, tokenizer, stops: List[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-        self.tokens: List[int] = []
-        self.emitted = 0                  # characters of the text already returned (no stop starts before)
-        self.stopped = False
-
-    def push(self, ids: List[int]) -> str:
-        self.tokens.extend(int(t) for t in ids)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        return self._advance(final=True)
-
-    def _advance(self, final: bool) -> str:
-        if self.stopped:
-            return ""
-        text = self.tokenizer.decode(self.tokens)
-        if not final:
-            text = text.rstrip("\ufffd")          # maybe an incomplete multi-byte character: wait for more
-        e = self.emitted
-        cut = min((i for i in (text.find(s, e) for s in self.stops) if i >= 0), default=-1)
-        pending = None                          # earliest start of a stop string that may still complete
-        if not final and self.stops:
-            longest = max(len(s) for s in self.stops)
-            for i in range(max(e, len(text) - longest + 1), len(text)):
-                tail = text[i:]
-                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
-                    pending = i
-                    break
-        if cut >= 0 and (pending is None or pending >= cut):
-            self.stopped = True
-            end = cut
-        else:
-            end = min(x for x in (len(text), cut if cut >= 0 else None, pending) if x is not None)
-        piece = text[e:end] if end > e else ""
-        self.emitted = max(e, end)
-        return piece
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128          # 16+ clients connecting at once must not overflow the listen backlog
-    allow_reuse_address = True
-
-    def server_bind(self):
-        socketserver.TCPServer.server_bind(self)      # HTTPServer's getfqdn() can stall on reverse DNS
-        self.server_name, self.server_port = self.server_address[:2]
+MAX_HEADER_BYTES = 16 << 10       # 16 KiB of request line + headers (h11's buffer limit; more is a 431)
+KEEPALIVE_S = 5.0                 # an idle connection (also one that never sends a request) is closed after this
 
 
 class ServeApp:
     def __init__(self, status: StatusFile, host: str = "127.0.0.1", port: int = 30001, model_name: str = "model",
-                 api_key: str = "", max_queue: int = 256):
+                 api_key: str = "", max_queue: int = 256, cors_origins: Tuple[str, ...] = (),
+                 max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_connections: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S):
         self.status = status
         self.host, self.port = host, int(port)
         self.model_name = model_name
         self.api_key = api_key or ""
         self.max_queue = int(max_queue)
-        self.metrics = Metrics()
+        self.cors_origins = tuple(cors_origins or ())
+        self.max_body_bytes, self.max_header_bytes = int(max_body_bytes), int(max_header_bytes)
+        self.max_connections, self.keepalive_s = int(max_connections), float(keepalive_s)
         self.engine: Any = None
         self.worker: Optional[EngineWorker] = None
+        self.chat_template = None
+        self.metrics = Metrics(status, self._load)
         self.created = int(time.time())
-        self._server: Optional[_Server] = None
+        self.draining = False
+        self.active = 0                     # completion requests whose response is not fully sent yet
+        self._active_lock = threading.Lock()
+        self._server = None
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> "ServeApp":
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._server = _Server((self.host, self.port), _handler_for(self))
+            sock.bind((self.host, self.port))
         except OSError as e:
+            sock.close()
             raise KdtreeError(f"cannot listen on {self.host}:{self.port} ({e.strerror}); "
                               f"set serve.port to a free port or stop the process holding it") from None
-        self.port = self._server.server_address[1]        # serve.port=0 picks a free port
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="http", daemon=True)
+        sock.listen(128)                  # 16+ clients connecting at once must not overflow the listen backlog
+        sock.set_inheritable(True)
+        self.port = sock.getsockname()[1]              # serve.port=0 picks a free port
+        protocol = type("_Protocol", (JsonH11Protocol,), {"max_connections": self.max_connections})
+        config = uvicorn.Config(build_app(self), lifespan="off", log_level="warning", access_log=False,
+                                server_header=False, date_header=True, http=protocol,
+                                timeout_keep_alive=max(1, int(round(self.keepalive_s))),
+                                h11_max_incomplete_event_size=self.max_header_bytes, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="http", daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._server.started:
+            raise KdtreeError(f"the HTTP server on {self.host}:{self.port} did not start; see the engine log")
         self.status.update(url=self.url, port=self.port, model_name=self.model_name)
         return self
 
@@ -278,7 +123,13 @@ class ServeApp:
 
     def attach(self, engine: Any) -> None:
         self.engine = engine
-        self.worker = EngineWorker(engine, self.max_queue, on_done=self._count)
+        try:
+            self.chat_template = ChatTemplate.for_checkpoint(getattr(engine, "checkpoint", None),
+                                                             getattr(getattr(engine, "cfg", None), "model", {}).get("name", ""))
+        except ChatTemplateError as e:           # completions still work; chat answers why it cannot
+            self.chat_template = e
+            print(f"[serve] /v1/chat/completions disabled: {e}", file=sys.stderr, flush=True)
+        self.worker = EngineWorker(engine, self.max_queue, on_done=self.metrics.generation)
 
     def mark_ready(self) -> None:
         if self.worker is None:
@@ -287,41 +138,118 @@ class ServeApp:
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None and self.status.phase == "ready"
+        return self.worker is not None and self.status.phase == "ready" and not self.draining
 
-    def drain(self, timeout: Optional[float] = None) -> bool:
-        """Stop taking completions, finish the accepted ones, close the port. True when all finished."""
+    @property
+    def max_model_len(self) -> int:
+        if self.engine is not None:
+            return int(self.engine.max_context)
+        return 0
+
+    def drain(self, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Stop taking completions (503 + Retry-After, port still open), finish every accepted request and send
+        its response, then close the port. {'drained': finished during the drain, 'cut': ended unfinished,
+        'finished': True when nothing was cut}."""
+        t0 = time.monotonic()
+        self.draining = True
         self.status.update(phase="draining")
-        finished = self.worker.drain(timeout) if self.worker is not None else True
+        w = self.worker
+        pending = (w.depth + w.in_flight) if w is not None else 0
+        done0 = w.finished if w is not None else 0
+        finished = w.drain(timeout) if w is not None else True
+        drained = (w.finished - done0) if w is not None else 0
+        left = None if timeout is None else max(1.0, timeout - (time.monotonic() - t0))
+        end = None if left is None else time.monotonic() + left
+        while self.active and (end is None or time.monotonic() < end):     # the last bytes of every response
+            time.sleep(0.02)
+        cut = max(0, pending - drained) if not finished else 0
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.should_exit = True
+            self._thread.join(15)
             self._closed = True
-        self.status.update(phase="stopped")
-        return finished
+        self.status.update(phase="stopped", drained=drained, cut=cut)
+        return {"drained": drained, "cut": cut, "finished": finished and cut == 0}
 
-    def _count(self, job: Job) -> None:
-        self.metrics.generation(job.result, len(job.prompt_ids), job.started_at - job.submitted_at)
+    def _load(self) -> Dict[str, float]:
+        w = self.worker
+        if w is None:
+            return {}
+        job = w.running
+        usage = 0.0
+        if job is not None and self.max_model_len:
+            usage = min(1.0, (len(job.prompt_ids) + job.generated) / self.max_model_len)
+        return {"running": w.in_flight, "waiting": w.depth, "kv_cache_usage": usage}
 
-    # -- endpoints -------------------------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------------------
     def not_ready_error(self) -> ApiError:
         snap = self.status.snapshot()
         phase = snap.get("phase")
-        if phase in ("draining", "stopped"):
-            return ApiError(503, f"server is {phase} (shutting down); not accepting new completions",
-                            "service_unavailable", code="draining")
+        if self.draining or phase in ("draining", "stopped"):
+            return ApiError(503, f"server is {phase} (shutting down); not accepting new completions; retry on "
+                                 f"another replica or after the restart", "service_unavailable", code="draining")
         return ApiError(503, f"model is not ready: {describe(snap)}; completions are served once the engine is "
                              f"ready (poll GET /ready or /status)", "service_unavailable", code="not_ready")
 
-    def complete(self, body: Any) -> Tuple[CompletionRequest, List[Job]]:
+    def _check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_name!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+
+    def _headroom(self) -> int:
+        """Context the decoder needs past the last token: the tree's verify block (budget + root)."""
+        cfg = getattr(self.engine, "cfg", None)
+        if getattr(self.engine, "drafter", None) is None or cfg is None:
+            return 0
+        return int(cfg.tree.budget) + 1
+
+    def _encode(self, text: str) -> List[int]:
+        tok = self.engine.tokenizer
+        try:
+            return list(tok.encode(text, allow_special=True))   # template text names special tokens (k26)
+        except TypeError:
+            return list(tok.encode(text))
+
+    def _token_ids(self, p) -> Tuple[List[int], str]:
+        if isinstance(p, str):
+            return list(self.engine.tokenizer.encode(p)), p
+        vocab = getattr(self.engine.tokenizer, "vocab_size", None)
+        bad = [t for t in p if vocab is not None and t >= vocab]
+        if bad:
+            raise ApiError(400, f"prompt token id {bad[0]!r} is not an id of this model (0..{vocab - 1})",
+                           param="prompt")
+        return list(p), self.engine.tokenizer.decode(p)
+
+    def _check_context(self, ids: List[int], max_tokens: int, param: str) -> None:
+        ctx, head = self.max_model_len, self._headroom()
+        if not ids:
+            raise ApiError(400, "prompt is empty (0 tokens); give at least one token", param=param)
+        if len(ids) + max_tokens + head > ctx:
+            raise ApiError(400, f"this model's maximum context length is {ctx} tokens, however you requested "
+                                f"{len(ids) + max_tokens + head} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                                f"completion, {head} for the speculative tree's verify block); shorten the prompt "
+                                f"or lower max_tokens", param=param, code="context_length_exceeded")
+
+    def _stop_ids(self, stops: List[str]) -> Tuple[int, ...]:
+        # a stop string that is exactly one token lets the engine stop early; longer ones are cut from the text
+        out = []
+        for s in stops:
+            ids = self.engine.tokenizer.encode(s)
+            if len(ids) == 1:
+                out.append(int(ids[0]))
+        return tuple(out)
+
+    def _submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool) -> List[Job]:
         if not self.ready:
             raise self.not_ready_error()
-        req = parse_completion(body, self.model_name, self.engine)
-        jobs = []
+        stop_ids, jobs = self._stop_ids(stops), []
         try:
-            for ids in req.prompts:
-                jobs.append(self.worker.submit(Job(ids, req.max_tokens, req.stop_ids,
-                                                   stream=queue.Queue() if req.stream else None)))
+            for ids in prompts:
+                fut = loop.create_future()
+                q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
+                job = Job(ids, max_tokens, stop_ids, stream=_LoopSink(loop, q) if stream else None)
+                job.notify = _notifier(loop, fut)
+                job.future, job.aqueue = fut, q
+                jobs.append(self.worker.submit(job))
         except QueueFull:
             for job in jobs:
                 job.cancel()
@@ -331,273 +259,345 @@ class ServeApp:
             for job in jobs:
                 job.cancel()
             raise self.not_ready_error() from None
-        return req, jobs
+        return jobs
 
     @staticmethod
     def job_error(job: Job) -> ApiError:
+        if isinstance(job.error, Cancelled):
+            return ApiError(503, "the server stopped before this completion finished (drain timeout, "
+                                 "serve.drain_timeout_s); retry", "service_unavailable", code="cut_by_shutdown")
         if isinstance(job.error, KdtreeError):
             return ApiError(400, str(job.error), param="prompt")
         return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
 
-    def finish(self, req: CompletionRequest, job: Job, index: int) -> Dict[str, Any]:
-        job.wait()
-        if job.error is not None:
-            raise self.job_error(job)
-        r = job.result
-        text = self.engine.tokenizer.decode(r.tokens)
-        text, stopped = cut_at_stop(text, req.stop)
-        finish = "stop" if stopped or r.finish_reason in ("stop", "eos") else "length"
-        if req.echo:
-            text = req.prompt_texts[index] + text
-        return {"text": text, "index": index, "logprobs": None, "finish_reason": finish,
-                "_tokens": r.tokens, "_result": r}
-
-    def completion_response(self, req: CompletionRequest, choices: List[Dict[str, Any]]) -> Dict[str, Any]:
-        prompt_tokens = sum(len(p) for p in req.prompts)
-        completion_tokens = sum(len(c["_tokens"]) for c in choices)
-        results = [c["_result"] for c in choices]
+    def stats(self, results) -> P.KdtreeStats:
         accepted = [a for r in results for a in r.acceptance_lengths]
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [{k: v for k, v in c.items() if not k.startswith("_")} for c in choices],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
-            "kdtree": {"target_forwards": sum(r.target_forwards for r in results),
-                       "mean_acceptance_length": sum(accepted) / len(accepted) if accepted else 0.0,
-                       "seconds": round(sum(r.seconds for r in results), 4)},
-        }
-
-    def status_body(self) -> Dict[str, Any]:
-        snap = self.status.snapshot()
-        snap["queue_depth"] = self.worker.depth if self.worker else 0
-        snap["in_flight"] = self.worker.in_flight if self.worker else 0
-        return snap
-
-    def models_body(self) -> Dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "kdtree"}]}
+        return P.KdtreeStats(target_forwards=sum(r.target_forwards for r in results),
+                             mean_acceptance_length=sum(accepted) / len(accepted) if accepted else 0.0,
+                             seconds=round(sum(r.seconds for r in results), 4))
 
 
-def _handler_for(app: ServeApp):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"     # keep-alive for clients that pool connections (openai, httpx)
-        server_version = "kdtree"
+class _LoopSink:
+    """The worker thread's side of a streamed job: token lists (then None) into an asyncio.Queue of the loop."""
 
-        def log_message(self, fmt, *args):
-            # No per-request access log: the monitor polls every second and its lines must not read as
-            # "log growth" (a progress signal) while the engine itself is stuck.
+    def __init__(self, loop, q: asyncio.Queue):
+        self.loop, self.q = loop, q
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:                 # the loop is closed: the server is gone, nobody reads any more
             pass
 
-        # -- plumbing ----------------------------------------------------------------------------------
-        def _send(self, code: int, body: Any, content_type: str = "application/json",
-                  headers: Optional[Dict[str, str]] = None) -> None:
-            data = body if isinstance(body, bytes) else (json.dumps(body) + "\n").encode()
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-            app.metrics.request(self.path.split("?")[0] if self._known() else "other", code)
 
-        def _error(self, e: ApiError) -> None:
-            headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-            if e.status >= 500 and e.status != 503:
-                print(f"[serve] {self.command} {self.path} -> {e.status} {e.message}", file=sys.stderr, flush=True)
-            self._send(e.status, e.body(), headers=headers)
-
-        def _known(self) -> bool:
-            return self.path.split("?")[0] in ROUTES_GET or self.path.split("?")[0] in ROUTES_POST
-
-        def _read_json(self) -> Any:
-            length = self.headers.get("Content-Length")
-            if length is None:
-                self.close_connection = True
-                raise ApiError(411, "Content-Length header is required")
-            try:
-                n = int(length)
-            except ValueError:
-                self.close_connection = True
-                raise ApiError(400, f"Content-Length {length!r} is not a number") from None
-            if n > MAX_BODY_BYTES:
-                self.close_connection = True
-                raise ApiError(413, f"request body of {n} bytes exceeds {MAX_BODY_BYTES} bytes")
-            raw = self.rfile.read(n)
-            try:
-                return json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"request body is not valid JSON: {e}") from None
-
-        def _require_auth(self) -> None:
-            """/v1/* needs `Authorization: Bearer <serve.api_key>` when a key is set; monitors' endpoints stay open."""
-            if not app.api_key or not self.path.startswith("/v1/"):
-                return
-            got = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {app.api_key}".encode()):
-                raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <serve.api_key>'",
-                               code="invalid_api_key")
-
-        # -- verbs -------------------------------------------------------------------------------------
-        def do_GET(self):
-            path = self.path.split("?")[0]
-            try:
-                self._require_auth()
-                fn = ROUTES_GET.get(path)
-                if fn is None:
-                    if path in ROUTES_POST:
-                        raise ApiError(405, f"{path} takes POST")
-                    raise ApiError(404, f"no endpoint {path}; try /v1/completions, /v1/models, /health, /ready, "
-                                        f"/status, /metrics")
-                fn(self)
-            except ApiError as e:
-                self._error(e)
-
-        def do_HEAD(self):
-            self.do_GET()
-
-        def do_POST(self):
-            path = self.path.split("?")[0]
-            try:
-                body = self._read_json() if self.headers.get("Content-Length") != "0" else None
-                self._require_auth()
-                fn = ROUTES_POST.get(path)
-                if fn is None:
-                    if path in ROUTES_GET:
-                        raise ApiError(405, f"{path} takes GET")
-                    raise ApiError(404, f"no endpoint {path}; completions are POST /v1/completions")
-                fn(self, body)
-            except ApiError as e:
-                self._error(e)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
-
-        # -- endpoints ---------------------------------------------------------------------------------
-        def health(self):
-            snap = app.status.snapshot()
-            code = 503 if snap.get("phase") == "failed" else 200
-            self._send(code, {"status": "ok" if code == 200 else "failed", "phase": snap.get("phase"),
-                              "pid": snap.get("pid"), "uptime_s": round(time.time() - snap["started_at"], 3)})
-
-        def ready(self):
-            snap = app.status.snapshot()
-            if app.ready:
-                self._send(200, {"ready": True, "phase": snap["phase"]})
-            else:
-                self._send(503, {"ready": False, "phase": snap.get("phase"), "status": describe(snap)},
-                           headers={"Retry-After": "1"})
-
-        def status(self):
-            self._send(200, app.status_body())
-
-        def metrics(self):
-            w = app.worker
-            text = app.metrics.render(app.status.snapshot(), w.depth if w else 0, w.in_flight if w else 0)
-            self._send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
-
-        def models(self):
-            self._send(200, app.models_body())
-
-        def completions(self, body):
-            req, jobs = app.complete(body)
-            if req.stream:
-                return self._stream(req, jobs)
-            choices = [app.finish(req, job, i) for i, job in enumerate(jobs)]
-            resp = app.completion_response(req, choices)
-            self._send(200, resp)
-            k = resp["kdtree"]
-            print(f"[serve] completion {resp['usage']['prompt_tokens']}+{resp['usage']['completion_tokens']} tokens "
-                  f"{k['seconds']:.3f} s, acceptance {k['mean_acceptance_length']:.2f}", file=sys.stderr, flush=True)
-
-        def _stream(self, req: CompletionRequest, jobs: List[Job]):
-            try:
-                self._stream_live(req, jobs)
-            finally:                                    # a stop string, an error, the client gone: stop the rest
-                for job in jobs:
-                    job.cancel()
-
-        def _stream_live(self, req: CompletionRequest, jobs: List[Job]):
-            first = jobs[0].stream.get()                # the first tokens, or the end of a job that failed
-            if first is None and jobs[0].error is not None:
-                raise app.job_error(jobs[0])            # nothing sent yet: a JSON error like a non-streamed one
-            cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")       # the body ends when the connection closes
-            self.end_headers()
-            self.close_connection = True
-            app.metrics.request("/v1/completions", 200)
-
-            def send(obj) -> None:
-                self.wfile.write(f"data: {json.dumps(obj)}\n\n".encode())
-                self.wfile.flush()
-
-            def event(choice_index: int, text: str, finish: Optional[str]) -> None:
-                send({"id": cid, "object": "text_completion", "created": created, "model": app.model_name,
-                      "choices": [{"text": text, "index": choice_index, "logprobs": None, "finish_reason": finish}]})
-
-            completion_tokens, t0 = 0, time.monotonic()
-            for index, job in enumerate(jobs):
-                ts = TextStream(app.engine.tokenizer, req.stop)
-                if req.echo:
-                    event(index, req.prompt_texts[index], None)
-                for ids in _batches(job, first if index == 0 else _NOTHING):
-                    piece = ts.push(ids)
-                    if piece:
-                        event(index, piece, None)
-                    if ts.stopped:
-                        job.cancel()                    # the text is over; free the engine for the next request
-                        break
-                if not ts.stopped and job.error is not None:
-                    e = app.job_error(job)
-                    print(f"[serve] stream failed after it started: {e.message}", file=sys.stderr, flush=True)
-                    send(e.body())
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    return
-                piece = ts.finish()
-                if piece:
-                    event(index, piece, None)
-                r = job.result
-                finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
-                event(index, "", finish)
-                completion_tokens += len(ts.tokens)
-            if req.include_usage:
-                prompt_tokens = sum(len(p) for p in req.prompts)
-                send({"id": cid, "object": "text_completion", "created": created, "model": app.model_name,
-                      "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                               "total_tokens": prompt_tokens + completion_tokens}})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-            print(f"[serve] stream {sum(len(p) for p in req.prompts)}+{completion_tokens} tokens "
-                  f"{time.monotonic() - t0:.3f} s", file=sys.stderr, flush=True)
-
-    ROUTES_GET = {"/health": Handler.health, "/ready": Handler.ready, "/status": Handler.status,
-                  "/metrics": Handler.metrics, "/v1/models": Handler.models}
-    ROUTES_POST = {"/v1/completions": Handler.completions}
-    return Handler
+def _notifier(loop, fut):
+    def done():
+        try:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        except RuntimeError:
+            pass
+    return done
 
 
-_NOTHING = object()
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def _batches(job: Job, first: Any = _NOTHING):
-    """The token ids a streamed job commits, as lists, each holding all that arrived since the previous one;
-    ends when the job does (its None)."""
-    item = job.stream.get() if first is _NOTHING else first
+async def _pieces(job: Job, first: Any = ...):
+    """The token-id lists a streamed job commits, each holding all that arrived since the last; ends with the job.
+    first: an item already taken from the job's queue."""
+    q = job.aqueue
+    item = await q.get() if first is ... else first
     while item is not None:
         batch = list(item)
-        while True:
-            try:
-                item = job.stream.get_nowait()
-            except queue.Empty:
-                item = _NOTHING
-                break
+        while not q.empty():
+            item = q.get_nowait()
             if item is None:
                 break
             batch.extend(item)
+        else:
+            item = ...
         yield batch
-        if item is _NOTHING:
-            item = job.stream.get()
+        if item is ...:
+            item = await q.get()
+
+
+# -- the FastAPI application ---------------------------------------------------------------------------
+def _param_and_message(err: Dict[str, Any]) -> Tuple[Optional[str], str]:
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    # union branches add their type as a location part ("str", "list[int]", "function-after[...]"): not a field
+    path = [x for x in loc if isinstance(x, int) or ("[" not in x and x not in ("str", "int", "float", "bool"))]
+    param = ".".join(str(x) for x in path) or None
+    kind = err.get("type", "")
+    if kind == "missing":
+        return param, f"missing required field '{param}'"
+    if kind == "extra_forbidden":
+        return param, (f"unknown parameter '{param}': not part of the OpenAI API or not supported by this server; "
+                       f"remove it")
+    if not path and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return None, "request body must be a JSON object (send Content-Type: application/json)"
+    try:
+        got = json.dumps(err.get("input"), allow_nan=False)[:80]
+    except (TypeError, ValueError):
+        got = repr(err.get("input"))[:80]
+    msg = err.get("msg", "invalid value")
+    if isinstance(err.get("ctx"), dict) and isinstance(err["ctx"].get("error"), ValueError):
+        msg = str(err["ctx"]["error"])
+    return param, f"{param or 'body'}: {msg}; got {got}"
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        e = next(e for e in errors if e.get("type") == "json_invalid")
+        return ApiError(400, f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+    own = [e for e in errors if e.get("type") == "value_error"]      # our validators' messages say the most
+    if own:
+        param, msg = _param_and_message(own[0])
+        return ApiError(400, msg, param=param)
+    params = {_param_and_message(e)[0] for e in errors}
+    if params == {"prompt"} and len(errors) > 1:       # every branch of prompt's union failed
+        return ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of those; got "
+                             + _param_and_message(errors[0])[1].rsplit("got ", 1)[-1], param="prompt")
+    param, msg = _param_and_message(errors[0])
+    return ApiError(400, msg, param=param)
+
+
+ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
+
+
+def build_app(serve: ServeApp) -> FastAPI:
+    app = FastAPI(title="kdtree", version="1", description="OpenAI-compatible completions served with DDTree "
+                  "speculative decoding", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        if exc.status >= 500 and exc.status != 503:
+            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
+                  flush=True)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        path = request.url.path
+        if exc.status_code == 404:
+            msg = (f"no endpoint {path}; the endpoints are POST /v1/completions, POST /v1/chat/completions, "
+                   f"GET /v1/models, /health, /ready, /status, /metrics, /openapi.json")
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            msg = f"{path} takes {allow or 'another method'}, not {request.method}"
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            cause = exc.__cause__
+            msg = (f"request body is not valid JSON: {type(cause).__name__}"
+                   + (": nested too deeply" if isinstance(cause, RecursionError) else f": {cause}"))[:300]
+        else:
+            msg = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return ApiError(exc.status_code, msg, kind, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    # -- operator endpoints ----------------------------------------------------------------------------
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=["operator"])
+    async def health():
+        snap = serve.status.snapshot()
+        code = 503 if snap.get("phase") == "failed" else 200
+        return JSONResponse({"status": "ok" if code == 200 else "failed", "phase": snap.get("phase"),
+                             "pid": snap.get("pid"), "uptime_s": round(time.time() - snap["started_at"], 3)}, code)
+
+    @app.api_route("/ready", methods=["GET", "HEAD"], tags=["operator"])
+    async def ready():
+        snap = serve.status.snapshot()
+        if serve.ready:
+            return {"ready": True, "phase": snap["phase"]}
+        return JSONResponse({"ready": False, "phase": snap.get("phase"), "status": describe(snap)}, 503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/status", tags=["operator"])
+    async def status():
+        snap = serve.status.snapshot()
+        snap["queue_depth"] = serve.worker.depth if serve.worker else 0
+        snap["in_flight"] = serve.worker.in_flight if serve.worker else 0
+        return snap
+
+    @app.get("/metrics", tags=["operator"], response_class=Response)
+    async def metrics():
+        return Response(serve.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    # -- OpenAI API ------------------------------------------------------------------------------------
+    def card() -> P.ModelCard:
+        return P.ModelCard(id=serve.model_name, created=serve.created, max_model_len=serve.max_model_len,
+                           root=serve.model_name)
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
+    async def models():
+        return P.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=ERRORS)
+    async def model(model_id: str):
+        serve._check_model(model_id)
+        return card()
+
+    stream_doc = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
+    async def completions(req: P.CompletionRequest):
+        serve._check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise ApiError(400, bad[1], param=bad[0])
+        if not serve.ready:
+            raise serve.not_ready_error()
+        encoded = [serve._token_ids(p) for p in req.prompts()]
+        for ids, _ in encoded:
+            serve._check_context(ids, req.max_tokens, "prompt")
+        stops = req.stops()
+        loop = asyncio.get_running_loop()
+        jobs = serve._submit([ids for ids, _ in encoded], req.max_tokens, stops, loop, req.stream)
+        texts = [t for _, t in encoded]
+        n_prompt = sum(len(ids) for ids, _ in encoded)
+        if req.stream:
+            return await _stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
+                                 bool(req.stream_options and req.stream_options.include_usage))
+        choices, results = [], []
+        for i, job in enumerate(jobs):
+            await job.future
+            if job.error is not None:
+                raise serve.job_error(job)
+            text, finish = _final_text(serve, job, stops)
+            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text,
+                                              finish_reason=finish))
+            results.append(job.result)
+        n_out = sum(len(r.tokens) for r in results)
+        resp = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices,
+                                    usage=P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results))
+        return JSONResponse(P.dump(resp))
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
+    async def chat_completions(req: P.ChatCompletionRequest):
+        serve._check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise ApiError(400, bad[1], param=bad[0])
+        if not serve.ready:
+            raise serve.not_ready_error()
+        tpl = serve.chat_template
+        if isinstance(tpl, Exception):
+            raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            text = tpl.render(messages, add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = serve._encode(text)
+        limit = req.limit()
+        max_tokens = limit if limit is not None else serve.max_model_len - len(ids) - serve._headroom()
+        serve._check_context(ids, max(1, max_tokens), "messages")
+        stops = req.stops() + list(tpl.stops)
+        loop = asyncio.get_running_loop()
+        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream)
+        if req.stream:
+            return await _stream(serve, jobs, stops, "chat.completion.chunk", False, [text], len(ids),
+                                 bool(req.stream_options and req.stream_options.include_usage))
+        job = jobs[0]
+        await job.future
+        if job.error is not None:
+            raise serve.job_error(job)
+        out, finish = _final_text(serve, job, stops)
+        n_out = len(job.result.tokens)
+        resp = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name,
+                                        choices=[P.ChatChoice(index=0, message=P.AssistantMessage(content=out),
+                                                              finish_reason=finish)],
+                                        usage=P.Usage(prompt_tokens=len(ids), completion_tokens=n_out,
+                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats([job.result]))
+        return JSONResponse(P.dump(resp))
+
+    # -- middleware (the last added is the outermost) --------------------------------------------------
+    app.add_middleware(Guard, serve=serve)
+    if serve.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(serve.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(Access, serve=serve)
+    return app
+
+
+def _final_text(serve: ServeApp, job: Job, stops: List[str]) -> Tuple[str, str]:
+    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(job.result.tokens), stops)
+    return text, "stop" if stopped or job.result.finish_reason in ("stop", "eos") else "length"
+
+
+async def _stream(serve: ServeApp, jobs: List[Job], stops: List[str], kind: str, echo: bool, texts: List[str],
+                  n_prompt: int, include_usage: bool) -> Response:
+    first = await jobs[0].aqueue.get()                 # the first tokens, or the end of a job that failed
+    if first is None and jobs[0].error is not None:
+        for job in jobs:
+            job.cancel()
+        raise serve.job_error(jobs[0])                 # nothing sent yet: a JSON error like a non-streamed one
+    chat = kind == "chat.completion.chunk"
+    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    created = int(time.time())
+
+    def event(index: int, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [choice]})
+
+    async def body():
+        t0, n_out = time.monotonic(), 0
+        try:
+            for index, job in enumerate(jobs):
+                ts = TextStream(serve.engine.tokenizer, stops)
+                if chat:
+                    yield event(index, None, None, role=True)
+                if echo:
+                    yield event(index, texts[index], None)
+                async for ids in _pieces(job, first if index == 0 else ...):
+                    piece = ts.push(ids)
+                    if piece:
+                        yield event(index, piece, None)
+                    if ts.stopped:
+                        job.cancel()                # the text is over; free the engine for the next request
+                        break
+                if not ts.stopped:
+                    await job.future
+                if not ts.stopped and job.error is not None:
+                    e = serve.job_error(job)
+                    print(f"[serve] stream ended early: {e.message}", file=sys.stderr, flush=True)
+                    yield _sse(e.body())
+                    yield b"data: [DONE]\n\n"
+                    return
+                piece = ts.finish()
+                if piece:
+                    yield event(index, piece, None)
+                r = job.result
+                finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
+                yield event(index, None if chat else "", finish)
+                n_out += len(ts.tokens)
+            if include_usage:
+                yield _sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [],
+                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                                      "total_tokens": n_prompt + n_out}})
+            yield b"data: [DONE]\n\n"
+            print(f"[serve] stream {n_prompt}+{n_out} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,
+                  flush=True)
+        finally:                                        # a stop string, an error, the client gone: stop the rest
+            for job in jobs:
+                job.cancel()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,100 +1,124 @@
-"""Server counters in Prometheus text format (exposition 0.0.4), no client library needed.
+"""Server metrics with prometheus-client, one registry per ServeApp, served at GET /metrics.
 
-    kdtree_requests_total{endpoint="/v1/completions",code="200"} 12
-    kdtree_generated_tokens_total 96
-    kdtree_acceptance_length_sum / _count     (tokens committed per verify round)
-    kdtree_stage_seconds_total{stage="verify"} 1.93
+Names and buckets follow vLLM's metric set (prefix kdtree_; counters end in _total, gauges do not):
+    kdtree_time_to_first_token_seconds        histogram  submit -> first token committed
+    kdtree_time_per_output_token_seconds      histogram  (end - first token) / (tokens - 1), per request
+    kdtree_e2e_request_latency_seconds        histogram  submit -> finished
+    kdtree_request_queue_time_seconds         histogram  submit -> the engine worker took it
+    kdtree_requests_total{code,endpoint}      counter    HTTP requests by status
+    kdtree_prompt_tokens_total / kdtree_generation_tokens_total / kdtree_target_forwards_total / ...
+    kdtree_num_requests_running / kdtree_num_requests_waiting / kdtree_kv_cache_usage_perc   gauges
+    kdtree_phase{phase}, kdtree_load_bytes_done / _expected, kdtree_phase_seconds{phase}    from status.json
 """
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict
 
-from kdtree.serve.status import PHASES
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from kdtree.serve.status import PHASES, StatusFile
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# vLLM's buckets (seconds): first token from 1 ms (cached prefill) to 43 min (a long queue behind a cold start)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                   480.0, 960.0, 1920.0, 7680.0)
 
 
-def _labels(**kv: Any) -> str:
-    if not kv:
-        return ""
-    esc = {k: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") for k, v in kv.items()}
-    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(esc.items())) + "}"
+class _StatusCollector:
+    """Gauges read from the engine's status (phase, load progress) and the scheduler, at scrape time."""
+
+    def __init__(self, status: StatusFile, load: Callable[[], Dict[str, float]]):
+        self.status, self.load = status, load
+
+    def describe(self):
+        return []          # collected at scrape time only; nothing to check at registration
+
+    def collect(self):
+        snap = self.status.snapshot()
+        phase = GaugeMetricFamily("kdtree_phase", "1 for the engine's current phase.", labels=["phase"])
+        for p in PHASES:
+            phase.add_metric([p], int(snap.get("phase") == p))
+        yield phase
+        yield GaugeMetricFamily("kdtree_load_bytes_done", "Checkpoint bytes loaded.", value=int(snap.get("bytes_done") or 0))
+        yield GaugeMetricFamily("kdtree_load_bytes_expected", "Checkpoint bytes to load.",
+                                value=int(snap.get("bytes_total") or 0))
+        secs = GaugeMetricFamily("kdtree_phase_seconds", "Seconds spent in each finished phase.", labels=["phase"])
+        for p, v in sorted((snap.get("phases") or {}).items()):
+            if "seconds" in v:
+                secs.add_metric([p], float(v["seconds"]))
+        yield secs
+        warm = GaugeMetricFamily("kdtree_warmup_shape_seconds", "Warm-up seconds per decode shape.", labels=["shape"])
+        for s, v in sorted((snap.get("warmup_seconds") or {}).items()):
+            warm.add_metric([s], float(v))
+        yield warm
+        load = self.load()
+        yield GaugeMetricFamily("kdtree_num_requests_running", "Requests the engine is generating.",
+                                value=load.get("running", 0))
+        yield GaugeMetricFamily("kdtree_num_requests_waiting", "Requests waiting for the engine.",
+                                value=load.get("waiting", 0))
+        yield GaugeMetricFamily("kdtree_kv_cache_usage_perc", "Fraction of the KV cache in use (0..1).",
+                                value=load.get("kv_cache_usage", 0.0))
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, status: StatusFile, load: Callable[[], Dict[str, float]] = dict):
+        self.registry = r = CollectorRegistry(auto_describe=False)
         self._lock = threading.Lock()
-        self.requests: Dict[tuple, int] = defaultdict(int)      # (endpoint, code) -> count
-        self.prompt_tokens = 0
+        self.completions = 0                 # finished generations (also reported by the serve stage)
         self.generated_tokens = 0
-        self.completions = 0
-        self.target_forwards = 0
-        self.draft_forwards = 0
-        self.acceptance_sum = 0
-        self.acceptance_count = 0
-        self.stage_seconds: Dict[str, float] = defaultdict(float)
-        self.generation_seconds = 0.0
-        self.queue_wait_seconds = 0.0
+        self.requests = Counter("kdtree_requests", "HTTP requests by endpoint and status code.",
+                                ["code", "endpoint"], registry=r)
+        self.ttft = Histogram("kdtree_time_to_first_token_seconds", "Submit to the first token committed.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kdtree_time_per_output_token_seconds", "Seconds per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kdtree_e2e_request_latency_seconds", "Submit to finished.", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("kdtree_request_queue_time_seconds", "Submit to the engine worker taking it.",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tok = Counter("kdtree_prompt_tokens", "Prompt tokens of finished generations.", registry=r)
+        self.gen_tok = Counter("kdtree_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter("kdtree_request_success", "Finished generations by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.target_fw = Counter("kdtree_target_forwards", "Target model forwards (prefill counts as one).",
+                                 registry=r)
+        self.draft_fw = Counter("kdtree_draft_forwards", "Drafter forwards.", registry=r)
+        self.accept = Histogram("kdtree_acceptance_length", "Tokens committed per verify round.",
+                                buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)
+        self.stage = Counter("kdtree_stage_seconds", "Decode seconds by stage.", ["stage"], registry=r)
+        r.register(_StatusCollector(status, load))
 
     def request(self, endpoint: str, code: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, int(code))] += 1
+        self.requests.labels(code=str(int(code)), endpoint=endpoint).inc()
 
-    def generation(self, result: Any, prompt_tokens: int, queue_wait_s: float = 0.0) -> None:
-        """Count one finished GenerationResult."""
+    def generation(self, job: Any) -> None:
+        """Count one finished Job (its GenerationResult and its timestamps, time.monotonic seconds)."""
+        result = job.result
+        n = len(result.tokens)
         with self._lock:
             self.completions += 1
-            self.prompt_tokens += int(prompt_tokens)
-            self.generated_tokens += len(result.tokens)
-            self.target_forwards += int(result.target_forwards)
-            self.draft_forwards += int(result.draft_forwards)
-            self.acceptance_sum += int(sum(result.acceptance_lengths))
-            self.acceptance_count += len(result.acceptance_lengths)
-            for stage, s in result.stage_seconds.items():
-                self.stage_seconds[stage] += float(s)
-            self.generation_seconds += float(result.seconds)
-            self.queue_wait_seconds += float(queue_wait_s)
+            self.generated_tokens += n
+        self.prompt_tok.inc(len(job.prompt_ids))
+        self.gen_tok.inc(n)
+        self.finished.labels(finished_reason="stop" if result.finish_reason in ("stop", "eos") else "length").inc()
+        self.target_fw.inc(int(result.target_forwards))
+        self.draft_fw.inc(int(result.draft_forwards))
+        for a in result.acceptance_lengths:
+            self.accept.observe(a)
+        for stage, s in result.stage_seconds.items():
+            self.stage.labels(stage=stage).inc(float(s))
+        self.queue.observe(max(0.0, job.started_at - job.submitted_at))
+        self.e2e.observe(max(0.0, job.finished_at - job.submitted_at))
+        if job.first_token_at:
+            self.ttft.observe(max(0.0, job.first_token_at - job.submitted_at))
+            if n > 1:
+                self.tpot.observe(max(0.0, job.finished_at - job.first_token_at) / (n - 1))
 
-    def render(self, status: Optional[Dict[str, Any]] = None, queue_depth: int = 0, in_flight: int = 0) -> str:
-        out = []
-
-        def metric(name: str, kind: str, help_: str, samples, suffixes=None) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            for i, (labels, value) in enumerate(samples):
-                full = name + (suffixes[i] if suffixes else "")
-                out.append(f"{full}{_labels(**labels)} {value:g}" if isinstance(value, float)
-                           else f"{full}{_labels(**labels)} {value}")
-
-        with self._lock:
-            metric("kdtree_requests_total", "counter", "HTTP requests by endpoint and status code.",
-                   [({"endpoint": e, "code": c}, n) for (e, c), n in sorted(self.requests.items())])
-            metric("kdtree_completions_total", "counter", "Finished generations.", [({}, self.completions)])
-            metric("kdtree_prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
-                   [({}, self.prompt_tokens)])
-            metric("kdtree_generated_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)])
-            metric("kdtree_target_forwards_total", "counter", "Target model forwards (prefill counts as one).",
-                   [({}, self.target_forwards)])
-            metric("kdtree_draft_forwards_total", "counter", "Drafter forwards.", [({}, self.draft_forwards)])
-            metric("kdtree_acceptance_length", "summary", "Tokens committed per verify round.",
-                   [({}, self.acceptance_sum), ({}, self.acceptance_count)], suffixes=("_sum", "_count"))
-            metric("kdtree_stage_seconds_total", "counter", "Decode seconds by stage.",
-                   [({"stage": s}, float(v)) for s, v in sorted(self.stage_seconds.items())])
-            metric("kdtree_generation_seconds_total", "counter", "Wall seconds inside engine.generate.",
-                   [({}, float(self.generation_seconds))])
-            metric("kdtree_queue_wait_seconds_total", "counter", "Seconds requests waited for the engine worker.",
-                   [({}, float(self.queue_wait_seconds))])
-        metric("kdtree_queue_depth", "gauge", "Requests waiting for the engine worker.", [({}, queue_depth)])
-        metric("kdtree_in_flight", "gauge", "Requests the engine worker is running (0 or 1).", [({}, in_flight)])
-        if status is not None:
-            metric("kdtree_phase", "gauge", "1 for the engine's current phase.",
-                   [({"phase": p}, int(status.get("phase") == p)) for p in PHASES])
-            metric("kdtree_load_bytes", "gauge", "Checkpoint bytes loaded.", [({}, int(status.get("bytes_done") or 0))])
-            metric("kdtree_load_bytes_total", "gauge", "Checkpoint bytes to load.",
-                   [({}, int(status.get("bytes_total") or 0))])
-            metric("kdtree_phase_seconds", "gauge", "Seconds spent in each finished phase.",
-                   [({"phase": p}, float(v["seconds"])) for p, v in sorted((status.get("phases") or {}).items())
-                    if "seconds" in v])
-            metric("kdtree_warmup_shape_seconds", "gauge", "Warm-up seconds per decode shape.",
-                   [({"shape": s}, float(v)) for s, v in sorted((status.get("warmup_seconds") or {}).items())])
-        return "\n".join(out) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -6,6 +6,8 @@ status.json, and `POST /v1/completions` on serve.host:serve.port as seen from th
 """
 from __future__ import annotations
 
+from kdtree.config.secrets import api_key
+from kdtree.errors import ConfigError
 from kdtree.hosts import connect
 from kdtree.monitor.watcher import Target, history_for, watch
 
@@ -14,12 +16,20 @@ PARAMS = {}
 NEEDS_ENGINE = True
 
 
+def _engine_key(serve_cfg) -> str:
+    """The key this run's engine checks, when the controller can read it (env, or a key file here too)."""
+    try:
+        return api_key(serve_cfg)
+    except ConfigError:                       # the file is on the engine's host only: probes see 401 = answering
+        return ""
+
+
 def engine_target(cfg, pid: int, run_dir: str, log: str) -> Target:
     """The engine process (pid, its run dir on its host, its log) as the monitor's target."""
     s, h = cfg.serve, cfg.health
     bind = "127.0.0.1" if s.host in ("0.0.0.0", "", "::") else s.host
     url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
-    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or s.api_key,
+    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or _engine_key(s),
                   pid=int(h.pid or pid or 0), status_path=f"{run_dir}/status.json",
                   log=h.log or log, unit=h.unit, unit_user=h.unit_user, disk=h.disk,
                   expected_bytes=int(h.expected_bytes))

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 
+from kdtree.config.secrets import api_key
 from kdtree.engine import EngineState
 from kdtree.errors import PipelineError
 from kdtree.serve.app import ServeApp
@@ -16,7 +17,6 @@ from kdtree.serve.status import StatusFile, make_status
 
 SIDE = "host"
 PARAMS = {}
-DRAIN_TIMEOUT_S = 300.0          # longest a SIGTERM waits for accepted requests before closing anyway
 FAILED_LINGER_S = 5.0            # a failed engine with its port open answers /health 503 + the error this long
 
 
@@ -24,8 +24,8 @@ def KEEPS_RUNNING(cfg) -> bool:  # serve.detach=true: the pipeline returns, the 
     return bool(cfg.serve.detach)
 
 
-def STOP_GRACE_S(cfg) -> float:  # SIGTERM drains accepted requests; SIGKILL after stop.timeout_s
-    return float(cfg.stop.timeout_s)
+def STOP_GRACE_S(cfg) -> float:  # SIGTERM drains accepted requests (serve.drain_timeout_s), then exits
+    return float(cfg.serve.drain_timeout_s) + float(cfg.stop.timeout_s)
 
 
 def PORT(cfg) -> int:            # recorded in the engine registry: `pipeline=stop serve.port=N` finds it
@@ -47,7 +47,9 @@ def on_process_start(ctx) -> ServeApp:
         notifier.on_status(status.snapshot())
     s = ctx.cfg.serve
     app = ServeApp(status, host=s.host, port=s.port, model_name=s.model_name or ctx.cfg.model.name,
-                   api_key=s.api_key, max_queue=s.max_queue).start()
+                   api_key=api_key(s), max_queue=s.max_queue, cors_origins=tuple(s.get("cors_origins") or ()),
+                   max_body_bytes=s.max_body_bytes, max_header_bytes=s.max_header_bytes,
+                   max_connections=s.max_connections, keepalive_s=s.keepalive_s).start()
     EngineState.of(ctx).server = app
     ctx.emit("serve_listening", url=app.url, phase=status.phase)
     return app
@@ -74,7 +76,8 @@ def run(ctx) -> dict:
     app.attach(engine)
     app.mark_ready()
     ctx.emit("ready", url=app.url, model=app.model_name)
-    print(f"serving {app.model_name} at {app.url}/v1/completions (SIGTERM or Ctrl-C to stop)", flush=True)
+    print(f"serving {app.model_name} at {app.url}/v1 (completions, chat/completions; SIGTERM or Ctrl-C to stop)",
+          flush=True)
 
     stop = threading.Event()
     previous = {}
@@ -88,8 +91,8 @@ def run(ctx) -> dict:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     ctx.emit("draining", url=app.url, queue_depth=app.worker.depth, in_flight=app.worker.in_flight)
-    finished = app.drain(DRAIN_TIMEOUT_S)
+    outcome = app.drain(float(ctx.cfg.serve.drain_timeout_s))
     m = app.metrics
-    ctx.emit("stopped", completions=m.completions, generated_tokens=m.generated_tokens, drained=finished)
-    return {"url": app.url, "completions": m.completions, "generated_tokens": m.generated_tokens,
-            "drained": finished}
+    print(f"drained {outcome['drained']} request(s), cut {outcome['cut']}", flush=True)
+    ctx.emit("stopped", completions=m.completions, generated_tokens=m.generated_tokens, **outcome)
+    return {"url": app.url, "completions": m.completions, "generated_tokens": m.generated_tokens, **outcome}

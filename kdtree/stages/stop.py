@@ -1,4 +1,6 @@
-"""stop: stop the engine process of a run — SIGTERM its process group, wait grace_s, then SIGKILL.
+"""stop: stop the engine process of a run — SIGTERM its process group, wait for its drain (drain_s: the
+engine finishes the requests it accepted, refusing new ones with 503) plus grace_s, then SIGKILL. Prints
+how many requests the drain finished and how many it cut (from the engine's status.json).
 
     python -m kdtree.run pipeline=stop stop.run_dir=runs/2026-11-30/08-00-00-serve
     python -m kdtree.run pipeline=stop serve.port=30001      # the most recent engine serving on that port
@@ -9,6 +11,7 @@ connection. The run's files are left as they are (an engine_stop event is append
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Dict
 
@@ -21,7 +24,7 @@ from kdtree.pipeline import engine_process as ep
 from kdtree.pipeline.events import EVENTS_FILE, EventLog
 
 SIDE = "controller"
-PARAMS = {"run_dir": str, "port": int, "grace_s": float}
+PARAMS = {"run_dir": str, "port": int, "grace_s": float, "drain_s": float}
 
 
 def _entry_for_run_dir(cfg, run_dir: Path) -> Dict[str, Any]:
@@ -50,7 +53,17 @@ def _entry_for_port(cfg, port: int) -> Dict[str, Any]:
                         f"{cache_dir(cfg) / ep.REGISTRY}; give stop.run_dir=<the run dir>")
 
 
-def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0) -> dict:
+def _drain_report(host, entry: Dict[str, Any]) -> Dict[str, Any]:
+    """drained/cut as the engine wrote them into its status.json when it stopped ({} when it did not)."""
+    raw = host.read_file(f"{entry.get('host_run_dir') or entry['run_dir']}/status.json")
+    try:
+        snap = json.loads(raw.decode()) if raw else {}
+    except ValueError:
+        return {}
+    return {k: snap[k] for k in ("drained", "cut") if k in snap} if snap.get("phase") == "stopped" else {}
+
+
+def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0, drain_s: float = 0.0) -> dict:
     if run_dir:
         entry = _entry_for_run_dir(ctx.cfg, Path(run_dir).expanduser().resolve())
     elif port:
@@ -60,12 +73,14 @@ def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0) -> dict:
     host = connect(entry.get("host") or {"kind": "local"})
     pid = int(entry["pid"])
     try:
-        result = ep.stop_engine(host, pid, grace_s=float(grace_s))
+        result = ep.stop_engine(host, pid, grace_s=float(drain_s) + float(grace_s))
+        report = _drain_report(host, entry) if result == "terminated" else {}
     finally:
         host.close()
     target = Path(entry["run_dir"])
-    print(f"stop: engine {pid} of {target} on {host.label}: {result}", flush=True)
+    drained = (f"; drained {report['drained']} request(s), cut {report['cut']}" if "drained" in report else "")
+    print(f"stop: engine {pid} of {target} on {host.label}: {result}{drained}", flush=True)
     if (target / EVENTS_FILE).exists() and target.resolve() != Path(ctx.run_dir).resolve():
         EventLog(target / EVENTS_FILE, where="stop", console=None).emit(
-            "engine_stop", pid=pid, outcome=result, by=str(ctx.run_dir))
-    return {"run_dir": str(target), "pid": pid, "host": host.label, "result": result}
+            "engine_stop", pid=pid, outcome=result, by=str(ctx.run_dir), **report)
+    return {"run_dir": str(target), "pid": pid, "host": host.label, "result": result, **report}

@@ -152,3 +152,23 @@ def test_frozen_connection_times_out_in_time_and_the_next_command_reconnects(ssh
             assert time.monotonic() - t0 < 5
         finally:
             os.kill(frozen, signal.SIGCONT)
+
+
+def test_secret_env_reaches_a_detached_remote_process(sshd, tmp_path):
+    """The API key of a remote engine: the launching shell reads it from stdin (`read -r`), the process has it
+    in its environment and in no argument."""
+    log, pidfile, out = tmp_path / "s.log", tmp_path / "s.pid", tmp_path / "seen"
+    secret = "key-" + "x7" * 8
+    with connect(sshd) as host:
+        pid = host.start_detached(["sh", "-c", 'printf %s "$KDTREE_API_KEY" > "$0"; sleep 30', str(out)],
+                                  str(log), str(pidfile), secret_env={"KDTREE_API_KEY": secret})
+        try:
+            for _ in range(50):
+                if out.exists() and out.read_text():
+                    break
+                time.sleep(0.1)
+            assert out.read_text() == secret
+            assert secret.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
+            assert host.shell("ps -eo args").stdout.count(secret) == 0
+        finally:
+            host.signal(pid, signal.SIGKILL)

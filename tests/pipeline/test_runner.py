@@ -141,7 +141,8 @@ def test_stop_kills_an_engine_that_ignores_sigterm(compose_cfg, tmp_path, run_di
     assert not host.is_alive(pid)
 
 
-def test_ctrl_c_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
+def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache, sig):
     path = _pipeline(tmp_path, LONG_ENGINE)
     run_dir = tmp_path / "fg"
     env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
@@ -155,7 +156,7 @@ def test_ctrl_c_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache):
                 break
             time.sleep(0.1)
         pid = int((run_dir / "engine.pid").read_text())
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()

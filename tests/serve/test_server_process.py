@@ -1,9 +1,11 @@
-"""The server as users meet it: a real engine process started by `python -m kdtree.run`, real HTTP (curl, the
-openai client, 16 concurrent clients), SIGTERM draining."""
+"""The server as users meet it: a real engine process started by `python -m kdtree.run`, real HTTP (curl, 16
+concurrent clients, live streams), SIGTERM draining, sd_notify and the API key. (The OpenAI API surface and bad
+inputs: test_openai_api.py; pipeline=stop under load: test_stop_drain.py.)"""
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -52,51 +54,6 @@ def test_curl_post_returns_choices_text(served):
     assert code == 200 and by_ids["choices"][0]["text"] == resp["choices"][0]["text"]
 
 
-def test_openai_client_completion_stream_and_models(served):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
-    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0)
-    text = r.choices[0].text
-    assert r.usage.completion_tokens == len(text.encode("utf-8", "surrogatepass")) or r.usage.completion_tokens <= 6
-    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True))
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
-    assert chunks[-1].choices[0].finish_reason in ("length", "eos", "stop")
-    with pytest.raises(openai.BadRequestError, match="only greedy"):
-        client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0.8)
-
-
-BAD = [
-    # (raw body, HTTP status, words of the message, param)
-    (b'{"model": "tiny", "prompt": "2+2=", ', 400, "not valid JSON", None),
-    (json.dumps({"model": "tiny", "max_tokens": 4}).encode(), 400, "missing required field 'prompt'", "prompt"),
-    (json.dumps({"prompt": "2+2=", "max_tokens": -1}).encode(), 400, "max_tokens must be an integer >= 0", "max_tokens"),
-    (json.dumps({"prompt": "x" * 2100, "max_tokens": 4}).encode(), 400, "maximum context length is 2048", "prompt"),
-    (json.dumps({"model": "gpt-4", "prompt": "2+2="}).encode(), 404, "'gpt-4' is not served here", "model"),
-    (json.dumps({"prompt": "2+2=", "temperature": 0.7}).encode(), 400, "only greedy decoding", "temperature"),
-    (json.dumps({"prompt": "2+2=", "stop": 5}).encode(), 400, "stop must be a string or a list", "stop"),
-    (json.dumps({"prompt": [1, 99999]}).encode(), 400, "token id 99999", "prompt"),
-    (json.dumps({"prompt": ""}).encode(), 400, "prompt is empty", "prompt"),
-]
-
-
-@pytest.mark.parametrize("raw,code,words,param", BAD, ids=[b[2].split()[0] + str(i) for i, b in enumerate(BAD)])
-def test_invalid_request_is_4xx_and_the_next_request_succeeds(served, raw, code, words, param):
-    got, body = post(served.url, None, raw=raw)
-    assert got == code, body
-    assert words in body["error"]["message"] and body["error"]["param"] == param
-    assert body["error"]["type"] == "invalid_request_error"
-    ok, resp = post(served.url, {"prompt": "2+2=", "max_tokens": 2})
-    assert ok == 200 and resp["choices"][0]["text"] is not None
-
-
-def test_unknown_path_and_wrong_method_are_json_4xx(served):
-    code, text = get(served.url, "/v1/chat/nothing")
-    assert code == 404 and "no endpoint" in json.loads(text)["error"]["message"]
-    code, text = get(served.url, "/v1/completions")
-    assert code == 405 and "takes POST" in json.loads(text)["error"]["message"]
-
-
 def test_sixteen_clients_get_the_single_client_greedy_answers(served):
     prompts = [f"client prompt {i}: " for i in range(8)]
     single = {}
@@ -134,12 +91,12 @@ def test_operator_endpoints(served):
     code, metrics = get(served.url, "/metrics")
     assert code == 200
     lines = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
-    assert int(lines['kdtree_requests_total{code="200",endpoint="/v1/completions"}']) >= 1
-    assert int(lines["kdtree_generated_tokens_total"]) >= 3
-    assert int(lines["kdtree_acceptance_length_count"]) >= 1
+    assert float(lines['kdtree_requests_total{code="200",endpoint="/v1/completions"}']) >= 1
+    assert float(lines["kdtree_generation_tokens_total"]) >= 3
+    assert float(lines["kdtree_acceptance_length_count"]) >= 1
     assert float(lines['kdtree_stage_seconds_total{stage="verify"}']) > 0
     assert float(lines['kdtree_phase_seconds{phase="loading"}']) > 0
-    assert lines['kdtree_phase{phase="ready"}'] == "1"
+    assert float(lines['kdtree_phase{phase="ready"}']) == 1
 
 
 def sse(url: str, body: dict, timeout: float = 120):
@@ -150,7 +107,7 @@ def sse(url: str, body: dict, timeout: float = 120):
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json"})
     r = conn.getresponse()
-    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream", r.read()[:300]
+    assert r.status == 200 and r.getheader("Content-Type").startswith("text/event-stream"), r.read()[:300]
     events = []
     while True:
         line = r.readline()
@@ -233,9 +190,9 @@ def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed
     assert usage and usage[-1]["prompt_tokens"] == want["usage"]["prompt_tokens"]
     assert usage[-1]["completion_tokens"] <= want["usage"]["completion_tokens"]
     # errors before the first token still answer as JSON, and the server streams on afterwards
-    # (2040 + 8 tokens fit the context, but not with the tree's verify block: the engine refuses the job)
+    # (2040 + 8 tokens fit the context, but not with the tree's verify block)
     code, err = post(served.url, {"prompt": "x" * 2040, "max_tokens": 8, "stream": True})
-    assert code == 400 and "exceeds the context" in err["error"]["message"], err
+    assert code == 400 and err["error"]["code"] == "context_length_exceeded", err
     assert streamed_text(sse(served.url, {"prompt": "2+2=", "max_tokens": 3})) == \
         post(served.url, {"prompt": "2+2=", "max_tokens": 3})[1]["choices"][0]["text"]
 
@@ -277,6 +234,14 @@ def test_sigterm_drains_the_request_in_flight_and_exits_0(served):
         socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])), timeout=2).close()
 
 
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def test_sd_notify_and_api_key(tmp_path_factory, kdtree_cache, tmp_path):
     """Under systemd (NOTIFY_SOCKET): STATUS + EXTEND_TIMEOUT_USEC while loading, READY=1 when serving."""
     sock_path = tmp_path / "notify.sock"
@@ -295,19 +260,32 @@ def test_sd_notify_and_api_key(tmp_path_factory, kdtree_cache, tmp_path):
 
     th = threading.Thread(target=listen, daemon=True)
     th.start()
-    s = start_served(tmp_path_factory, kdtree_cache, "serve.api_key=s3cret", extra_env={"NOTIFY_SOCKET": str(sock_path)})
+    key = "s3cret-" + os.urandom(8).hex()
+    s = start_served(tmp_path_factory, kdtree_cache, extra_env={"NOTIFY_SOCKET": str(sock_path), "KDTREE_API_KEY": key})
     try:
         code, body = post(s.url, {"prompt": "2+2=", "max_tokens": 2})
         assert code == 401 and "Bearer" in body["error"]["message"]
-        code, body = post(s.url, {"prompt": "2+2=", "max_tokens": 2}, headers={"Authorization": "Bearer s3cret"})
+        # the key is checked before the body is read: no key + a malformed body is a 401, not a 400
+        assert post(s.url, None, raw=b'{"prompt": ')[0] == 401
+        code, body = post(s.url, {"prompt": "2+2=", "max_tokens": 2}, headers={"Authorization": f"Bearer {key}"})
         assert code == 200
+        openai = pytest.importorskip("openai")
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        assert c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=2).usage.completion_tokens == 2
         assert get(s.url, "/health")[0] == 200             # operator endpoints stay open for monitors
+        leaks = [pid for pid in os.listdir("/proc") if pid.isdigit() and key.encode() in _cmdline(pid)]
+        assert not leaks, f"the API key is on the command line of {leaks}"
     finally:
         stop(s.pid, signal.SIGTERM)
         time.sleep(0.3)
         done.set()
         th.join(2)
         sock.close()
+    # the monitor probed with the key (READY needs a 200), yet no file of the run holds it
+    assert "READY" in s.stdout
+    files = [p for p in s.run_dir.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+    assert not files, files
     text = "\n".join(messages)
     assert "STATUS=loading" in text and "EXTEND_TIMEOUT_USEC=" in text
     assert any("READY=1" in m for m in messages) and "STOPPING=1" in text

@@ -8,7 +8,7 @@ import random
 import threading
 
 from kdtree.decode.result import GenerationResult
-from kdtree.serve.app import TextStream, _batches, cut_at_stop
+from kdtree.serve.text_stream import TextStream, cut_at_stop
 from kdtree.serve.request_queue import Cancelled, EngineWorker, Job
 from kdtree.tokenizer.byte import ByteTokenizer
 
@@ -91,7 +91,7 @@ def test_worker_streams_commits_before_the_job_ends_and_cancels():
     w = EngineWorker(eng, 4)
     job = w.submit(Job([1], 5, stream=queue.Queue()))
     got = []
-    for batch in _batches(job):
+    for batch in iter(job.stream.get, None):
         got.extend(batch)
         if got == [0, 1]:
             assert not job.done.is_set()                   # the first tokens arrived while generating

@@ -1,0 +1,253 @@
+"""The OpenAI completions and chat completions APIs as pydantic models: what the server accepts and answers.
+
+One class per request and per response. Requests are strict (a string is not a bool, a float is not an int,
+NaN is not a temperature) and closed (`extra="forbid"`: an unknown parameter is a 400 naming it, never
+ignored). Parameters that kdtree does not implement yet are typed fields all the same, so the schema at
+/openapi.json says what they are; `unsupported()` names the ones a request sets to a value other than the
+identity (temperature > 0, n > 1, logprobs, top_p < 1, penalties, logit_bias, suffix, seed).
+Wiring sampling to the engine (temperature/top_p/seed/n/logprobs, #20) is then one line per field in
+ServeApp's request-to-job step; the models stay as they are.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+DEFAULT_MAX_TOKENS = 16           # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def _no_lone_surrogates(s: str) -> str:
+    # valid JSON ("\ud800") but not text: it cannot be encoded to UTF-8, so no tokenizer can take it
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"string has a lone UTF-16 surrogate {s[e.start]!r} at character {e.start}; "
+                         f"send valid Unicode text") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+TokenId = Annotated[int, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both APIs share. Defaults are the identity: greedy, one choice, no bias."""
+    model: Optional[Text] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[Text, Annotated[List[Text], Field(max_length=16)]]] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[Probability] = None
+    n: Optional[Annotated[int, Field(ge=1, le=128)]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]] = None
+    user: Optional[Text] = None
+
+    def unsupported(self) -> Optional[tuple]:
+        """(param, message) for the first field set to something kdtree cannot do yet; None when all are fine."""
+        if self.temperature is not None and self.temperature > 0:
+            return "temperature", (f"only greedy decoding is supported: send temperature=0 (got {self.temperature}); "
+                                   f"greedy is what keeps speculative decoding lossless")
+        if self.n is not None and self.n != 1:
+            return "n", f"n={self.n} is not supported; greedy decoding has one answer, use n=1"
+        if self.top_p is not None and self.top_p != 1.0:
+            return "top_p", f"top_p={self.top_p} needs sampling, which this server does not do yet; use top_p=1"
+        if self.seed is not None:
+            return "seed", "seed needs sampling, which this server does not do yet (greedy output has no seed); drop it"
+        for key in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, key)
+            if v is not None and v != 0:
+                return key, f"{key}={v} is not supported; use 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported; send none"
+        return None
+
+    def stops(self) -> List[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[Text, Annotated[List[TokenId], Field(min_length=1)], Annotated[List[Text], Field(min_length=1)],
+                  Annotated[List[Annotated[List[TokenId], Field(min_length=1)]], Field(min_length=1)]]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = DEFAULT_MAX_TOKENS
+    echo: bool = False
+    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
+    best_of: Optional[Annotated[int, Field(ge=1, le=128)]] = None
+    suffix: Optional[Text] = None
+
+    def unsupported(self) -> Optional[tuple]:
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported by this server; drop the parameter"
+        if self.best_of is not None and self.best_of != 1:
+            return "best_of", f"best_of={self.best_of} is not supported; greedy decoding has one answer, use best_of=1"
+        if self.suffix is not None:
+            return "suffix", "suffix (insertion) is not supported by this model; drop the parameter"
+        return super().unsupported()
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        """One prompt per choice: a string or a token-id list."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[Text, List[TextPart]]] = None
+    name: Optional[Text] = None
+
+    def text(self) -> str:
+        c = self.content
+        return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[List[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
+    add_generation_prompt: bool = True            # vLLM's extension, rendered into the template as HF does
+
+    def unsupported(self) -> Optional[tuple]:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported by this server; drop the parameter"
+        if self.top_logprobs is not None:
+            return "top_logprobs", "top_logprobs are not supported by this server; drop the parameter"
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            return "max_tokens", "give max_completion_tokens or max_tokens, not both"
+        return super().unsupported()
+
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses -------------------------------------------------------------------------------------------
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class KdtreeStats(_Response):
+    target_forwards: int
+    mean_acceptance_length: float
+    seconds: float
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionChoice]
+    usage: Optional[Usage] = None
+    kdtree: Optional[KdtreeStats] = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatChoice]
+    usage: Usage
+    kdtree: Optional[KdtreeStats] = None
+
+
+class DeltaMessage(_Response):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[FinishReason] = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: List[ChatChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kdtree"
+    max_model_len: int
+    root: str
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+def dump(model: BaseModel) -> Dict[str, Any]:
+    """The JSON-ready dict of a response model (None fields kept: OpenAI sends `logprobs: null`)."""
+    return model.model_dump(mode="json")

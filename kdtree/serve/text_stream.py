@@ -1,0 +1,67 @@
+"""Stop strings and live text: what a streamed choice sends, equal in the end to the non-streamed text.
+
+    text, stopped = cut_at_stop(decode(tokens), stops)
+    ts = TextStream(tokenizer, stops); ts.push(ids) -> final text so far; ts.finish() -> the rest
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+
+def cut_at_stop(text: str, stops: List[str]) -> Tuple[str, bool]:
+    """Text up to (excluding) the earliest stop string, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class TextStream:
+    """The text of one streamed choice, piece by piece as tokens arrive, equal in the end to the non-streamed
+    text (cut_at_stop(decode(tokens), stops)).
+
+        ts = TextStream(tokenizer, stops)
+        ts.push([ids...]) -> str      text that is final now ("" while it could still change)
+        ts.finish()       -> str      the rest, once generation ended
+        ts.stopped                    a stop string was reached: nothing more will be emitted
+
+    Held back: a trailing incomplete UTF-8 character (decodes to U+FFFD until its bytes arrive), and a tail
+    that could still be the start of a stop string. A stop string ends the text at its earliest start, as
+    cut_at_stop does, once no earlier-starting stop string can still complete.
+    """
+
+    def __init__(self, tokenizer, stops: List[str]):
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.tokens: List[int] = []
+        self.emitted = 0                  # characters of the text already returned (no stop starts before)
+        self.stopped = False
+
+    def push(self, ids: List[int]) -> str:
+        self.tokens.extend(int(t) for t in ids)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.tokens)
+        if not final:
+            text = text.rstrip("\ufffd")          # maybe an incomplete multi-byte character: wait for more
+        e = self.emitted
+        cut = min((i for i in (text.find(s, e) for s in self.stops) if i >= 0), default=-1)
+        pending = None                          # earliest start of a stop string that may still complete
+        if not final and self.stops:
+            longest = max(len(s) for s in self.stops)
+            for i in range(max(e, len(text) - longest + 1), len(text)):
+                tail = text[i:]
+                if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                    pending = i
+                    break
+        if cut >= 0 and (pending is None or pending >= cut):
+            self.stopped = True
+            end = cut
+        else:
+            end = min(x for x in (len(text), cut if cut >= 0 else None, pending) if x is not None)
+        piece = text[e:end] if end > e else ""
+        self.emitted = max(e, end)
+        return piece

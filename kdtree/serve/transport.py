@@ -1,0 +1,189 @@
+"""What happens to a request before a route sees it, and to errors that no route raises: the HTTP/1.1 protocol
+with kdtree's limits (header size 431, connection count 503, idle sockets closed), the API key and body limit
+checked before the body is read (_Guard), request ids, the `Server` header, the request counter and the access
+log (_Access), and ApiError, the one shape of every error: {"error": {"message", "type", "param", "code"}}.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import sys
+import time
+import uuid
+from typing import Any, Dict, Optional
+
+import h11
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_CONNECTIONS = 1024            # open sockets; one more is answered 503 and closed
+MONITOR_AGENT = "kdtree-monitor"  # the health monitor's User-Agent: its probes are not access-logged (see Access)
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = dict(self.headers or {})
+        if self.status in (429, 503):
+            headers.setdefault("Retry-After", "1")
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _error_bytes(status: int, message: str, type_: str, extra_headers: str = "") -> bytes:
+    """A whole HTTP/1.1 error response, for the places below the ASGI app (the HTTP parser, the socket limit)."""
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
+    reason = _REASONS.get(status, "Error")
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"connection: close\r\n{extra_headers}\r\n").encode() + body
+
+
+_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large", 501: "Not Implemented",
+            503: "Service Unavailable"}
+
+
+class JsonH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with kdtree's limits and JSON errors where uvicorn answers plain text itself:
+    a request the parser refuses (400; 431 when its head exceeds MAX_HEADER_BYTES; 501 for a transfer coding
+    h11 does not implement), a socket over the
+    connection limit (503), a connection idle for KEEPALIVE_S before its first request (closed)."""
+
+    max_connections = MAX_CONNECTIONS
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_error_bytes(503, f"too many open connections (serve.max_connections="
+                                              f"{self.max_connections}); retry later", "service_unavailable",
+                                         "retry-after: 1\r\n"))
+            transport.close()
+            return
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._h11_error: Optional[h11.RemoteProtocolError] = None
+        next_event = self.conn.next_event
+
+        def remember_error():                 # uvicorn drops the exception; its status hint says 400 or 431
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._h11_error = e
+                raise
+
+        self.conn.next_event = remember_error
+
+    def send_400_response(self, msg: str) -> None:
+        err = getattr(self, "_h11_error", None)
+        status = err.error_status_hint if err is not None and err.error_status_hint in _REASONS else 400
+        if status == 431:
+            text = (f"request line and headers exceed {self.conn._max_incomplete_event_size} bytes "
+                    f"(serve.max_header_bytes); send fewer or shorter headers")
+        elif status == 501:
+            text = f"not implemented by this server: {err}; send an identity or chunked body"
+        else:
+            text = f"malformed HTTP request: {err or msg}"
+        self.transport.write(_error_bytes(status, text, "invalid_request_error"))
+        self.transport.close()
+
+
+class Guard:
+    """Before the body is read: the API key (401), the body limit (413 from Content-Length, or while reading a
+    chunked body)."""
+
+    def __init__(self, app, serve: Any):       # serve: the ServeApp (api_key, limits, metrics, active)
+        self.app, self.serve = app, serve
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        serve = self.serve
+        head = sum(len(k) + len(v) + 4 for k, v in scope["headers"]) + len(scope.get("raw_path") or b"")
+        if head > serve.max_header_bytes:    # h11 enforces its limit only on a head that arrives in pieces
+            return await ApiError(431, f"request line and headers of {head} bytes exceed {serve.max_header_bytes} "
+                                       f"bytes (serve.max_header_bytes); send fewer or shorter headers",
+                                  headers={"Connection": "close"}).response()(scope, receive, send)
+        headers = dict(scope["headers"])
+        if serve.api_key and scope["path"].startswith("/v1/"):
+            got = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(got, b"Bearer " + serve.api_key.encode()):
+                return await ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' (the key "
+                                           "of KDTREE_API_KEY or serve.api_key_file)", code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"}).response()(scope, receive, send)
+        limit = serve.max_body_bytes
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            msg = (f"request body of {length.decode(errors='replace')} bytes exceeds {limit} bytes "
+                   f"(serve.max_body_bytes)" if length.isdigit() else "Content-Length is not a number")
+            return await ApiError(413 if length.isdigit() else 400, msg,
+                                  headers={"Connection": "close"}).response()(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise StarletteHTTPException(413, f"request body exceeds {limit} bytes (serve.max_body_bytes)")
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+class Access:
+    """X-Request-Id (echoed, or made), `Server: kdtree`, the request counter, one access-log line per request
+    (stderr = the engine log), and the count of completion responses still being sent (the drain waits for it).
+    The health monitor's own probes (User-Agent kdtree-monitor) are counted but not logged: its once-a-second
+    lines would read as log growth, the monitor's evidence that a stuck engine still makes progress."""
+
+    def __init__(self, app, serve: Any):       # serve: the ServeApp (api_key, limits, metrics, active)
+        self.app, self.serve = app, serve
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        serve = self.serve
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = uuid.uuid4().hex
+        t0 = time.monotonic()
+        state = {"code": 500, "bytes": 0}
+        path = scope["path"]
+        completion = path in COMPLETION_PATHS and scope["method"] == "POST"
+        if completion:
+            with serve._active_lock:
+                serve.active += 1
+
+        async def wrapped(message):
+            if message["type"] == "http.response.start":
+                state["code"] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode()),
+                                      (b"server", b"kdtree")]
+            elif message["type"] == "http.response.body":
+                state["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, wrapped)
+        finally:
+            if completion:
+                with serve._active_lock:
+                    serve.active -= 1
+            known = path in COMPLETION_PATHS or path in ("/health", "/ready", "/status", "/metrics", "/v1/models",
+                                                         "/openapi.json") or path.startswith("/v1/models/")
+            serve.metrics.request(path if known and not path.startswith("/v1/models/") else
+                                  ("/v1/models/{id}" if known else "other"), state["code"])
+            if not headers.get(b"user-agent", b"").startswith(MONITOR_AGENT.encode()):
+                client = scope.get("client") or ("-", 0)
+                print(f"[access] {client[0]} \"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}\" "
+                      f"{state['code']} {state['bytes']} {time.monotonic() - t0:.3f}s rid={rid}", file=sys.stderr,
+                      flush=True)
