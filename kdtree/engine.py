@@ -16,8 +16,8 @@ from typing import Any, Callable, List, Optional, Sequence
 from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
-from kdtree.checkpoint.loader import load_checkpoint, load_drafter, load_options
-from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_drafter, load_options, resident_bytes
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
 from kdtree.decode import generate
 from kdtree.decode.result import GenerationResult
@@ -34,7 +34,7 @@ def resolve_checkpoint(cfg) -> Path:
     """model.path, or the embedded tiny checkpoint (generated deterministically on first use)."""
     if cfg.model.path:
         return Path(cfg.model.path).expanduser()
-    if cfg.model.name != "tiny":
+    if not is_generated(cfg.model.name):
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/checkpoint")
     return Path(ensure_tiny_checkpoint(cfg.model, cfg.quant, cache_dir(cfg)))
 
@@ -63,20 +63,30 @@ class Engine:
         if status is not None:
             status.update(phase="loading", model=cfg.model.name, quant=cfg.quant.method)
         ckpt = resolve_checkpoint(cfg)
+        # every check that needs no weights (config.json of target and drafter, tensor layout, tokenizer
+        # files) before the first weight byte: on K2.6 the load takes 10+ minutes
+        check_checkpoint(ckpt, cfg.model, cfg.quant, drafter=cfg.tree.kind != "ar")
+        tokenizer = load_tokenizer(cfg.model, ckpt)
         ops = get_ops(cfg.backend)
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
+            resident = list(model.resident_bytes_per_rank)
         else:
+            rss0 = resident_bytes()
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
                                              **load_options(cfg.load))
             model = K2Model(cfg.model, weights, ops)
+            del weights
+            resident = [resident_bytes() - rss0]
         try:
             drafter = None
             if cfg.tree.kind != "ar":
+                rss0 = resident_bytes()
                 dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
                 stats.bytes_read += dstats.bytes_read
                 drafter = DFlashDrafter.from_target(model, dweights)
-            tokenizer = load_tokenizer(cfg.model, ckpt)
+                del dweights
+                resident[0] += resident_bytes() - rss0     # rank 0 holds the whole drafter
         except BaseException:
             if hasattr(model, "close"):
                 model.close()
@@ -84,6 +94,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         report = LoadReport(str(ckpt), int(stats.bytes_read), seconds,
                             stats.bytes_read / 1e6 / max(seconds, 1e-9))
+        report.extra["resident_bytes_per_rank"] = resident   # RSS growth of each rank over its load (plan's check)
         if hasattr(model, "bytes_read_per_rank"):
             report.extra["tp_bytes_read_per_rank"] = list(model.bytes_read_per_rank)
         return cls(cfg, tokenizer, model, drafter, ckpt, report)

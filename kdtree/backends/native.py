@@ -119,7 +119,9 @@ class NativeLibrary:
         self.backend = ffi.string(c.kd_backend()).decode()
         self.device_count = int(c.kd_device_count())
         self.device_reason = self.last_error() if self.device_count == 0 else ""
-        self._local = threading.local()  # per-thread reusable tree_build output buffers
+        self._local = threading.local()  # per-thread tree_build / tree_accept output buffers
+        self._fb_raw = ffi._backend.from_buffer                         # skips ffi's type-string parsing
+        self._f32a, self._i32a = ffi.typeof("float[]"), ffi.typeof("int32_t[]")
         self._weights: Dict[int, Tuple[Any, "DeviceArray"]] = {}  # cuda: id -> (weakref to array, device copy)
 
     # ---- plumbing ---------------------------------------------------------------------------------------
@@ -147,47 +149,79 @@ class NativeLibrary:
 
     # ---- tree ops (host arrays in both builds) -----------------------------------------------------------
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
-        """-> Tree, identical to kdtree.tree.tree_build. Output buffers are reused per (thread, size):
-        this runs once per decode round and its Python overhead is most of its cost."""
+        """-> Tree, identical to kdtree.tree.tree_build. The Tree and its arrays are this thread's buffers
+        for this (depth, width, budget), allocated on the first call: the next call of the same shape on the same
+        thread overwrites them (a decode round uses its tree before building the next); copy a field to keep it."""
+        tree = self.tree_build_fast(logp, ids, budget)
+        if tree is not None:
+            return tree
         _c_contig(logp, np.float32, "tree_build logp", 2)
         _c_contig(ids, np.int32, "tree_build ids", 2)
         if logp.shape != ids.shape:
             raise NativeError(f"tree_build: logp {logp.shape} and ids {ids.shape} differ; both are [depth, width]")
-        if budget < 0:
-            raise NativeError(f"tree_build: budget={budget} < 0")
-        depth, width = logp.shape
-        cap = _max_nodes(depth, width, budget)
-        bufs = getattr(self._local, "tree", None)
-        if bufs is None or bufs[0] != cap:
-            ints = np.empty((3, max(cap, 1)), np.int32)              # tokens, parents, depths
-            vis = np.empty((cap + 1) * ((cap + 1 + 63) // 64), np.uint64)
-            fb = self.ffi.from_buffer
-            bufs = self._local.tree = (cap, ints, vis, fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]),
-                                       fb("int32_t[]", ints[2]), fb("uint64_t[]", vis), self.ffi.new("int64_t *"))
-        _, ints, vis, p_tok, p_par, p_dep, p_vis, p_n = bufs
-        rc = self.c.kd_tree_build(self.ffi.from_buffer("float[]", logp), self.ffi.from_buffer("int32_t[]", ids),
-                                  depth, width, cap, p_tok, p_par, p_dep, cap, p_vis, p_n)
-        if rc:
-            self.check(rc, "tree_build")
-        k = p_n[0]
-        w = (k + 1 + 63) // 64
-        out = ints[:, :k].copy()
-        return _Tree(tokens=out[0], parents=out[1], depths=out[2], visibility=vis[:(k + 1) * w].reshape(k + 1, w).copy())
+        args, tree = self._tree_slot(logp.shape, budget)
+        self.check(self.c.kd_tree_build(self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False),
+                                        *args), "tree_build")
+        return tree
+
+    def tree_build_fast(self, logp: Any, ids: Any, budget: Any):
+        """The per-round path: C-contiguous f32/i32 arrays of a shape seen before on this thread -> Tree; None
+        where anything differs (tree_build then checks, allocates and reports). Costs a dict lookup and the call."""
+        try:
+            if logp.dtype is _F32 and ids.dtype is _I32 and logp.shape == ids.shape:
+                args, tree = self._local.trees[(logp.shape, budget)]
+                fb = self._fb_raw   # raises ValueError for a non-contiguous array
+                if self.c.kd_tree_build(fb(self._f32a, logp, False), fb(self._i32a, ids, False), *args) == 0:
+                    return tree
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass
+        return None
+
+    def _tree_slot(self, shape: Tuple[int, int], budget: int):
+        """(C arguments after logp/ids, Tree of views) for one (depth, width, budget) on this thread."""
+        if not isinstance(budget, (int, np.integer)) or budget < 0:
+            raise NativeError(f"tree_build: budget={budget!r}; expected an int >= 0")
+        depth, width = shape
+        n = _max_nodes(depth, width, int(budget))           # the C op writes exactly this many nodes
+        ints = np.zeros((3, max(n, 1)), np.int32)           # tokens, parents, depths
+        vis = np.zeros((n + 1, (n + 1 + 63) // 64), np.uint64)
+        fb, p_n = self.ffi.from_buffer, self.ffi.new("int64_t *")
+        args = (depth, width, n, fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]), fb("int32_t[]", ints[2]),
+                n, fb("uint64_t[]", vis), p_n)
+        slot = (args, _Tree(tokens=ints[0, :n], parents=ints[1, :n], depths=ints[2, :n], visibility=vis))
+        if getattr(self._local, "trees", None) is None:
+            self._local.trees = {}
+        self._local.trees[(shape, budget)] = slot
+        return slot
 
     def tree_accept(self, parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> Tuple[np.ndarray, int]:
-        _c_contig(parents, np.int32, "tree_accept parents", 1)
-        _c_contig(tokens, np.int32, "tree_accept tokens", 1)
-        _c_contig(target_argmax, np.int32, "tree_accept target_argmax", 1)
-        n = parents.shape[0]
-        if tokens.shape[0] != n or target_argmax.shape[0] != n + 1:
-            raise NativeError(f"tree_accept: parents [{n}], tokens [{tokens.shape[0]}], target_argmax "
+        """-> (path i32[k], bonus). `path` is a view of this thread's buffer for N nodes, overwritten by the next
+        call with the same N on this thread; copy it to keep it."""
+        n = parents.shape[0] if type(parents) is np.ndarray else -1
+        if not (n >= 0 and type(tokens) is np.ndarray and type(target_argmax) is np.ndarray
+                and parents.dtype == _I32 and tokens.dtype == _I32 and target_argmax.dtype == _I32
+                and parents.ndim == 1 and tokens.shape == parents.shape and target_argmax.shape == (n + 1,)
+                and parents.flags.c_contiguous and tokens.flags.c_contiguous and target_argmax.flags.c_contiguous):
+            _c_contig(parents, np.int32, "tree_accept parents", 1)
+            _c_contig(tokens, np.int32, "tree_accept tokens", 1)
+            _c_contig(target_argmax, np.int32, "tree_accept target_argmax", 1)
+            raise NativeError(f"tree_accept: parents [{parents.shape[0]}], tokens [{tokens.shape[0]}], target_argmax "
                               f"[{target_argmax.shape[0]}]; expected [N], [N], [N+1]")
-        path = np.empty(max(n, 1), np.int32)
-        k, bonus = self.ffi.new("int64_t *"), self.ffi.new("int32_t *")
-        self.check(self.c.kd_tree_accept(self.ptr("int32_t *", parents), self.ptr("int32_t *", tokens), n,
-                                         self.ptr("int32_t *", target_argmax), self.ptr("int32_t *", path), k,
-                                         bonus), "tree_accept")
-        return path[:int(k[0])].copy(), int(bonus[0])
+        slots = getattr(self._local, "accept", None)
+        if slots is None:
+            slots = self._local.accept = {}
+        slot = slots.get(n)
+        if slot is None:
+            path = np.zeros(max(n, 1), np.int32)
+            slot = slots[n] = (path, self.ffi.from_buffer("int32_t[]", path), self.ffi.new("int64_t *"),
+                               self.ffi.new("int32_t *"))
+        path, p_path, k, bonus = slot
+        fb, ia = self._fb_raw, self._i32a
+        rc = self.c.kd_tree_accept(fb(ia, parents, False), fb(ia, tokens, False), n, fb(ia, target_argmax, False),
+                                   p_path, k, bonus)
+        if rc:
+            self.check(rc, "tree_accept")
+        return path[:k[0]], bonus[0]
 
     # ---- dense ops: host arrays (cpu build) -------------------------------------------------------------
     def linear_f32(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -352,6 +386,7 @@ def _max_nodes(depth: int, width: int, budget: int) -> int:
 
 
 _F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
 
 
 def _weakrefable(obj: Any) -> bool:
@@ -558,12 +593,15 @@ class NativeOps(Ops):
                                       int(n_prefix), vis, scale, kv_lora)
 
     def tree_build(self, logp, ids, budget):
+        tree = self.lib.tree_build_fast(logp, ids, budget)
+        if tree is not None:
+            return tree
         return self.lib.tree_build(np.ascontiguousarray(logp, np.float32), np.ascontiguousarray(ids, np.int32),
                                    int(budget))
 
     def tree_accept(self, parents, tokens, target_argmax):
-        return self.lib.tree_accept(np.ascontiguousarray(parents, np.int32), np.ascontiguousarray(tokens, np.int32),
-                                    np.ascontiguousarray(target_argmax, np.int32))
+        return self.lib.tree_accept(*(a if type(a) is np.ndarray and a.dtype == _I32 and a.flags.c_contiguous
+                                      else np.ascontiguousarray(a, np.int32) for a in (parents, tokens, target_argmax)))
 
 
 def make_ops(kind: str, backend_cfg: Any) -> Ops:

@@ -145,6 +145,31 @@ def _validate(idx: CheckpointIndex, wants: List[_Want], label: str) -> None:
                                   f"{' or '.join(w.dtypes)}; re-export the checkpoint with a supported dtype")
 
 
+def _checked(path: Path, cfg, quant_cfg, drafter: bool) -> Tuple[CheckpointIndex, List[_Want]]:
+    """config.json against the composed config, then every tensor's name, shape and dtype: headers only."""
+    idx = open_checkpoint(path)
+    m = plain(cfg)
+    if drafter:
+        check_drafter_config(idx.path / CONFIG_FILE, idx.config, cfg)
+        label = f"the drafter of model={m.get('name')}"
+    else:
+        check_target_config(idx.path / CONFIG_FILE, idx.config, cfg, quant_cfg)
+        qm = plain(quant_cfg)["method"] if quant_cfg is not None else "fp32"
+        label = f"model={m.get('name')} quant={qm}"
+    wants = _expected(idx, cfg, quant_cfg, drafter)
+    _validate(idx, wants, label)
+    return idx, wants
+
+
+def check_checkpoint(path, model_cfg, quant_cfg, drafter: bool = True) -> None:
+    """Every check that needs no weight byte, for the target and (drafter=True) the drafter in `<path>/drafter`:
+    config.json against model=/quant= (quantization_config included), tensor names, shapes and dtypes.
+    The engine calls it before loading, so a wrong drafter is reported in seconds, not after the target's load."""
+    _checked(Path(path), model_cfg, quant_cfg, False)
+    if drafter:
+        _checked(Path(path) / DRAFTER_DIR, model_cfg, quant_cfg, True)
+
+
 # ---------------------------------------------------------------- slices -> byte ranges
 
 def _norm_slices(name: str, shape: Tuple[int, ...], slices) -> Optional[Tuple[Tuple[int, int], ...]]:
@@ -333,10 +358,10 @@ _PAGE = mmap.PAGESIZE
 _SPAN_GAP = 1 << 16                 # mmap: runs closer than this are made resident as one range
 
 
-def _plan_mmap(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
-    """mmap: runs -> page-aligned ranges (runs less than _SPAN_GAP apart merged) cut into `chunk`-byte units."""
-    chunk = max(_PAGE, chunk // _PAGE * _PAGE)
-    spans: List[list] = []          # [file, start, end, [(offset, nbytes, job)]]
+def _spans(runs: List[Tuple[int, int, int, int]]) -> List[list]:
+    """runs (file, offset, nbytes, job) -> [file, start, end, [(offset, nbytes, job)]]: page-aligned ranges, runs
+    less than _SPAN_GAP apart merged (fewer, larger reads; column slices closer than that map whole rows)."""
+    spans: List[list] = []
     for f, off, n, j in sorted(runs, key=lambda r: (r[0], r[1])):
         if n <= 0:
             continue
@@ -347,8 +372,14 @@ def _plan_mmap(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: i
             s[3].append((off, n, j))
         else:
             spans.append([f, a, b, [(off, n, j)]])
+    return spans
+
+
+def _plan_mmap(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: int) -> List[_Unit]:
+    """mmap: runs -> page-aligned ranges (runs less than _SPAN_GAP apart merged) cut into `chunk`-byte units."""
+    chunk = max(_PAGE, chunk // _PAGE * _PAGE)
     units: List[_Unit] = []
-    for f, a, b, members in spans:
+    for f, a, b, members in _spans(runs):
         mine = [_Unit(f, spans=[(c, min(b, c + chunk))]) for c in range(a, b, chunk)]
         for off, n, j in members:
             for k in range((off - a) // chunk, (off + n - 1 - a) // chunk + 1):
@@ -588,17 +619,34 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
         raise ValueError("mlock=True locks the mapped shards: it needs strategy='mmap' (eager's copies are "
                          "anonymous memory, which only swap can evict)")
     t_start = time.monotonic()
-    idx = open_checkpoint(path)
-    m = plain(cfg)
-    if drafter:
-        check_drafter_config(idx.path / CONFIG_FILE, idx.config, cfg)
-        label = f"the drafter of model={m.get('name')}"
+    idx, files, file_no, jobs, slices, runs, module_slices, linear, group = _prepare(path, cfg, quant_cfg, drafter,
+                                                                                     shard, raw)
+    assembler = _Assembler(module_slices, linear, group, raw)
+    shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
+    total = sum(job.nbytes for job in jobs)
+    chunk = int(chunk_mb * 2 ** 20)
+    if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
+        chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
+    throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
+    if strategy == "eager":
+        _place_in_arenas(jobs, file_no)
+        nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats, assembler)
     else:
-        check_target_config(idx.path / CONFIG_FILE, idx.config, cfg, quant_cfg)
-        qm = plain(quant_cfg)["method"] if quant_cfg is not None else "fp32"
-        label = f"model={m.get('name')} quant={qm}"
-    wants = _expected(idx, cfg, quant_cfg, drafter)
-    _validate(idx, wants, label)
+        nread = _read_mmap(files, jobs, runs, slices, threads, chunk, throttle, progress, total, shard_stats,
+                           assembler, mlock)
+    weights = assembler.weights(jobs)
+    seconds = time.monotonic() - t_start
+    per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
+                            s["bytes"] / MB / max(s["t1"] - s["t0"], 1e-9) if s["bytes"] else 0.0)
+                 for p, s in zip(files, shard_stats)]
+    stats = LoadStats(nread, idx.data_bytes, seconds, nread / MB / max(seconds, 1e-9), strategy, threads,
+                      len(weights), per_shard)
+    return weights, stats
+
+
+def _prepare(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], raw: bool):
+    """Checks, then one _Job per on-disk tensor (or slice) and the file byte runs to read: headers only."""
+    idx, wants = _checked(path, cfg, quant_cfg, drafter)
     group = int(plain(quant_cfg)["group_size"]) if quant_cfg is not None else 32
     linear = names.drafter_linear_shapes(cfg) if drafter else names.target_linear_shapes(cfg)
 
@@ -625,27 +673,47 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
         f = file_no[info.path]
         runs.extend((f, off, run, len(jobs) - 1) for off in offsets)
 
-    assembler = _Assembler(module_slices, linear, group, raw)
-    shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
-    total = sum(job.nbytes for job in jobs)
-    chunk = int(chunk_mb * 2 ** 20)
-    if throttle_mb_s > 0:  # small chunks so a throttled load still reports progress often
-        chunk = min(chunk, max(64 * 1024, int(throttle_mb_s * MB * 0.1)))
-    throttle = _Throttle(throttle_mb_s) if throttle_mb_s > 0 else None
+    return idx, files, file_no, jobs, slices, runs, module_slices, linear, group
+
+
+@dataclass
+class MemoryPlan:
+    """What one load will hold, from the headers alone (plan_load). Bytes."""
+    read_bytes: int     # tensor bytes inside the requested slices (what LoadStats.bytes_read reports)
+    mapped_bytes: int   # mmap: file pages made resident and still mapped after the load (page-aligned; runs
+                        # < _SPAN_GAP apart merged; shards holding only copied tensors are unmapped by then)
+    copied_bytes: int   # new memory: bf16/f16 widened to float32, gathered column slices (eager: every tensor)
+    view_bytes: int     # mmap: tensors used in place (zero-copy views of the mapped pages)
+
+
+def plan_load(path, model_cfg, quant_cfg, *, drafter: bool = False, shard: Optional[ShardFn] = None,
+              strategy: str = "mmap", raw: bool = False) -> MemoryPlan:
+    """The memory a load_checkpoint/load_drafter call with these arguments will hold, computed the way the
+    loader plans its reads (same slices, same span merging), without reading a weight byte."""
+    p = Path(path) / DRAFTER_DIR if drafter else Path(path)
+    _, _, _, jobs, _, runs, _, _, _ = _prepare(p, model_cfg, quant_cfg, drafter, shard, raw)
+    pieces: Dict[int, int] = {}
+    for _, _, _, j in runs:
+        pieces[j] = pieces.get(j, 0) + 1
+    read = sum(job.nbytes for job in jobs)
     if strategy == "eager":
-        _place_in_arenas(jobs, file_no)
-        nread = _read_eager(files, jobs, runs, threads, chunk, throttle, progress, total, shard_stats, assembler)
-    else:
-        nread = _read_mmap(files, jobs, runs, slices, threads, chunk, throttle, progress, total, shard_stats,
-                           assembler, mlock)
-    weights = assembler.weights(jobs)
-    seconds = time.monotonic() - t_start
-    per_shard = [ShardStats(p.name, s["bytes"], max(0.0, s["t1"] - s["t0"]),
-                            s["bytes"] / MB / max(s["t1"] - s["t0"], 1e-9) if s["bytes"] else 0.0)
-                 for p, s in zip(files, shard_stats)]
-    stats = LoadStats(nread, idx.data_bytes, seconds, nread / MB / max(seconds, 1e-9), strategy, threads,
-                      len(weights), per_shard)
-    return weights, stats
+        return MemoryPlan(read, 0, sum(job.out_nbytes for job in jobs), 0)
+    copy = [job.widen or pieces.get(j, 0) > 1 for j, job in enumerate(jobs)]
+    copied = sum(job.out_nbytes for job, c in zip(jobs, copy) if c)
+    views = sum(job.out_nbytes for job, c in zip(jobs, copy) if not c)
+    # a shard whose tensors were all copied is unmapped when the load returns (no view keeps its mmap alive)
+    kept = {f for f, _, _, j in runs if not copy[j]}
+    mapped = sum(b - a for f, a, b, _ in _spans(runs) if f in kept)
+    return MemoryPlan(read, mapped, copied, views)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (RssAnon + RssFile + RssShmem of /proc/self/status, bytes); 0 off Linux."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    except OSError:
+        return 0
+    return sum(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile", "RssShmem") if k in fields)
 
 
 def _int4_part_slices(w: _Want, sl, logical: Tuple[int, int], group: int):

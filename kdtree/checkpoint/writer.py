@@ -33,6 +33,8 @@ def write_checkpoint(directory, tensors: Mapping[str, object], config_json: Mapp
     """Write `tensors` (name -> ndarray, or torch tensor) and `config_json` into `directory` (created).
 
     dtypes: optional name -> safetensors dtype on disk ("BF16", "F16", ...); default = the array's own.
+    A mapping with `peek(name)` (an array of the right shape and dtype, e.g. zero-strided) is read one shard at
+    a time: tensors generated on access are never all in memory at once.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -44,8 +46,9 @@ def write_checkpoint(directory, tensors: Mapping[str, object], config_json: Mapp
         return directory
     shards: List[List[str]] = [[]]
     used = 0
-    for name, value in tensors.items():
-        n = _nbytes(value, dtypes.get(name))
+    peek = getattr(tensors, "peek", tensors.__getitem__)  # a lazy mapping sizes a tensor without making it
+    for name in tensors:
+        n = _nbytes(peek(name), dtypes.get(name))
         if shards[-1] and used + n > max_shard_bytes:
             shards.append([])
             used = 0

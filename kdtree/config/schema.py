@@ -47,6 +47,7 @@ class ModelConfig:
     tokenizer: str = "byte"
     init: str = "trained"  # embedded tiny only: trained (kdtree/assets/tiny) | random (seeded, generated)
     seed: int = 0
+    int4_unquantized_dtype: str = "fp32"  # generated INT4 checkpoints: dtype of the unquantized tensors (bf16 = K2.6's)
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING
@@ -201,6 +202,18 @@ class BenchLoadConfig:
 
 
 @dataclass
+class ExportGgufConfig:
+    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-f32.gguf
+
+
+@dataclass
+class BenchPeerConfig:
+    gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
+    threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
+    rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
+
+
+@dataclass
 class StopConfig:
     run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
     timeout_s: float = 10.0  # SIGTERM, wait serve.drain_timeout_s + this long (the drain, then the exit), then SIGKILL
@@ -225,6 +238,8 @@ class RootConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
+    export_gguf: ExportGgufConfig = field(default_factory=ExportGgufConfig)
+    bench_peer: BenchPeerConfig = field(default_factory=BenchPeerConfig)
 
 
 GROUPS = {

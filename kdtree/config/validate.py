@@ -12,12 +12,13 @@ from urllib.parse import urlsplit
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
 from kdtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -118,8 +119,9 @@ def validate_checkpoint_path(cfg: DictConfig) -> None:
         raise ConfigError(f"model.path is required for model={m.name}; set model.path=/path/to/checkpoint "
                           f"(a directory with config.json and model.safetensors.index.json)")
     if not m.path:
-        if m.name != "tiny":
-            raise ConfigError(f"model.path is empty for model={m.name}; only model=tiny has an embedded checkpoint")
+        if not is_generated(m.name):
+            raise ConfigError(f"model.path is empty for model={m.name}; only model={' and model='.join(GENERATED_MODELS)} "
+                              f"have a generated checkpoint")
         return
     p = Path(m.path).expanduser()
     if not p.exists():
@@ -148,6 +150,13 @@ def validate_bench_load(cfg: DictConfig) -> None:
     for key, value, least in (("gb", b.gb, "0.01"), ("repeats", b.repeats, "1"), ("shards", b.shards, "1")):
         if not value > 0:
             raise ConfigError(f"bench_load.{key}={value} must be positive; use e.g. bench_load.{key}={least} or more")
+
+
+def validate_bench_peer(cfg: DictConfig) -> None:
+    b = cfg.bench_peer
+    for key, value in (("threads", b.threads), ("rounds", b.rounds)):
+        if not value >= 1:
+            raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
 
 
 def check_url(key: str, url: str) -> None:
@@ -243,6 +252,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     validate_load(cfg)
     validate_serve(cfg)
     validate_bench_load(cfg)
+    validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
     if stages is None:

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.config.validate import validate_tp
 from kdtree.errors import ConfigError
 from kdtree.model.k2 import K2Model
@@ -192,13 +192,16 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
             conn.send(("setup", setup))
         _await(workers, "joined", timeout_s)           # every rank is up and about to join the group
         init_group(store, 0, tp, dist_backend, timeout_s)
+        rss0 = resident_bytes()
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
                                          progress=_watched(progress, workers, tp), **load_options(cfg.load))
         local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(tp, dist_backend))
         del weights
+        rss0 = resident_bytes() - rss0
         ready = _await(workers, "ready", None)         # loading takes as long as it takes; a dead rank raises
         per_rank = [int(stats.bytes_read)] + [int(r["bytes_read"]) for r in ready]
         model = TPModel(local, workers, tp, per_rank, store)
+        model.resident_bytes_per_rank = [rss0] + [int(r.get("resident_bytes", 0)) for r in ready]  # load's growth
         _LIVE.add(model)
         total = sum(per_rank)
         return model, replace(stats, bytes_read=total, mb_s=total / 1e6 / max(stats.seconds, 1e-9))

@@ -7,7 +7,7 @@ FD is this rank's end of a socketpair with rank 0 (a multiprocessing Connection 
     rank 0 -> worker  ("setup", {...}) once, then (op, args, dropped_cache_ids) per command:
                       forward(cache_id, tokens, positions, visibility, hidden_layers), new_cache(cache_id, max_len),
                       keep(cache_id, start, rows), truncate(cache_id, n), shutdown()
-    worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds}) after loading,
+    worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds, resident_bytes}) after loading,
                       ("error", "one line") before exiting 1 on any failure
 The worker exits when rank 0 dies: PR_SET_PDEATHSIG (SIGKILL when the launching thread's process goes), EOF on
 the socket while idle, and a peer-closed / timed-out collective in a forward. SIGINT is ignored (a terminal's
@@ -24,7 +24,7 @@ import time
 from multiprocessing.connection import Connection
 
 from kdtree.backends import get_ops
-from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.model.k2 import K2Model
 from kdtree.parallel.comm import init_group, ordered_all_reduce
 from kdtree.parallel.sharding import shard_fn
@@ -60,13 +60,15 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
 
     t0 = time.monotonic()
     ops = get_ops(cfg.backend)
+    rss0 = resident_bytes()
     weights, stats = load_checkpoint(setup["checkpoint"], cfg.model, cfg.quant, shard=shard_fn(cfg.model, rank, world),
                                      **load_options(cfg.load))
     model = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(world, setup["dist_backend"]))
     del weights
     # rank 0 alone turns the last hidden state into logits (accept, drafter); skip lm_head's GEMV here
     model.logits = lambda h: np.empty((h.shape[0], 0), np.float32)
-    conn.send(("ready", {"bytes_read": int(stats.bytes_read), "seconds": time.monotonic() - t0}))
+    conn.send(("ready", {"bytes_read": int(stats.bytes_read), "seconds": time.monotonic() - t0,
+                         "resident_bytes": resident_bytes() - rss0}))
 
     caches = {}
     while True:

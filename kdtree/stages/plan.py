@@ -11,6 +11,7 @@ projections (q_a, kv_a), norms, router gate, embed and lm_head replicated. Write
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import types
@@ -20,10 +21,13 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from omegaconf import OmegaConf
 
 from kdtree.checkpoint.index import open_checkpoint
+from kdtree.checkpoint.loader import _PAGE, _SPAN_GAP, plan_load
 from kdtree.checkpoint.tiny import tiny_checkpoint_path
 from kdtree.errors import ConfigError
-from kdtree.model.names import target_linear_shapes, target_tensor_shapes
+from kdtree.model.names import drafter_tensor_shapes, target_linear_shapes, target_tensor_shapes
+from kdtree.parallel.sharding import shard_fn
 from kdtree.parallel.sharding import split_axis as logical_split
+from kdtree.quant import int4
 from kdtree.quant.int4 import module_is_quantized
 
 SIDE = "controller"
@@ -33,6 +37,7 @@ GB, MB, KiB = 1e9, 1e6, 1024
 FLOAT_BYTES = {"fp32": 4, "bf16": 2}
 KV_DTYPE, KV_BYTES = "fp32", 4  # the latent cache is float32 in this engine
 
+@functools.lru_cache(maxsize=None)   # the plan asks for every tensor several times (k26: 200k tensors)
 def split_axis(tensor: str):
     """The TP split of a stored tensor (kdtree.parallel.sharding's rules), None for a replicated one.
 
@@ -97,9 +102,73 @@ def _fmt_s(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _drafter_tensors(model, float_bytes: int) -> List[Tuple[str, str, int]]:
+    return [(n, "drafter/model.safetensors", math.prod(s) * float_bytes)
+            for n, s in drafter_tensor_shapes(model).items()]
+
+
+def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_rows: Dict[str, int]) -> dict:
+    """Memory of one rank's load when there is no checkpoint to plan from: the loader's rules, per tensor.
+
+    Float tensors are held as float32 (numpy/cpu): fp32 whole tensors and row slices are views of the mapped
+    pages, bf16 ones are widened copies; column slices are gathered copies, and their pages are mapped whole
+    when the row gap is under the loader's _SPAN_GAP (runs that close are read as one)."""
+    read = mapped = copied = 0
+    for name, _, nbytes in layout:
+        axis = split_axis(name)
+        share = nbytes / tp if axis else nbytes
+        read += share
+        part = name.rpartition(".")[2]
+        widen = stored_float == 2 and part not in ("weight_packed", "weight_shape")   # bf16 -> float32
+        held = share * (2 if widen else 1)
+        if strategy == "eager":
+            copied += held
+            continue
+        if axis and axis[0] == 1 and tp > 1:     # a column slice: a copy, and the pages it spans
+            copied += held
+            rows = linear_rows.get(name.rpartition(".")[0], 1)
+            row = nbytes / rows                   # bytes of one stored row; the rank reads row / tp of each
+            mapped += nbytes if row - row / tp < _SPAN_GAP else rows * (math.ceil(row / tp / _PAGE) + 1) * _PAGE
+        else:
+            mapped += share
+            copied += held if widen else 0
+    return {"read_bytes": read, "mapped_bytes": mapped, "copied_bytes": copied}
+
+
+def _model_copies(model, layout, tp: int) -> float:
+    """Bytes K2Model builds at construction beside the loaded tensors (float32): W_uk/W_uv per layer (kv_b_proj
+    split per head, this rank's heads) and the router gate of every MoE layer."""
+    heads = model.num_attention_heads // tp
+    per_layer = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * 4
+    moe_layers = sum(1 for name, _, _ in layout if name.endswith(".mlp.gate.weight"))
+    return model.num_hidden_layers * per_layer + moe_layers * model.n_routed_experts * model.hidden_size * 4
+
+
+def _int4_unpacked(layout, tp: int) -> float:
+    """float32 bytes of the unpacked q of this rank's INT4 modules (the numpy reference's UNPACKED cache)."""
+    return sum(nbytes * 8 / (tp if split_axis(name) else 1)     # 8 values per 4-byte word -> 8 x 4 B / 4 B
+               for name, _, nbytes in layout if name.endswith(".weight_packed"))
+
+
+def _scratch(model, rows: int, tp: int) -> float:
+    """Activations of one forward of `rows` rows (float32, the largest live set: logits, the MLP's gate/up,
+    the absorbed queries), an estimate; the drafter's are of the same order and not added."""
+    H = model.num_attention_heads // tp
+    inter = max(model.intermediate_size, model.moe_intermediate_size * model.num_experts_per_tok) // tp
+    per_row = (model.vocab_size + 3 * inter + H * (model.kv_lora_rank + 2 * model.qk_rope_head_dim
+                                                   + model.qk_nope_head_dim) + 4 * model.hidden_size)
+    return rows * per_row * 4
+
+
 def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_gb: float = 5.0) -> dict:
     model, quant = _plain(cfg.model), _plain(cfg.quant)
+    model.drafter = types.SimpleNamespace(**model.drafter)
     tp = int(cfg.tp.size)
+    backend = str(OmegaConf.select(cfg, "backend.name", default="numpy"))
+    strategy = str(OmegaConf.select(cfg, "load.strategy", default="mmap"))
+    tree = OmegaConf.select(cfg, "tree", default=None)
+    with_drafter = tree is not None and str(tree.kind) != "ar"
+    rows = int(tree.budget) + 1 if with_drafter else 1
     if float_dtype == "auto":
         float_dtype = "fp32" if quant.method == "fp32" else "bf16"
     if float_dtype not in FLOAT_BYTES:
@@ -127,16 +196,50 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
     per_rank = sharded / tp + replicated
     files = sorted(file_bytes)
     kv_per_token = (model.kv_lora_rank + model.qk_rope_head_dim) * model.num_hidden_layers * KV_BYTES
-    node_bytes = per_rank * tp  # every rank reads its own slices; one host, one disk
+    d = model.drafter
+    drafter_kv_per_token = 2 * d.num_key_value_heads * d.head_dim * d.num_hidden_layers * KV_BYTES
+
+    unpacked = 0
+    if backend == "numpy":   # the numpy reference's cache of unpacked INT4 weights, at most its limit
+        unpacked = min(int4.UNPACKED.limit, _int4_unpacked(layout, tp))
+    copies = _model_copies(model, layout, tp)
+    ranks = []
+    for r in range(tp):
+        if ckpt is not None:   # the loader's own plan: same slices, same span merging, nothing read
+            m = plan_load(ckpt, cfg.model, cfg.quant, shard=shard_fn(cfg.model, r, tp) if tp > 1 else None,
+                          strategy=strategy)
+            mem = {"read_bytes": m.read_bytes, "mapped_bytes": m.mapped_bytes, "copied_bytes": m.copied_bytes}
+            dm = plan_load(ckpt, cfg.model, cfg.quant, drafter=True, strategy=strategy) if with_drafter and r == 0 \
+                else None
+            dmem = dm and {"read_bytes": dm.read_bytes, "mapped_bytes": dm.mapped_bytes, "copied_bytes": dm.copied_bytes}
+        else:
+            if r == 0:   # every rank holds the same amount of its own slices
+                out_rows = {m: shape[0] for m, shape in target_linear_shapes(model).items()}
+                mem = _computed_memory(layout, tp, FLOAT_BYTES[float_dtype], strategy, out_rows)
+            dmem = (_computed_memory(_drafter_tensors(model, FLOAT_BYTES[float_dtype]), 1,
+                                     FLOAT_BYTES[float_dtype], strategy, {}) if with_drafter and r == 0 else None)
+        row = {"rank": r, "files": files, "bytes": per_rank, **mem, "model_copies_bytes": copies,
+               "drafter": dmem, "kv_bytes_per_token": kv_per_token + (drafter_kv_per_token if dmem else 0),
+               "scratch_bytes": _scratch(model, rows, tp),
+               "int4_unpacked_bytes": unpacked}
+        d_bytes = (dmem["mapped_bytes"] + dmem["copied_bytes"]) if dmem else 0
+        # what this rank holds once loaded: mapped pages (views and the pages of copied tensors) + copies
+        row["resident_after_load_bytes"] = (mem["mapped_bytes"] + mem["copied_bytes"] + row["model_copies_bytes"]
+                                            + d_bytes)
+        row["read_total_bytes"] = mem["read_bytes"] + (dmem["read_bytes"] if dmem else 0)
+        ranks.append(row)
+    node_bytes = sum(r["read_total_bytes"] for r in ranks)  # every rank reads its own slices; rank 0 the drafter
     return {
         "model": model.name, "quant": quant.method, "tp": tp, "source": source, "files_total": n_files,
+        "backend": backend, "strategy": strategy, "tree": str(tree.kind) if tree is not None else "ar",
         "float_dtype": float_dtype if ckpt is None else "as stored",
         "total_bytes": sharded + replicated, "sharded_bytes": sharded, "replicated_bytes": replicated,
         "per_rank_bytes": per_rank,
         # the latent cache is not split by heads: every rank keeps all of it
         "kv_cache": {"dtype": KV_DTYPE, "bytes_per_token": kv_per_token, "per_rank": True,
+                     "drafter_bytes_per_token": drafter_kv_per_token if with_drafter else 0,
                      "formula": f"({model.kv_lora_rank}+{model.qk_rope_head_dim}) x {model.num_hidden_layers} layers x {KV_BYTES} B"},
-        "ranks": [{"rank": r, "bytes": per_rank, "files": files} for r in range(tp)],
+        "ranks": ranks,
         "node_read_bytes": node_bytes,
         "load_time_s": {f"{r:g}": node_bytes / (r * MB) for r in disk_mb_s},
     }
@@ -145,21 +248,42 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
 def format_plan(p: dict) -> str:
     kv = p["kv_cache"]
     lines = [
-        f"plan  model={p['model']} quant={p['quant']} tp={p['tp']}   from {p['source']}",
+        f"plan  model={p['model']} quant={p['quant']} tp={p['tp']} backend={p['backend']} load.strategy="
+        f"{p['strategy']} tree={p['tree']}   from {p['source']}",
         f"  weights total        {_fmt_bytes(p['total_bytes']):>14}   sharded {_fmt_bytes(p['sharded_bytes'])} "
         f"+ replicated {_fmt_bytes(p['replicated_bytes'])}",
-        f"  weights per rank     {_fmt_bytes(p['per_rank_bytes']):>14}   sharded / {p['tp']} + replicated",
+        f"  weights per rank     {_fmt_bytes(p['per_rank_bytes']):>14}   sharded / {p['tp']} + replicated (on disk)",
         f"  KV cache per token   {kv['bytes_per_token'] / KiB:>11,.1f} KiB   latent {kv['dtype']}, {kv['formula']}, "
-        f"per rank ({kv['bytes_per_token'] * 8192 / GB:.2f} GB per 8k tokens)",
+        f"per rank ({kv['bytes_per_token'] * 8192 / GB:.2f} GB per 8k tokens)"
+        + (f"; drafter {kv['drafter_bytes_per_token'] / KiB:,.1f} KiB on rank 0" if kv["drafter_bytes_per_token"] else ""),
         "",
-        f"  {'rank':>4}  {'files':>5}  {'bytes read':>14}  files",
+        f"  {'rank':>4}  {'files':>5}  {'read':>10}  {'mapped':>10}  {'copied':>10}  {'drafter':>10}  "
+        f"{'resident':>10}  {'scratch':>9}  files",
     ]
     for r in p["ranks"]:
         f = r["files"]
         span = f"{f[0]} .. {f[-1]}" if len(f) > 1 else (f[0] if f else "-")
-        lines.append(f"  {r['rank']:>4}  {len(f):>5}  {_fmt_bytes(r['bytes']):>14}  {span}")
-    lines.append("")
-    lines.append(f"  load time (the node reads {_fmt_bytes(p['node_read_bytes'])} = {p['tp']} ranks x per-rank bytes):")
+        d = r["drafter"]
+        lines.append(f"  {r['rank']:>4}  {len(f):>5}  {_fmt_bytes(r['read_total_bytes']):>10}  "
+                     f"{_fmt_bytes(r['mapped_bytes']):>10}  {_fmt_bytes(r['copied_bytes'] + r['model_copies_bytes']):>10}"
+                     f"  {_fmt_bytes(d['mapped_bytes'] + d['copied_bytes']) if d else '-':>10}  "
+                     f"{_fmt_bytes(r['resident_after_load_bytes']):>10}  {_fmt_bytes(r['scratch_bytes']):>9}  {span}")
+    r0 = p["ranks"][0]
+    lines += [
+        "  read: tensor bytes read (rank 0: + the whole drafter); mapped: page cache pages each rank maps and keeps",
+        "  (column slices of o_proj/down_proj map whole rows where the row gap is < 64 KiB: the loader reads runs that",
+        "  close as one); copied: float32 widening of bf16, gathered column slices, W_uk/W_uv; resident = mapped +",
+        "  copied + drafter, after the load; then + KV per token + scratch (one forward of the tree's rows)"
+        + (f" + up to {_fmt_bytes(r0['int4_unpacked_bytes'])} of unpacked INT4 (numpy, $KDTREE_INT4_CACHE_MB caps it)"
+           if r0["int4_unpacked_bytes"] else ""),
+    ]
+    if p["backend"] == "cuda":
+        lines.append("  backend=cuda: each weight array above is also copied to the device on first use (float32 and "
+                     "INT4 as held on the host); device bytes are not counted separately yet")
+    lines += [
+        "",
+        f"  load time (the node reads {_fmt_bytes(p['node_read_bytes'])} = every rank's slices + the drafter once):",
+    ]
     for rate, s in p["load_time_s"].items():
         lines.append(f"  {rate:>10} MB/s   {_fmt_s(s):>10}")
     return "\n".join(lines)
@@ -170,4 +294,5 @@ def run(ctx, disk_mb_s: list = (2000.0, 240.0), float_dtype: str = "auto", shard
     print(format_plan(p), flush=True)
     (Path(ctx.run_dir) / "plan.json").write_text(json.dumps(p, indent=1))
     return {"per_rank_bytes": p["per_rank_bytes"], "files_total": p["files_total"],
-            "kv_bytes_per_token": p["kv_cache"]["bytes_per_token"]}
+            "kv_bytes_per_token": p["kv_cache"]["bytes_per_token"],
+            "resident_after_load_bytes": [r["resident_after_load_bytes"] for r in p["ranks"]]}

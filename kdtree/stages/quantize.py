@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kdtree.checkpoint.quantize import quantize_checkpoint
-from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.errors import ConfigError
 
 SIDE = "any"
@@ -21,10 +21,9 @@ PARAMS = {"src": str, "dst": str}
 def _source(cfg) -> Path:
     if cfg.model.path:
         return Path(cfg.model.path).expanduser()
-    if cfg.model.name != "tiny":
+    if not is_generated(cfg.model.name):
         raise ConfigError(f"model.path is empty for model={cfg.model.name}; set model.path=/path/to/fp32-checkpoint "
                           f"or pass src= to the quantize stage")
-
     return Path(ensure_tiny_checkpoint(cfg.model, None, cfg.get("cache_dir", "")))   # None = the FP32 one
 
 

@@ -1,21 +1,32 @@
-"""Native kernels beside their numpy counterparts (pytest-benchmark; nothing about speed is asserted).
+"""Native kernels beside their baselines (pytest-benchmark; nothing about speed is asserted).
 
     .venv/bin/python -m pytest tests/bench/test_native_bench.py --benchmark-enable --benchmark-only
     .venv/bin/python -m pytest tests/bench/test_native_bench.py --benchmark-enable --benchmark-only -m gpu  # GPU
 
-Groups (compare the mean of the rows of a group side by side):
-  tree_build(budget=B)   plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
-                         wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
-  gemv(4096x4096,T=1)    native W4A16 GEMV vs numpy FP32 GEMV (w @ x, 64 MiB: does not fit in cache) vs native
-                         FP32 GEMV. Bytes per call in extra_info: GB/s = bytes / mean.
-  mla_attention(...)     native vs numpy reference, one verify block (T=33 = root + budget 32).
-  cuda_*                 the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
+After the run, tests/bench/conftest.py prints, beside each time, the bytes a call moves, the achieved GB/s, the
+share of the machine's memory bandwidth measured in the same run (the roof: a numpy copy of a 256 MiB array,
+read + write), and the speedup against the group's baseline (`extra_info["baseline"]`), like llm.c's dev/cuda.
+Thread counts 1 and 2 are groups of their own (threadpoolctl limits OpenMP and OpenBLAS in-process).
+
+Groups (min times; compare within a group):
+  memory_roof              np.copyto of 256 MiB: the GB/s every other row is compared with.
+  gemv(OxI,threads=n)      native W4A16 GEMV vs native FP32 GEMV on the same (dequantized) weights vs numpy FP32,
+                           4096x4096 and the K2 expert shapes 2048x7168 / 7168x2048, each call on the next of
+                           several weight copies (> 2x the 32 MiB L3 in all), so every call reads from memory.
+  linear(T=t,...)          the batch-invariant native linear (FP32 and W4A16) vs numpy's BLAS GEMM (not invariant).
+  tree_build(budget=B)     plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
+                           wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
+  mla_attention(...)       native vs numpy reference, one verify block (T=33 = root + budget 32).
+  cuda_*                   the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
 Outputs are asserted equal (integers) or within the parity suite's tolerance (floats).
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+import threadpoolctl
 
 from kdtree.backends import native
 from kdtree.backends.numpy_ops import NumpyOps
@@ -26,6 +37,8 @@ from tests.native_lib import needs_cpu_library
 pytestmark = needs_cpu_library
 EPS = float(np.finfo(np.float32).eps)
 REF = NumpyOps()
+THREADS = [1, 2]
+L3_BYTES = 32 << 20   # this machine's L3 (lscpu); weight copies rotate through > 2x of it
 
 
 def draft(depth=7, width=8, seed=0):
@@ -34,11 +47,30 @@ def draft(depth=7, width=8, seed=0):
     return logp, rng.integers(0, 163840, (depth, width)).astype(np.int32)
 
 
+def bench(benchmark, fn, threads, nbytes, baseline):
+    """Run fn under `threads` OpenMP/OpenBLAS threads, with the bytes one call moves and the group's baseline."""
+    benchmark.extra_info.update(bytes=int(nbytes), threads=threads, baseline=baseline)
+    with threadpoolctl.threadpool_limits(limits=threads):
+        return benchmark(fn)
+
+
+# ---- memory roof ------------------------------------------------------------------------------------------------
+def test_memory_roof(benchmark):
+    """The machine's own memory bandwidth in this run: a numpy copy of 256 MiB (bytes = read + written)."""
+    benchmark.group = "memory_roof"
+    a = np.ones(64 << 20, np.float32)
+    b = np.empty_like(a)
+    benchmark.extra_info.update(bytes=2 * a.nbytes, roof=True)
+    benchmark(np.copyto, b, a)
+    assert (b == 1).all()
+
+
 # ---- tree build ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("budget", [64, 512])
 @pytest.mark.parametrize("impl", ["python", "native", "c_raw"])
 def test_tree_build(benchmark, impl, budget):
     benchmark.group = f"tree_build(budget={budget})"
+    benchmark.extra_info["baseline"] = "python"
     logp, ids = draft()
     want = tree_ref.tree_build(logp, ids, budget)
     if impl == "python":
@@ -61,38 +93,82 @@ def test_tree_build(benchmark, impl, budget):
         np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
 
 
-# ---- GEMV: W4A16 vs FP32 ----------------------------------------------------------------------------------------
-N = 4096
+# ---- GEMV: W4A16 vs FP32, out of cache ------------------------------------------------------------------------
+GEMV_SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048)]   # (out, in): a 4096 square, K2 expert gate/up and down
 
 
-@pytest.fixture(scope="module")
-def gemv_data():
+@pytest.fixture(scope="module", params=GEMV_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def gemv_data(request):
+    n_out, n_in = request.param
     rng = np.random.default_rng(0)
-    packed, scale, shape = int4.quantize_weight(rng.standard_normal((N, N), dtype=np.float32), 32)
-    w4 = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
-    deq = w4.dequantize()                                       # f32 [4096, 4096], 64 MiB
-    x = rng.standard_normal((1, N), dtype=np.float32)
-    want = x[0].astype(np.float64) @ deq.T.astype(np.float64)
-    tol = 2 * N * EPS * (np.abs(deq) @ np.abs(x[0]))             # the parity suite's linear bound
+    group = 32
+    w4 = []   # random nibbles and bf16-valued scales: exactly what a checkpoint holds
+    while sum(w.packed.nbytes + w.scale.nbytes for w in w4) < 2 * L3_BYTES:
+        packed = rng.integers(-2 ** 31, 2 ** 31, (n_out, n_in // 8), dtype=np.int64).astype(np.int32)
+        scale = int4.bf16_to_f32(int4.f32_to_bf16(rng.uniform(0.005, 0.05, (n_out, n_in // group)).astype(np.float32)))
+        w4.append(int4.Int4Weight(packed, scale, (n_out, n_in), group))
+    deq = [w.dequantize() for w in w4[:2]]                      # f32, >= 2 x 29 MiB: out of cache in turn
+    x = rng.standard_normal((1, n_in), dtype=np.float32)
+    want = x[0].astype(np.float64) @ deq[0].T.astype(np.float64)
+    tol = 2 * n_in * EPS * (np.abs(deq[0]) @ np.abs(x[0]))      # the parity suite's linear bound
     return w4, deq, x, want, tol
 
 
-@pytest.mark.parametrize("impl", ["native_w4a16", "numpy_f32", "native_f32"])
-def test_gemv(benchmark, gemv_data, impl):
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("impl", ["native_w4a16", "native_f32", "numpy_f32"])
+def test_gemv(benchmark, gemv_data, impl, threads):
     w4, deq, x, want, tol = gemv_data
-    benchmark.group = f"gemv({N}x{N},T=1)"
+    n_out, n_in = deq[0].shape
+    benchmark.group = f"gemv({n_out}x{n_in},T=1,threads={threads})"
+    ops = native.NativeOps("cpu")
+    out_bytes = 4 * n_out + x.nbytes
     if impl == "native_w4a16":
-        ops = native.NativeOps("cpu")
-        benchmark.extra_info["bytes"] = w4.packed.nbytes + w4.scale.nbytes + x.nbytes
-        got = benchmark(ops.linear, x, w4)[0]
-    elif impl == "numpy_f32":
-        benchmark.extra_info["bytes"] = deq.nbytes + x.nbytes
-        got = benchmark(lambda: deq @ x[0])
+        ws, nbytes = w4, w4[0].packed.nbytes + w4[0].scale.nbytes + out_bytes
+        call = lambda w: ops.linear(x, w)[0]           # noqa: E731
+    elif impl == "native_f32":
+        ws, nbytes = deq, deq[0].nbytes + out_bytes
+        call = lambda w: ops.linear(x, w)[0]           # noqa: E731
     else:
-        ops = native.NativeOps("cpu")
-        benchmark.extra_info["bytes"] = deq.nbytes + x.nbytes
-        got = benchmark(ops.linear, x, deq)[0]
-    assert (np.abs(got - want) <= tol).all()
+        ws, nbytes = deq, deq[0].nbytes + out_bytes
+        call = lambda w: w @ x[0]                       # noqa: E731
+    assert (np.abs(call(ws[0]) - want) <= tol).all()
+    ring = itertools.cycle(ws)                          # the next copy each call: every call reads from memory
+    bench(benchmark, lambda: call(next(ring)), threads, nbytes, "native_f32")
+
+
+# ---- batch-invariant linear over T rows vs BLAS GEMM ------------------------------------------------------------
+LIN = 4096
+
+
+@pytest.fixture(scope="module")
+def linear_data():
+    rng = np.random.default_rng(1)
+    packed = rng.integers(-2 ** 31, 2 ** 31, (LIN, LIN // 8), dtype=np.int64).astype(np.int32)
+    scale = int4.bf16_to_f32(int4.f32_to_bf16(rng.uniform(0.005, 0.05, (LIN, LIN // 32)).astype(np.float32)))
+    w4 = int4.Int4Weight(packed, scale, (LIN, LIN), 32)
+    return w4, w4.dequantize(), rng.standard_normal((64, LIN), dtype=np.float32)   # 64 MiB f32: out of cache
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("T", [9, 33])
+@pytest.mark.parametrize("impl", ["native_f32", "native_w4a16", "numpy_blas"])
+def test_linear(benchmark, linear_data, impl, T, threads):
+    w4, w, xs = linear_data
+    x = xs[:T]
+    benchmark.group = f"linear({LIN}x{LIN},T={T},threads={threads})"
+    ops = native.NativeOps("cpu")
+    io = x.nbytes + 4 * T * LIN
+    if impl == "numpy_blas":
+        fn, nbytes = (lambda: x @ w.T), w.nbytes + io
+    elif impl == "native_f32":
+        fn, nbytes = (lambda: ops.linear(x, w)), w.nbytes + io
+    else:
+        fn, nbytes = (lambda: ops.linear(x, w4)), w4.packed.nbytes + w4.scale.nbytes + io
+    got = bench(benchmark, fn, threads, nbytes, "numpy_blas")
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert (np.abs(got - want) <= 2 * LIN * EPS * (np.abs(x) @ np.abs(w).T)).all()
+    if impl != "numpy_blas":   # batch invariance: the last row equals that row computed alone, bit for bit
+        np.testing.assert_array_equal(got[-1], ops.linear(x[-1:], w if impl == "native_f32" else w4)[0])
 
 
 # ---- attention ---------------------------------------------------------------------------------------------
@@ -115,6 +191,7 @@ def test_mla_attention(benchmark, att_data, impl):
     q, kv, vis, scale = att_data
     benchmark.group = "mla_attention(" + ",".join(f"{k}={v}" for k, v in ATT.items()) + ")"
     fn = native.NativeOps("cpu").mla_attention if impl == "native" else REF.mla_attention
+    benchmark.extra_info["baseline"] = "numpy"
     got = benchmark(fn, q, kv, ATT["P"], vis, scale, ATT["L"])
     np.testing.assert_allclose(got, REF.mla_attention(q, kv, ATT["P"], vis, scale, ATT["L"]), rtol=0, atol=1e-4)
 

@@ -83,6 +83,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["load.threads=0"], r"load.threads=0 must be >= 1"),
     (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
     (["bench_load.gb=0"], r"bench_load.gb=0.0 must be positive; use e.g. bench_load.gb=0.01"),
+    (["bench_peer.threads=0"], r"bench_peer.threads=0 must be >= 1; use e.g. bench_peer.threads=1"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
@@ -109,7 +110,7 @@ def _run(*args, tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["model=nope"], "model=nope is not a known model config; valid: k26, tiny"),
+    (["model=nope"], "model=nope is not a known model config; valid: k26, k26_mini, tiny"),
     (["tp=3"], "tp=3 is not a known tp config; valid: 1, 2, 4, 8"),
     (["pipeline=generate", "tree.depth=-1"], "tree.depth=-1 is out of range"),
     (["pipeline=generate", "model.path=/nope/ckpt"], "model.path=/nope/ckpt does not exist"),

@@ -109,3 +109,43 @@ def test_head_linear_equals_linear_per_head_on_strided_views():
             np.testing.assert_array_equal(out[:, h, :n_out], ops.linear(np.ascontiguousarray(q[:, h, :n_in]), w[h]))
         assert np.isnan(out[:, :, n_out:]).all()                               # nothing outside the view written
         assert not ops.head_linear(q[:, :, :n_in].astype(np.float64), w, out[:, :, :n_out])
+
+
+def _lane_dots(x, w):
+    """kd_dot_f32 restated for every (row, output) at once: x f32[T, n], w f32[O, n] -> f32[T, O]; element k to
+    lane k % 16 in ascending k (float32 multiply, then add), then the pairwise lane combine."""
+    T, n = x.shape
+    acc = np.zeros((T, w.shape[0], 16), np.float32)
+    for k in range(0, n, 16):
+        r = min(16, n - k)
+        acc[:, :, :r] += x[:, None, k:k + r] * w[None, :, k:k + r]
+    h = 8
+    while h >= 1:
+        acc[:, :, :h] = acc[:, :, :h] + acc[:, :, h:2 * h]
+        h //= 2
+    return acc[:, :, 0]
+
+
+# (n_in, n_out, group): several k blocks (512), outputs over a 48-output block, odd and even words per group,
+# inputs with a 16-element tail; group 0 = float32 only (n_in not a multiple of 8)
+LARGE = [(1040, 50, 16), (1064, 97, 8), (1128, 7, 24), (520, 49, 40), (1037, 50, 0)]
+
+
+@pytest.mark.parametrize("n_in,n_out,group", LARGE)
+def test_blocked_kernels_equal_the_lane_order_dot_at_every_T(n_in, n_out, group):
+    """The register-tiled T >= 2 kernels and the fused W4A16 GEMV: every output is bit for bit the fixed lane-order
+    dot of the row (on the dequantized weight for W4A16, with full-precision float32 scales), for T = 1..64."""
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(n_in + n_out)
+    x = rng.standard_normal((64, n_in), dtype=np.float32)
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    weights = [(w, w)]
+    if group:
+        packed, _, shape = int4.quantize_weight(w, group)
+        scale = rng.uniform(0.01, 0.3, (n_out, n_in // group)).astype(np.float32)   # not bf16: q * s rounds
+        w4 = int4.Int4Weight(packed, scale, shape, group)
+        weights.append((w4, w4.dequantize()))
+    for wt, deq in weights:
+        want = _lane_dots(x, deq)
+        for T in (1, 2, 3, 9, 33, 64):
+            np.testing.assert_array_equal(ops.linear(x[:T], wt), want[:T], err_msg=f"T={T} {type(wt).__name__}")

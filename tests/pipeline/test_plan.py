@@ -22,7 +22,8 @@ def test_k26_tp8_int4_prints_its_table_without_a_checkpoint(tmp_path, kdtree_cac
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    assert "model=k26 quant=int4_w4a16 tp=8   from computed layout (5 GB shards, non-quantized tensors bf16)" in out
+    assert ("model=k26 quant=int4_w4a16 tp=8 backend=numpy load.strategy=mmap tree=ddtree   from computed layout "
+            "(5 GB shards, non-quantized tensors bf16)") in out
     assert "KV cache per token         137.2 KiB   latent fp32, (512+64) x 61 layers x 4 B" in out
     assert sum(1 for line in out.splitlines() if line.strip().startswith(tuple(f"{r}  " for r in range(8)))) >= 8
     assert "2000 MB/s" in out and "240 MB/s" in out
@@ -33,6 +34,13 @@ def test_k26_tp8_int4_prints_its_table_without_a_checkpoint(tmp_path, kdtree_cac
     # replicated = embed + lm_head (bf16) + latent projections, norms, router gates: a few GB, far below a rank's share
     assert 2 * 163840 * 7168 * 2 < p["replicated_bytes"] < 10e9
     assert p["load_time_s"]["240"] == pytest.approx(p["node_read_bytes"] / 240e6)
+    # rank 0 also reads the whole drafter (K2.6 DFlash: 6 layers, bf16), and the node's reads count it once
+    r0, r1 = p["ranks"][0], p["ranks"][1]
+    assert r0["read_total_bytes"] - r1["read_total_bytes"] == pytest.approx(r0["drafter"]["read_bytes"])
+    assert 6e9 < r0["drafter"]["read_bytes"] < 8e9 and r1["drafter"] is None   # ~3.5 G parameters
+    assert p["node_read_bytes"] == pytest.approx(8 * p["per_rank_bytes"] + r0["drafter"]["read_bytes"])
+    # in memory (numpy/cpu) BF16 is float32: every rank holds more than it reads
+    assert r1["resident_after_load_bytes"] > 1.5 * r1["read_total_bytes"]
 
 
 @pytest.mark.parametrize("tensor,axis", [

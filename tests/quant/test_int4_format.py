@@ -220,3 +220,31 @@ def test_from_tensors_takes_the_loaders_arguments():
     assert W.shape == (8, 64)
     with pytest.raises(CheckpointError, match=r"^model.layers.1.mlp.experts.0.up_proj.weight_scale is missing"):
         Int4Weight.from_tensors("model.layers.1.mlp.experts.0.up_proj.weight", p, None, (8, 64), 32)
+
+
+def test_unpacked_weights_are_cached_within_a_byte_limit_and_give_the_same_bits():
+    """The numpy reference unpacks a weight once, not at every call; the cache never exceeds its limit, drops the
+    least recently used weight first and forgets a weight that is gone. Cached or not, the result is bit-identical."""
+    import gc
+
+    from kdtree.quant.int4 import UnpackedCache
+    import kdtree.quant.int4 as int4
+
+    rng = np.random.default_rng(3)
+    ws = [Int4Weight.from_tensors("w", *quantize_weight(rng.normal(size=(64, 128)).astype(np.float32), 32), 32)
+          for _ in range(3)]
+    x = rng.normal(size=(3, 128)).astype(np.float32)
+    q_bytes = 64 * 128 * 4                                     # float32 q of one weight
+    cold = [w.linear(x) for w in ws]
+    saved, int4.UNPACKED = int4.UNPACKED, UnpackedCache(2 * q_bytes)
+    try:
+        for w, want in zip(ws, cold):
+            assert np.array_equal(w.linear(x), want)
+            assert int4.UNPACKED.nbytes <= 2 * q_bytes
+        assert int4.UNPACKED.get(ws[2]) is int4.UNPACKED.get(ws[2])  # a hit returns the cached array
+        assert len(int4.UNPACKED.entries) == 2 and id(ws[0]) not in int4.UNPACKED.entries   # LRU went first
+        del ws[2], w                                          # the loop variable held it too
+        gc.collect()
+        assert len(int4.UNPACKED.entries) == 1 and int4.UNPACKED.nbytes == q_bytes
+    finally:
+        int4.UNPACKED = saved

@@ -1,7 +1,8 @@
-/* CPU build of the kdtree kernels (libkdtree_cpu.so): host pointers, single-threaded, batch-invariant.
+/* CPU build of the kdtree kernels (libkdtree_cpu.so): host pointers, batch-invariant; large linears split their
+ * outputs over OpenMP threads (each output still one thread's fixed-order dot).
  * Every row is a fixed-order computation (kd_common.h: lane k % 16, fixed pairwise combine), so a row's
- * result never depends on T. Hot loops have an AVX2 clone (same operations, same order: no FMA, see
- * -ffp-contract=off in the Makefile), picked at load time. */
+ * result never depends on T. Hot loops have an AVX2 version (same operations, same order: no FMA, see
+ * -ffp-contract=off in the Makefile), picked at run time (KDTREE_CPU_GENERIC=1 forces the portable loops). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,7 +62,7 @@ static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_
 }
 
 /* One output of W4A16, fused: the same products (q * s) * x and the same lanes (k % 16) as kd_dot_f32 on the
- * dequantized row, so both paths agree bit for bit. Portable version; an AVX2 version of the same operations follows. */
+ * dequantized row, so both paths agree bit for bit. The portable path; the AVX2 one is kd_gemv_w4_avx2. */
 static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float *x, int64_t n_in,
                                int64_t words_per_group) {
   float acc[KD_LANES] = {0};
@@ -85,40 +86,6 @@ __attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, floa
   return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s));
 }
 
-__attribute__((target("avx2"))) static float kd_dot_w4_avx2(const uint32_t *wr, const float *sr, const float *x,
-                                                             int64_t n_in, int64_t words_per_group) {
-  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(); /* lanes 0..7 (even words), 8..15 (odd words) */
-  int64_t full = n_in / 8, wi = 0;
-  if (words_per_group % 2 == 0) { /* a word pair never straddles a group */
-    for (; wi + 2 <= full; wi += 2) {
-      float s = sr[wi / words_per_group];
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], s), _mm256_loadu_ps(x + 8 * wi)));
-      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], s), _mm256_loadu_ps(x + 8 * wi + 8)));
-    }
-  } else {
-    for (; wi + 2 <= full; wi += 2) {
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_w8_avx2(wr[wi], sr[wi / words_per_group]), _mm256_loadu_ps(x + 8 * wi)));
-      hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_w8_avx2(wr[wi + 1], sr[(wi + 1) / words_per_group]),
-                                           _mm256_loadu_ps(x + 8 * wi + 8)));
-    }
-  }
-  float a[KD_LANES];
-  _mm256_storeu_ps(a, lo);
-  _mm256_storeu_ps(a + 8, hi);
-  for (; 8 * wi < n_in; wi++) { /* last odd word and/or partial word */
-    float *al = a + ((wi & 1) << 3);
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++)
-      al[j] += kd_int4_weight(wr[wi], j, sr[wi / words_per_group]) * x[8 * wi + j];
-  }
-  return kd_lanes_sum(a);
-}
-
-__attribute__((target("avx2"))) static void kd_dequant_row_avx2(const uint32_t *wr, const float *sr, float *w,
-                                                                int64_t n_in, int64_t words_per_group) {
-  int64_t full = n_in / 8, wi = 0;
-  for (; wi < full; wi++) _mm256_storeu_ps(w + 8 * wi, kd_w8_avx2(wr[wi], sr[wi / words_per_group]));
-  for (int j = 0; 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, sr[wi / words_per_group]);
-}
 #endif
 
 /* KDTREE_CPU_GENERIC=1 forces the portable loops (the tests compare both paths bit for bit). */
@@ -134,23 +101,6 @@ static int kd_use_avx2(void) {
 #endif
   }
   return use;
-}
-
-static void kd_dequant(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) {
-    kd_dequant_row_avx2(wr, sr, w, n_in, words_per_group);
-    return;
-  }
-#endif
-  kd_dequant_row(wr, sr, w, n_in, words_per_group);
-}
-
-static float kd_dot_w4(const uint32_t *wr, const float *sr, const float *x, int64_t n_in, int64_t words_per_group) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) return kd_dot_w4_avx2(wr, sr, x, n_in, words_per_group);
-#endif
-  return kd_dot_w4_generic(wr, sr, x, n_in, words_per_group);
 }
 
 
@@ -278,6 +228,214 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
   for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * ws, x, n);
 }
 
+/* ---- blocked AVX2 linear for T >= 2 and the fused W4A16 GEMV ---------------------------------------------
+ * Same arithmetic as kd_dot_f32 on every output, only scheduled differently: a [2 rows x 3 outputs] register
+ * tile (12 accumulators: lanes 0..7 / 8..15 of six dots) walks k in blocks of KD_KC elements; between blocks
+ * each dot's 16 partial lanes wait in a per-thread buffer, so every lane still adds its products in
+ * ascending k and kd_hsum combines them as kd_lanes_sum. The weight tile (3 rows x KD_KC) is read from memory
+ * once and reused from L1 by every row pair; the x block (T x KD_KC) stays in L2 across the output tiles. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KD_KC 512 /* k block (floats): 3 weight rows = 6 KB in L1, x block T x 2 KB in L2 */
+#define KD_OB 48  /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
+
+/* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
+ * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. */
+__attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
+    const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *P,
+    int64_t ps) {
+  __m256 lo[2][3], hi[2][3];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) {
+      lo[r][o] = _mm256_load_ps(P + (r * ps + o) * 16);
+      hi[r][o] = _mm256_load_ps(P + (r * ps + o) * 16 + 8);
+    }
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    __m256 wl[3], wh[3];
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) wl[o] = _mm256_loadu_ps(w + o * ws + k), wh[o] = _mm256_loadu_ps(w + o * ws + k + 8);
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++) {
+      __m256 xl = _mm256_loadu_ps(x + r * xs + k), xh = _mm256_loadu_ps(x + r * xs + k + 8);
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) {
+        lo[r][o] = _mm256_add_ps(lo[r][o], _mm256_mul_ps(wl[o], xl));
+        hi[r][o] = _mm256_add_ps(hi[r][o], _mm256_mul_ps(wh[o], xh));
+      }
+    }
+  }
+  if (k < n)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) KD_TAIL_AVX2(lo[r][o], hi[r][o], w + o * ws, x + r * xs, k, n);
+#pragma GCC unroll 2
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+    for (int o = 0; o < O; o++) {
+      _mm256_store_ps(P + (r * ps + o) * 16, lo[r][o]);
+      _mm256_store_ps(P + (r * ps + o) * 16 + 8, hi[r][o]);
+    }
+}
+
+#define KD_TILE(R, O)                                                                                          \
+  __attribute__((target("avx2"))) static void kd_tile_##R##x##O(const float *x, int64_t xs, const float *w,    \
+                                                                  int64_t ws, int64_t n, float *P, int64_t ps) { \
+    kd_tile_avx2(R, O, x, xs, w, ws, n, P, ps);                                                               \
+  }
+KD_TILE(2, 3) KD_TILE(2, 2) KD_TILE(2, 1) KD_TILE(1, 3) KD_TILE(1, 2) KD_TILE(1, 1)
+typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3},  /* [R - 1][O - 1] */
+                                          {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
+
+/* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
+__attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
+                                                                  int64_t k0, int64_t k1, int64_t wpg) {
+  int64_t wi = k0 / 8, g = wi / wpg, left = wpg - wi % wpg; /* k0 is a multiple of 16; one division per slice */
+  for (; 8 * wi + 8 <= k1; wi++) {
+    _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], sr[g]));
+    if (--left == 0) g++, left = wpg;
+  }
+  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[g]);
+}
+
+/* out [T, n_out] = x [T, n_in] . w^T for T >= 1, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
+ * [n_out, n_words], scales [n_out, n_groups], wpg words per group) dequantized slice by slice into L1. */
+__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint32_t *qp,
+                                                               const float *qs, int64_t n_words, int64_t n_groups,
+                                                               int64_t wpg, float *out, int64_t T, int64_t n_in,
+                                                               int64_t n_out, int parallel) {
+  /* x rows copied once to 64-byte aligned rows: numpy's large arrays sit 16 bytes past a line, and a 32-byte load
+   * across two cache lines costs two (the tile kernel is load-bound). The weight slices get the same below. */
+  int64_t ldx = (n_in + 15) / 16 * 16;
+  float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx + 16));
+  if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+  int nomem = 0;
+#pragma omp parallel if (parallel)
+  {
+    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_OB * 16));
+    float *wb = (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
+#pragma omp for schedule(static)
+    for (int64_t ob = 0; ob < n_out; ob += KD_OB) {
+      if (!P || !wb) {
+#pragma omp atomic write
+        nomem = 1;
+        continue;
+      }
+      int64_t no = n_out - ob < KD_OB ? n_out - ob : KD_OB;
+      memset(P, 0, sizeof(float) * (size_t)(T * KD_OB * 16));
+      for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
+        int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC;
+        for (int64_t o = 0; o < no; o += 3) {
+          int O = (int)(no - o < 3 ? no - o : 3);
+          for (int i = 0; i < O; i++) /* this tile's weight slice, aligned, read from memory once */
+            if (w)
+              memcpy(wb + i * KD_KC, w + (ob + o + i) * n_in + k0, sizeof(float) * (size_t)n);
+            else
+              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
+                                    k0 + n, wpg);
+          for (int64_t t = 0; t < T; t += 2)
+            kd_tiles[T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB);
+        }
+      }
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < no; o++) {
+          const float *p = P + (t * KD_OB + o) * 16;
+          out[t * n_out + ob + o] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
+        }
+    }
+    free(P);
+    free(wb);
+  }
+  free(xa);
+  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+
+/* Fused W4A16 GEMV (T = 1), four output rows per pass (one x load for four rows). 16 elements = 2 packed words
+ * = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, ..,
+ * 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i
+ * of `ev` is logical lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as
+ * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
+ * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
+/* Scales of chunk c when a chunk straddles two groups (odd wpg: group = 8, 24, ..). */
+__attribute__((target("avx2"))) static inline __m256 kd_w4_scale2_avx2(const float *sr, int64_t c, int64_t wpg) {
+  return _mm256_blend_ps(_mm256_broadcast_ss(sr + 2 * c / wpg), _mm256_broadcast_ss(sr + (2 * c + 1) / wpg), 0xF0);
+}
+
+__attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
+                                                               const float *sr, const float *x, int64_t n_in,
+                                                               int64_t wpg) {
+  float a[KD_LANES];
+  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
+  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od)); /* lanes 4,5,6,7 | 12,13,14,15 */
+  float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
+                       a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
+  for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
+    b[k % KD_LANES] += kd_int4_weight(wr[k / 8], (int)(k % 8), sr[k / 8 / wpg]) * x[k];
+  return kd_lanes_sum(b);
+}
+
+__attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            int64_t n_groups, int64_t wpg, const float *x, float *out,
+                                                            int64_t n_in, int64_t n_out, int parallel) {
+  int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(32, sizeof(float) * (size_t)(nc * KD_LANES + 8));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t c = 0; c < nc; c++)
+    for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
+  const __m256i m15 = _mm256_set1_epi32(15), m8 = _mm256_set1_epi32(8);
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t o = 0; o < n_out; o += 4) {
+    const uint32_t *wr[4];
+    const float *sr[4];
+    for (int r = 0; r < 4; r++) { /* past the last output: repeat it, result discarded */
+      int64_t oo = o + r < n_out ? o + r : n_out - 1;
+      wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
+    }
+    __m256 ev[4], od[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
+    /* chunks [c0, c1) of the four rows, row r's scale vector SCALE(r) */
+#define KD_W4_CHUNKS(c0, c1, SCALE)                                                                                   \
+  for (int64_t c = (c0); c < (c1); c++) {                                                                      \
+    __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);                            \
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {                                                      \
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));                    \
+      __m256 sc = SCALE(r); /* a broadcast load: keeps 4 registers for the accumulators */                     \
+      __m256 we = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, m15), m8)), sc);       \
+      __m256 wo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), m8)), sc);        \
+      ev[r] = _mm256_add_ps(ev[r], _mm256_mul_ps(we, xe));                                                     \
+      od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));                                                     \
+    }                                                                                                          \
+  }
+    if (wpg % 2 == 0) { /* a group is cpg whole chunks: one broadcast scale per group, no division per chunk */
+      int64_t cpg = wpg / 2;
+      for (int64_t g = 0; g * cpg < nc; g++) {
+        int64_t c1 = (g + 1) * cpg < nc ? (g + 1) * cpg : nc;
+#define KD_SC(r) _mm256_broadcast_ss(sr[r] + g)
+        KD_W4_CHUNKS(g * cpg, c1, KD_SC)
+#undef KD_SC
+      }
+    } else {
+      for (int64_t cc = 0; cc < nc; cc++) {
+#define KD_SC(r) kd_w4_scale2_avx2(sr[r], cc, wpg)
+        KD_W4_CHUNKS(cc, cc + 1, KD_SC)
+#undef KD_SC
+      }
+    }
+#undef KD_W4_CHUNKS
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) /* unrolled: ev/od stay in registers */
+      if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
+  }
+  free(xp);
+  return KD_OK;
+}
+#endif
+
 /* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
  * load, then the leftover rows four weight rows at a time. */
 static void kd_linear_block(const float *x, const float *w, int no, float *out, int64_t T, int64_t n_in,
@@ -313,8 +471,13 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", x);
   KD_CHECK_PTR("kd_linear_f32", w);
   KD_CHECK_PTR("kd_linear_f32", out);
+  int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && kd_use_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
+    return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+#endif
   /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads */
-#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
+#pragma omp parallel for schedule(static) if (parallel)
   for (int64_t o = 0; o < n_out; o += 4)
     kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
   return KD_OK;
@@ -332,12 +495,19 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   KD_CHECK_PTR("kd_linear_w4a16", packed);
   KD_CHECK_PTR("kd_linear_w4a16", scales);
   KD_CHECK_PTR("kd_linear_w4a16", out);
-  int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group;
-  if (T == 1) { /* GEMV: decode fused into the dot product; large matrices split their output rows over
-                  * threads (each row still one thread's fixed-order dot product: batch invariance holds) */
-#pragma omp parallel for schedule(static) if (n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS)
+  int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group, wpg = group / 8;
+  const uint32_t *qp = (const uint32_t *)packed;
+  int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) {
+    if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    return kd_linear_blocked(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  }
+#endif
+  if (T == 1) { /* GEMV: decode fused into the dot product */
+#pragma omp parallel for schedule(static) if (parallel)
     for (int64_t o = 0; o < n_out; o++)
-      out[o] = kd_dot_w4((const uint32_t *)packed + o * n_words, scales + o * n_groups, x, n_in, group / 8);
+      out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
     return KD_OK;
   }
   /* T > 1: decode four rows at a time (L1-resident), then the f32 block kernel: same products, same lanes */
@@ -346,8 +516,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   for (int64_t o = 0; o < n_out; o += 4) {
     int no = (int)(n_out - o < 4 ? n_out - o : 4);
     for (int i = 0; i < no; i++)
-      kd_dequant((const uint32_t *)packed + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in,
-                 group / 8);
+      kd_dequant_row(qp + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in, wpg);
     kd_linear_block(x, w, no, out, T, n_in, n_out, o);
   }
   free(w);

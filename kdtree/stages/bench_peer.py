@@ -1,0 +1,208 @@
+"""bench_peer: kdtree next to llama.cpp (llama-cpp-python, the model exported as a deepseek2 GGUF, F32) on the
+bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and kdtree's tree alternate for
+`rounds` rounds and the fastest round of each is kept.
+
+    pip install -e '.[peer]'                                  # llama-cpp-python: compiles llama.cpp, ~15 min
+    python -m kdtree.run pipeline=bench_peer backend=cpu      # 1 thread; bench_peer.json in the run dir
+    python -m kdtree.run pipeline=bench_peer backend=cpu bench_peer.threads=2 tree=chain tree.depth=7
+
+The prompt is tokenized with the project's tokenizer and fed to llama.cpp as ids (the GGUF's ids are the
+project's), so both engines see the same ids; tokens_equal says whether llama.cpp's greedy tokens equal
+kdtree's AR tokens on every prompt (and the tree's equal AR's: the lossless invariant). Tokens/s = new tokens /
+seconds of the whole call (prefill + decode), summed over the prompts, as in pipeline=bench.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import os
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from kdtree.engine import AR_TREE, Engine, EngineState
+from kdtree.errors import ConfigError, PipelineError
+from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
+from kdtree.stages.bench import _run_set, load_prompts, provenance
+from kdtree.stages.export_gguf import export
+
+SIDE = "host"
+PARAMS = {"prompts": str, "max_new_tokens": int, "rounds": int, "threads": int, "gguf": str}
+INSTALL = "pip install -e '.[peer]'"
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ConfigError(f"pipeline=bench_peer needs llama-cpp-python, which is not installed; run {INSTALL} "
+                          f"(compiles llama.cpp from source, ~15 min)") from None
+    return llama_cpp
+
+
+def limit_threads(n: int) -> Dict[str, int]:
+    """kdtree's compute threads in this process = n: OpenMP (the native library's kernels) and OpenBLAS
+    (numpy's matmuls), where loaded. -> {runtime: n} for what was set."""
+    done = {}
+    libgomp = ctypes.util.find_library("gomp")
+    if libgomp:
+        try:
+            ctypes.CDLL(libgomp).omp_set_num_threads(ctypes.c_int(n))   # the loaded libgomp: same handle
+            done["openmp"] = n
+        except (OSError, AttributeError):
+            pass
+    try:                                                                # numpy's bundled OpenBLAS, if any
+        maps = Path("/proc/self/maps").read_text().split()
+    except OSError:
+        maps = []
+    for lib in sorted({p for p in maps if "openblas" in p.lower() and ".so" in p}):
+        for fn in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            f = getattr(ctypes.CDLL(lib), fn, None)
+            if f is not None:
+                f(ctypes.c_int(n))
+                done["openblas"] = n
+                break
+    return done
+
+
+def _peer_set(llm, prompts_ids: List[List[int]], max_new_tokens: int, eos_id: int) -> dict:
+    """llama.cpp greedy (temperature 0) on every prompt: tokens (eos not included, like kdtree) and seconds."""
+    per_prompt, tokens, seconds = [], 0, 0.0
+    for ids in prompts_ids:
+        llm.reset()                                           # no KV prefix reuse from the previous round
+        out: List[int] = []
+        t0 = time.perf_counter()
+        for tok in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                reset=True):
+            if tok == eos_id:
+                break
+            out.append(int(tok))
+            if len(out) >= max_new_tokens:
+                break
+        dt = time.perf_counter() - t0
+        per_prompt.append({"tokens": out, "seconds": dt})
+        tokens += len(out)
+        seconds += dt
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "per_prompt": per_prompt}
+
+
+def _first_difference(a: List[int], b: List[int]) -> int:
+    """Index of the first differing token (len of the shorter when one is a prefix), -1 when equal."""
+    if a == b:
+        return -1
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: bool = False):
+    """llama.cpp on the GGUF: CPU, F32 KV cache (the weights are F32 too), no flash attention, n threads."""
+    llama_cpp = _llama_cpp()
+    f32 = int(getattr(llama_cpp, "GGML_TYPE_F32", 0))
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                           n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32,
+                           flash_attn=False, logits_all=logits_all, seed=0, verbose=False)
+
+
+def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> float:
+    """max |llama.cpp logits - kdtree logits| over the prefill rows of one prompt (parity, not speed)."""
+    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True)
+    llm.reset()
+    llm.eval(list(ids))
+    peer = np.asarray(llm.scores[:len(ids)], np.float32)                           # [T, V]
+    ours, _ = model.forward(np.asarray(ids, np.int32), np.arange(len(ids), dtype=np.int32),
+                            model.new_cache(len(ids)))
+    return float(np.abs(peer - ours).max())
+
+
+def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threads: int = 1,
+        gguf: str = "") -> dict:
+    _llama_cpp()                                                # before any work: the one-line install hint
+    cfg = ctx.cfg
+    if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:
+        raise ConfigError(f"pipeline=bench_peer compares CPU engines at tp=1; got backend={cfg.backend.name} "
+                          f"tp={cfg.tp.size}: use backend=cpu (or numpy) tp=1")
+    set_threads = limit_threads(threads)
+    state = EngineState.of(ctx)
+    if state.engine is None:
+        state.engine = Engine.from_config(cfg, status=ctx.status)
+    engine = state.engine
+    if gguf:
+        path = Path(gguf).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
+                              f"or leave bench_peer.gguf empty to export into the run dir")
+    else:
+        path = Path(export(ctx)["path"])
+    texts = load_prompts(prompts)
+    prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
+    longest = max(len(p) for p in prompts_ids)
+    llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32))
+    has_tree = cfg.tree.kind != "ar"
+    best: Dict[str, dict] = {}
+    load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
+    for _ in range(max(1, rounds)):                             # alternate: machine drift hits all three alike
+        runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
+                "ar": _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)}
+        runs["tree"] = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if has_tree else runs["ar"]
+        for k, r in runs.items():
+            if k not in best or r["seconds"] < best[k]["seconds"]:
+                best[k] = r
+    peer, ar, tree = best["peer"], best["ar"], best["tree"]
+    logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads)
+    first_diff = [_first_difference(p["tokens"], a["tokens"]) for p, a in zip(peer["per_prompt"], ar["per_prompt"])]
+    tokens_equal = all(d < 0 for d in first_diff)
+    lossless = all(t["tokens"] == a["tokens"] for t, a in zip(tree["per_prompt"], ar["per_prompt"]))
+    out = {
+        "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 F32 GGUF, greedy",
+        "gguf": str(path), "backend": cfg.backend.name, "model": cfg.model.name, "quant": cfg.quant.method,
+        "tree": OmegaConf.to_container(cfg.tree, resolve=True), "threads": threads, "threads_set": set_threads,
+        "prompts": texts, "max_new_tokens": max_new_tokens, "rounds": rounds,
+        "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],   # before, after the rounds
+        "peer_ar_tokens_per_s": peer["tokens_per_s"],
+        "ar_tokens_per_s": ar["tokens_per_s"],
+        "tree_tokens_per_s": tree["tokens_per_s"],
+        "ar_vs_peer": ar["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
+        "tree_vs_peer": tree["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
+        "tree_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+        "tokens_equal": tokens_equal,
+        "first_difference": first_diff,                     # per prompt: first token where llama.cpp != kdtree AR
+        "prompt_logits_max_abs_diff": logits_diff,          # llama.cpp vs kdtree, prefill of the first prompt
+        "outputs_equal_ar": lossless,
+        "mean_acceptance_length": tree["mean_acceptance_length"],
+        "peer_result": peer, "ar": ar, "result": tree,
+        "provenance": provenance(ctx),
+    }
+    (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
+    t = cfg.tree
+    name = "ar" if not has_tree else f"{t.kind} w{t.width} d{t.depth} b{t.budget}"
+    rows = [("llama.cpp F32 AR", peer["tokens_per_s"], 1.0),
+            (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"]),
+            (f"kdtree backend={cfg.backend.name} {name}", tree["tokens_per_s"], out["tree_vs_peer"])]
+    print(f"bench_peer: {len(texts)} prompts x {max_new_tokens} new tokens, {threads} thread(s), best of {rounds} "
+          f"alternating rounds, model={cfg.model.name}, load average {load_before[0]:.1f} on {os.cpu_count()} cores")
+    print(f"| {'engine':<40} | {'tokens/s':>9} | {'vs llama.cpp':>12} |")
+    print(f"|{'-' * 42}|{'-' * 11}|{'-' * 14}|")
+    for label, tps, ratio in rows:
+        print(f"| {label:<40} | {tps:>9.1f} | {ratio:>12.2f} |")
+    diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
+        f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
+    print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "
+          f"(first prompt), tree lossless={lossless} "
+          f"-> {Path(ctx.run_dir) / 'bench_peer.json'}")
+    if not lossless:
+        raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
+                            f"broken (see {Path(ctx.run_dir) / 'bench_peer.json'}); report this as a bug")
+    return {k: out[k] for k in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s", "ar_vs_peer",
+                                "tree_vs_peer", "tokens_equal")}
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "?"

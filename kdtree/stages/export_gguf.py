@@ -1,0 +1,46 @@
+"""export_gguf: the composed K2-family model as a GGUF file for llama.cpp's `deepseek2` architecture (F32).
+
+    python -m kdtree.run pipeline=export_gguf                           # the embedded tiny model
+    python -m kdtree.run pipeline=export_gguf export_gguf.path=/tmp/tiny.gguf
+    python -m kdtree.run pipeline=export_gguf model=k26 model.path=/ckpt quant=int4_w4a16   # INT4 -> F32
+
+Reads the checkpoint the engine would load (model.path, or the embedded tiny one for quant=...; INT4 experts
+are dequantized: the file is F32) and writes it with kdtree/checkpoint/to_gguf.py. path empty =
+<run_dir>/<model.name>-f32.gguf. The vocabulary's ids are the project tokenizer's ids. The writer holds every
+tensor until it writes the file, and F32 Kimi K2 would be ~4 TB: this is for the tiny model and small checkpoints
+with K2's layout (the peer benchmark), not for exporting the real K2.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kdtree.checkpoint.loader import load_checkpoint, load_options
+from kdtree.checkpoint.to_gguf import check_exportable, write_gguf
+from kdtree.engine import resolve_checkpoint
+from kdtree.tokenizer import load_tokenizer
+
+SIDE = "any"
+PARAMS = {"path": str}
+
+
+def default_path(ctx) -> Path:
+    return Path(ctx.run_dir) / f"{ctx.cfg.model.name}-f32.gguf"
+
+
+def export(ctx, path: str = "") -> dict:
+    """Write the GGUF of ctx.cfg's model at `path` (empty = default_path); -> {"path", "tensors", "bytes"}."""
+    cfg = ctx.cfg
+    check_exportable(cfg.model)
+    ckpt = resolve_checkpoint(cfg)
+    weights, _ = load_checkpoint(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
+    out = Path(path).expanduser() if path else default_path(ctx)
+    summary = write_gguf(out, weights, cfg.model, load_tokenizer(cfg.model, ckpt))
+    ctx.emit("gguf_exported", checkpoint=str(ckpt), path=summary["path"], tensors=summary["tensors"],
+             bytes=summary["bytes"])
+    print(f"exported {ckpt} -> {summary['path']} (deepseek2, F32, {summary['tensors']} tensors, "
+          f"{summary['bytes'] / 1e6:.1f} MB)")
+    return {**summary, "checkpoint": str(ckpt)}
+
+
+def run(ctx, path: str = "") -> dict:
+    return export(ctx, path)

@@ -1,0 +1,70 @@
+"""pipeline=bench_peer: without llama-cpp-python, one line naming the install; with it (the `peer` extra, not part
+of CI's install), a short real run where llama.cpp's F32 greedy tokens equal kdtree's on the tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, *args, pythonpath=()):
+    env = dict(os.environ, KDTREE_RUNS=str(tmp_path / "runs"), KDTREE_CACHE=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "kdtree.run", "pipeline=bench_peer", *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=300)
+
+
+def test_without_llama_cpp_one_line_names_the_install(tmp_path):
+    # an installed llama-cpp-python is hidden by a package of the same name that fails to import, as a missing one does
+    hide = tmp_path / "hide" / "llama_cpp"
+    hide.mkdir(parents=True)
+    (hide / "__init__.py").write_text("raise ImportError(\"No module named 'llama_cpp'\")\n")
+    r = _run(tmp_path, "backend=cpu", pythonpath=[hide.parent])
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs llama-cpp-python" in lines[0] and "pip install -e '.[peer]'" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert not list((tmp_path / "runs").rglob("*.gguf"))                   # failed before any work
+
+
+def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def __init__(self, ", "import os\nimport sys\n\n"]}))
+    r = _run(tmp_path, "backend=cpu", "tree=chain", "tree.depth=7", f"bench.prompts={prompts}",
+             "bench.max_new_tokens=24", "bench_peer.rounds=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (out,) = list((tmp_path / "runs").rglob("bench_peer.json"))
+    res = json.loads(out.read_text())
+    assert res["tokens_equal"] is True and res["first_difference"] == [-1, -1]
+    assert res["outputs_equal_ar"] is True and res["threads"] == 1
+    assert 0 < res["prompt_logits_max_abs_diff"] < 1e-4                    # llama.cpp's logits are kdtree's
+    assert [len(p["tokens"]) for p in res["peer_result"]["per_prompt"]] == [24, 24]
+    for key in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s"):
+        assert res[key] > 0
+    assert res["ar_vs_peer"] == pytest.approx(res["ar_tokens_per_s"] / res["peer_ar_tokens_per_s"])
+    assert "| llama.cpp F32 AR" in r.stdout and "tokens_equal=True" in r.stdout
+
+
+def test_threads_are_limited_for_kdtree_openmp(tmp_path):
+    # in a fresh process: the native library's OpenMP runtime then reports the limit bench_peer set
+    code = ("import ctypes, ctypes.util\n"
+            "from kdtree.backends.native import load_library\n"
+            "load_library('cpu')\n"
+            "from kdtree.stages.bench_peer import limit_threads\n"
+            "gomp = ctypes.CDLL(ctypes.util.find_library('gomp'))\n"
+            "for n in (1, 3):\n"
+            "    assert limit_threads(n)['openmp'] == n\n"
+            "    print(gomp.omp_get_max_threads())\n")
+    if not (REPO / "native" / "build" / "libkdtree_cpu.so").exists():
+        pytest.skip("native library not built (make native)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "3"]
