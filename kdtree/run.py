@@ -4,12 +4,14 @@
     python -m kdtree.run pipeline=generate prompt='2+2=' max_new_tokens=16
     python -m kdtree.run --cfg job model=k26 tp=8 backend=cuda  # show the composed config
     python -m kdtree.run -m pipeline=bench tree.width=1,2,4     # sweep (Hydra multirun)
+    python -m kdtree.run -v ...                                 # also third-party log lines (paramiko)
 
 Data flow in three hops: conf/ + kdtree/config (what to run) -> kdtree/pipeline (in which order, where)
 -> kdtree/stages/<name>.py (the work).
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -93,7 +95,13 @@ def quote_for_hydra(argv):
     return out
 
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+
+
 def main() -> None:
+    if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):   # ours, not Hydra's: library loggers speak (KDTREE_VERBOSE)
+        os.environ["KDTREE_VERBOSE"] = "1"
+        sys.argv[1:] = [a for a in sys.argv[1:] if a not in VERBOSE_FLAGS]
     register()
     try:
         check_group_overrides(sys.argv[1:], CONF_DIR, GROUPS)

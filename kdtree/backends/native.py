@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -25,6 +26,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
+from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeTarget
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
@@ -160,8 +162,10 @@ class NativeLibrary:
         if logp.shape != ids.shape:
             raise NativeError(f"tree_build: logp {logp.shape} and ids {ids.shape} differ; both are [depth, width]")
         args, tree = self._tree_slot(logp.shape, budget)
-        self.check(self.c.kd_tree_build(self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False),
-                                        *args), "tree_build")
+        t0 = time.perf_counter()
+        rc = self.c.kd_tree_build(self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False), *args)
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+        self.check(rc, "tree_build")
         return tree
 
     def tree_build_fast(self, logp: Any, ids: Any, budget: Any):
@@ -171,7 +175,11 @@ class NativeLibrary:
             if logp.dtype is _F32 and ids.dtype is _I32 and logp.shape == ids.shape:
                 args, tree = self._local.trees[(logp.shape, budget)]
                 fb = self._fb_raw   # raises ValueError for a non-contiguous array
-                if self.c.kd_tree_build(fb(self._f32a, logp, False), fb(self._i32a, ids, False), *args) == 0:
+                p_logp, p_ids = fb(self._f32a, logp, False), fb(self._i32a, ids, False)
+                t0 = time.perf_counter()
+                rc = self.c.kd_tree_build(p_logp, p_ids, *args)
+                LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+                if rc == 0:
                     return tree
         except (AttributeError, KeyError, TypeError, ValueError):
             pass
@@ -217,8 +225,10 @@ class NativeLibrary:
                                self.ffi.new("int32_t *"))
         path, p_path, k, bonus = slot
         fb, ia = self._fb_raw, self._i32a
+        t0 = time.perf_counter()
         rc = self.c.kd_tree_accept(fb(ia, parents, False), fb(ia, tokens, False), n, fb(ia, target_argmax, False),
                                    p_path, k, bonus)
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
         if rc:
             self.check(rc, "tree_accept")
         return path[:k[0]], bonus[0]
@@ -424,6 +434,20 @@ class NativeOps(Ops):
         self._head_linear = self._c.kd_head_linear_f32
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        # whole-model forwards in one library call (kd_forward.c); False = the per-op path (same kernels)
+        self.native_forward = self._host and hasattr(self._c, "kd_model_forward")
+
+    def native_target(self, model: Any) -> Optional[Any]:
+        """K2Model's weights registered for kd_model_forward (NativeTarget), or None where it does not apply."""
+        if not self.native_forward:
+            return None
+        return NativeTarget(model, self.lib)
+
+    def native_drafter(self, drafter: Any) -> Optional[Any]:
+        """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None."""
+        if not self.native_forward:
+            return None
+        return NativeDrafter(drafter, self.lib)
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:

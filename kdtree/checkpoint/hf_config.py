@@ -17,6 +17,10 @@ from kdtree.errors import CheckpointError
 NOT_ARCH = ("name", "path", "tokenizer", "seed", "drafter", "int4_unquantized_dtype")
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_ARCH)
 DRAFTER_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterConfig))
+# Fields every DeepseekV3/K2 config.json has: the shapes. A file without them is not this architecture's config.
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "n_routed_experts", "num_experts_per_tok", "kv_lora_rank",
+                   "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def plain(cfg) -> Any:
@@ -93,6 +97,10 @@ def _group_size(qc: dict) -> Optional[int]:
 
 def check_target_config(file, have: dict, model_cfg, quant_cfg) -> None:
     """config.json of a target must agree with model=... and quant=... (names the field and both values)."""
+    missing = [k for k in REQUIRED_FIELDS if k not in have]
+    if missing:
+        raise CheckpointError(f"{file}: no {', '.join(missing)} (a DeepseekV3/K2 config.json has them); this is "
+                              f"not a K2-architecture checkpoint's config, or it was cut short")
     m = plain(model_cfg)
     _compare(file, have, m, ARCH_FIELDS, "model")
     q = plain(quant_cfg) if quant_cfg is not None else {"method": "fp32"}

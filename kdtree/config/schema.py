@@ -179,6 +179,8 @@ class HealthConfig:
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
     api_key: str = ""  # Bearer key for health.url (this run's engine: KDTREE_API_KEY or serve.api_key_file); redacted when saved
     status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
+    disk: str = ""  # block device holding the weights (nvme0n1, as in /proc/diskstats): its reads count as progress
+    expected_bytes: int = 0  # checkpoint size in bytes for the ETA of servers that report nothing; 0 = model.path's size
 
 
 @dataclass

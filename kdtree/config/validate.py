@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Iterable, List, Sequence
+from urllib.parse import urlsplit
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -55,8 +56,22 @@ def pipeline_stage_names(name: str) -> List[str]:
     if not path.is_file():
         known = sorted(p.stem for p in PIPELINES_DIR.glob("*.yaml"))
         raise ConfigError(f"pipeline={name}: no such pipeline ({path}); known: {', '.join(known)}")
-    spec = yaml.safe_load(path.read_text()) or {}
-    return [str(s.get("stage")) for s in spec.get("stages", []) if isinstance(s, dict)]
+    spec = read_yaml(path) or {}
+    stages = spec.get("stages", []) if isinstance(spec, dict) else []
+    return [str(s.get("stage")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+
+
+def read_yaml(path: Path):
+    """yaml.safe_load of a file; a syntax error is one ConfigError line `FILE:LINE:COL: not valid YAML: problem`."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        context = getattr(e, "context", None)
+        raise ConfigError(f"{where}: not valid YAML: {problem}" + (f" ({' '.join(context.split())})" if context
+                                                                      else "") + "; fix the pipeline file") from None
 
 
 def _divisors_of_all(n_max: int, values: Sequence[int]) -> List[int]:
@@ -164,6 +179,52 @@ def validate_bench_peer(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
 
 
+def check_url(key: str, url: str) -> None:
+    """http(s)://host[:port][/path], the port in range: a URL curl can use, or one line saying why not."""
+    fix = f"e.g. {key}=http://127.0.0.1:30001"
+    try:
+        u = urlsplit(url)
+        port = u.port
+    except ValueError as e:     # a port that is not a number or not in 0..65535
+        raise ConfigError(f"{key}={url} has a bad port ({e}); use a port in 1..65535, {fix}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ConfigError(f"{key}={url} is not an http(s) URL with a host; {fix}")
+    if port == 0:
+        raise ConfigError(f"{key}={url}: port 0 is not a port a server listens on; {fix}")
+    if u.query or u.fragment or u.path.rstrip("/").endswith(("/v1", "/v1/completions")):
+        raise ConfigError(f"{key}={url}: give the server's base URL (the monitor adds /v1/completions, /v1/models "
+                          f"and /status); {fix}")
+
+
+def validate_health(cfg: DictConfig, stages: Sequence[str] = ()) -> None:
+    """Every health.* setting in range before anything starts (a negative window or a zero timeout would
+    give verdicts that mean nothing)."""
+    h = cfg.health
+    for key in ("interval_s", "stall_window_s", "deadline_s", "probe_timeout_s"):
+        value = h[key]
+        if not value > 0:
+            raise ConfigError(f"health.{key}={value} must be a positive number of seconds "
+                              f"(default {HEALTH_DEFAULTS[key]:g})")
+    if h.stall_window_s < h.interval_s:
+        raise ConfigError(f"health.stall_window_s={h.stall_window_s:g} is shorter than health.interval_s="
+                          f"{h.interval_s:g}: a stall must be seen by two samples at least; raise the window")
+    if h.pid < 0:
+        raise ConfigError(f"health.pid={h.pid} must be a process id (> 0), or 0 for none")
+    if h.expected_bytes < 0:
+        raise ConfigError(f"health.expected_bytes={h.expected_bytes} must be >= 0 (the checkpoint size in bytes; "
+                          f"0 = the size of model.path)")
+    if h.disk and ("/" in h.disk or not h.disk.strip() or h.disk != h.disk.strip()):
+        raise ConfigError(f"health.disk={h.disk!r} must be a device name as /proc/diskstats lists it (nvme0n1, "
+                          f"sda), not a path")
+    if h.url:
+        check_url("health.url", h.url)
+    elif "watch" in stages:
+        raise ConfigError("health.url is empty; give the server to watch, e.g. health.url=http://127.0.0.1:30001")
+
+
+HEALTH_DEFAULTS = {"interval_s": 1.0, "stall_window_s": 30.0, "deadline_s": 600.0, "probe_timeout_s": 5.0}
+
+
 def validate_serve(cfg: DictConfig) -> None:
     s = cfg.serve
     if s.api_key:
@@ -175,6 +236,17 @@ def validate_serve(cfg: DictConfig) -> None:
     for key in ("drain_timeout_s", "keepalive_s"):
         if not float(s[key]) > 0:
             raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
+    if not 0 <= s.port <= 65535:
+        raise ConfigError(f"serve.port={s.port} is not a TCP port; use 1..65535 (or 0 for any free port)")
+    ipv6 = s.host.count(":") >= 2
+    if not s.host or " " in s.host or "/" in s.host or (":" in s.host and not ipv6):
+        raise ConfigError(f"serve.host={s.host!r} must be an address to bind (127.0.0.1, 0.0.0.0, ::), not a URL")
+    if s.max_queue < 1:
+        raise ConfigError(f"serve.max_queue={s.max_queue} must be >= 1 (requests waiting for the engine)")
+    if s.demo_tokens < 0:
+        raise ConfigError(f"serve.demo_tokens={s.demo_tokens} must be >= 0 (0 = no demo)")
+    if cfg.stop.timeout_s < 0:
+        raise ConfigError(f"stop.timeout_s={cfg.stop.timeout_s} must be >= 0 (seconds between SIGTERM and SIGKILL)")
 
 
 def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
@@ -206,5 +278,6 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline)
     validate_sampling(cfg, stages)
+    validate_health(cfg, stages)
     if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

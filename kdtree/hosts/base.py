@@ -31,6 +31,12 @@ class Result:
         return self.returncode == 0
 
 
+def brief(script: str, n: int = 100) -> str:
+    """A command line for an error message: its first line, cut to n characters."""
+    first = script.strip().splitlines()[0] if script.strip() else ""
+    return first[:n] + (" ..." if len(first) > n or "\n" in script.strip() else "")
+
+
 def quote_argv(argv: Sequence[object]) -> str:
     return " ".join(shlex.quote(str(a)) for a in argv)
 
@@ -77,23 +83,29 @@ class Host:
     def _open(self) -> None:
         """Connect if needed (ssh); local hosts have nothing to open."""
 
-    def shell(self, script: str, timeout: Optional[float] = None, stdin: Optional[str] = None) -> Result:
-        """Run a shell command line as it is. Callers quote every value (see quote_argv). stdin: text fed to the
-        command's standard input (secrets go this way, never into the command line that `ps` shows)."""
+    def shell(self, script: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+              out_stream=None) -> Result:
+        """Run a shell command line as it is. Callers quote every value (see quote_argv). `stdin`: text fed to the
+        command's standard input (secrets go there, never on a command line another user can read in ps).
+        `out_stream`: also gets stdout as it arrives (Result.stdout has all of it anyway)."""
         self._open()
-        t = self.command_timeout_s if timeout is None else float(timeout)
-        timed_out = HostError(f"command timed out after {t:g} s on {self.label}: {script[:120]}; "
+        return self._run_on(self.c, script, self.command_timeout_s if timeout is None else float(timeout), stdin,
+                            out_stream)
+
+    def _run_on(self, c, script: str, t: float, stdin: Optional[str] = None, out_stream=None) -> Result:
+        timed_out = HostError(f"command timed out after {t:.3g} s on {self.label}: {brief(script)}; "
                               f"raise host.command_timeout_s or check the host")
         t0 = time.monotonic()
         try:
-            r = self.c.run(script, hide=True, warn=True, timeout=t,
-                           in_stream=io.StringIO(stdin) if stdin is not None else False)
+            streams = {"hide": True} if out_stream is None else {"hide": "err", "out_stream": out_stream}
+            r = c.run(script, warn=True, in_stream=io.StringIO(stdin) if stdin is not None else False, timeout=t,
+                      **streams)
         except CommandTimedOut:
             raise timed_out from None
         except HostError:
             raise
         except Exception as e:  # the connection died under the command (ssh)
-            raise HostError(f"command failed on {self.label}: {type(e).__name__}: {e}; {script[:120]}") from None
+            raise HostError(f"command failed on {self.label}: {type(e).__name__}: {e}; {brief(script)}") from None
         if time.monotonic() - t0 > t + 0.5:  # invoke's timer lost the race with the command's end (seen under load)
             raise timed_out
         return Result(command=script, returncode=int(r.exited if r.exited is not None else -1),
@@ -171,14 +183,14 @@ class Host:
                             f"see {log}")
         return int(out)
 
-    def is_alive(self, pid: int) -> bool:
-        return self.shell(ALIVE_SH.format(pid=int(pid))).ok
+    def is_alive(self, pid: int, timeout: Optional[float] = None) -> bool:
+        return self.shell(ALIVE_SH.format(pid=int(pid)), timeout).ok
 
-    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True) -> bool:
+    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True, timeout: Optional[float] = None) -> bool:
         """Send `sig` to the process group of `pid` (group=True) or to pid alone; False if nothing received it."""
         name = _signal.Signals(sig).name[3:]
         target = f"-{int(pid)}" if group else str(int(pid))
-        r = self.shell(f"kill -s {name} -- {target} 2>/dev/null || kill -s {name} {int(pid)}")
+        r = self.shell(f"kill -s {name} -- {target} 2>/dev/null || kill -s {name} {int(pid)}", timeout)
         return r.ok
 
     def close(self) -> None:

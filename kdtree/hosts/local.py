@@ -46,14 +46,14 @@ class LocalHost(Host):
             return b""
 
     # Python instead of a shell per call: the runner polls these every half second.
-    def is_alive(self, pid: int) -> bool:
+    def is_alive(self, pid: int, timeout=None) -> bool:
         try:
             stat = Path(f"/proc/{int(pid)}/stat").read_text()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             return False
         return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
-    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True) -> bool:
+    def signal(self, pid: int, sig: int = _signal.SIGTERM, group: bool = True, timeout=None) -> bool:
         try:
             if group:
                 try:

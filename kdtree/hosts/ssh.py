@@ -2,12 +2,21 @@
 
 fabric's default is AutoAddPolicy (trust any key on first sight); here the policy is RejectPolicy and the
 keys come from host.known_hosts (or ~/.ssh/known_hosts), so an unknown or changed host key is refused.
+
+Every command has ONE deadline that covers connecting, opening the channel and running: a frozen sshd (or a
+dead network path) costs `timeout` seconds, not paramiko's unbounded waits. A command past its deadline
+abandons its transport (closed in the background) and the next command connects afresh; the transport sends
+keep-alives so idle NAT/firewall state does not silently drop a long watch.
 """
 from __future__ import annotations
 
 import getpass
+import logging
+import os
 import socket
+import threading
 from pathlib import Path
+from typing import Optional
 
 import fabric
 import paramiko
@@ -15,7 +24,22 @@ from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException
                                     SSHException)
 
 from kdtree.errors import HostError
-from kdtree.hosts.base import Host
+from kdtree.hosts.base import Host, Result, brief
+
+KEEPALIVE_S = 5          # transport keep-alive period (seconds)
+CLOSE_WAIT_S = 1.0       # longest close() waits for a transport that does not answer
+
+
+def quiet_paramiko() -> None:
+    """paramiko logs INFO lines and whole tracebacks ("Error reading SSH protocol banner") of failures kdtree
+    reports itself in one line: silent unless KDTREE_VERBOSE (`python -m kdtree.run -v`)."""
+    if not os.environ.get("KDTREE_VERBOSE"):
+        log = logging.getLogger("paramiko")
+        log.setLevel(logging.CRITICAL + 1)
+        log.propagate = False
+
+
+quiet_paramiko()
 
 
 class SshHost(Host):
@@ -27,14 +51,19 @@ class SshHost(Host):
         self.key_file = str(Path(key_file).expanduser()) if key_file else ""
         self.known_hosts = str(Path(known_hosts).expanduser()) if known_hosts else ""
         self.connect_timeout_s = float(connect_timeout_s)
+        self._lock = threading.Lock()                     # guards self.c and self._open_locks
+        self._open_locks = {}                             # id(connection) -> lock: one connect at a time on it
+        super().__init__(self._new_connection(), **kw)
+
+    def _new_connection(self) -> fabric.Connection:
         t = self.connect_timeout_s
-        connect_kwargs = {"timeout": t, "banner_timeout": t, "auth_timeout": t}
+        connect_kwargs = {"timeout": t, "banner_timeout": t, "auth_timeout": t, "channel_timeout": t}
         if self.key_file:
             connect_kwargs.update(key_filename=[self.key_file], look_for_keys=False, allow_agent=False)
-        conn = fabric.Connection(host=address, user=user, port=self.port, connect_kwargs=connect_kwargs)
+        conn = fabric.Connection(host=self.address, user=self.user, port=self.port, connect_kwargs=connect_kwargs)
         conn.connect_timeout = None  # fabric truncates it to int; the float lives in connect_kwargs["timeout"]
         conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-        super().__init__(conn, **kw)
+        return conn
 
     @classmethod
     def from_config(cls, host_cfg) -> "SshHost":
@@ -56,10 +85,63 @@ class SshHost(Host):
     def describe(self):
         return {"name": self.name, "kind": self.kind, "label": self.label}
 
+    @property
+    def connected(self) -> bool:
+        return bool(self.c.is_connected)
+
+    def shell(self, script: str, timeout: Optional[float] = None, stdin: Optional[str] = None,
+              out_stream=None) -> Result:
+        """The command under one deadline (connect + channel open + run); past it the transport is abandoned."""
+        t = self.command_timeout_s if timeout is None else float(timeout)
+        with self._lock:
+            c = self.c
+        box = {}
+
+        def work():
+            try:
+                self._open_conn(c)
+                box["r"] = self._run_on(c, script, t, stdin, out_stream)
+            except BaseException as e:       # handed to the caller below
+                box["e"] = e
+
+        th = threading.Thread(target=work, name="ssh-command", daemon=True)
+        th.start()
+        th.join(t + 0.2)                     # invoke's own timer fires at t; this catches a frozen transport
+        if th.is_alive():
+            self._abandon(c)
+            raise HostError(f"command timed out after {t:.3g} s on {self.label} (no answer from the ssh connection; "
+                            f"it is rebuilt for the next command): {brief(script)}")
+        if "e" in box:
+            if not isinstance(box["e"], HostError):
+                raise HostError(f"command failed on {self.label}: {type(box['e']).__name__}: {box['e']}") from None
+            if "timed out" in str(box["e"]):
+                self._abandon(c)             # a timed-out channel may be what froze: do not reuse its transport
+            raise box["e"]
+        return box["r"]
+
+    def _abandon(self, c) -> None:
+        """Swap in a fresh connection; close the stuck one in the background (its close may block too)."""
+        with self._lock:
+            if self.c is c:
+                self.c = self._new_connection()
+            self._open_locks.pop(id(c), None)
+        threading.Thread(target=_close_quietly, args=(c,), name="ssh-close", daemon=True).start()
+
     def _open(self) -> None:
-        if self.c.is_connected:
+        with self._lock:
+            c = self.c
+        self._open_conn(c)
+
+    def _open_conn(self, c) -> None:
+        with self._lock:
+            lock = self._open_locks.setdefault(id(c), threading.Lock())
+        with lock:
+            self._connect(c)
+
+    def _connect(self, c) -> None:
+        if c.is_connected:
             return
-        client = self.c.client
+        client = c.client
         kh = self.known_hosts or "~/.ssh/known_hosts"
         try:
             if self.known_hosts:
@@ -71,7 +153,8 @@ class SshHost(Host):
                             f"set host.known_hosts to a readable file") from None
         where = f"[{self.address}]:{self.port}" if self.port != 22 else self.address
         try:
-            self.c.open()
+            c.open()
+            c.transport.set_keepalive(KEEPALIVE_S)
         except BadHostKeyException as e:
             raise HostError(f"cannot reach {self.label}: host key {e.key.get_name()} {e.key.get_base64()[:16]}... "
                             f"does not match {kh}; if the host was really reinstalled, update it "
@@ -85,6 +168,9 @@ class SshHost(Host):
                 raise HostError(f"cannot reach {self.label}: authentication failed ({msg}); check host.user and "
                                 f"host.key_file={self.key_file or '(default keys)'}") from None
             reason = msg.splitlines()[0] if msg else type(e).__name__
+            if msg == "No existing session":    # paramiko's words when the handshake never completed
+                reason = (f"no SSH session within {self.connect_timeout_s:g} s (connect_timeout_s): the port accepts "
+                          f"connections but sshd does not answer")
             if "banner" in msg.lower():
                 reason = f"no SSH banner within {self.connect_timeout_s:g} s (connect_timeout_s): {reason}"
             raise HostError(f"cannot reach {self.label}: {reason}") from None
@@ -116,7 +202,13 @@ class SshHost(Host):
             raise HostError(f"get {self.label}:{remote} -> {local} failed: {e}") from None
 
     def close(self) -> None:
-        try:
-            self.c.close()
-        except Exception:
-            pass
+        th = threading.Thread(target=_close_quietly, args=(self.c,), name="ssh-close", daemon=True)
+        th.start()
+        th.join(CLOSE_WAIT_S)                # a frozen peer must not hold the caller's exit
+
+
+def _close_quietly(c) -> None:
+    try:
+        c.close()
+    except Exception:
+        pass

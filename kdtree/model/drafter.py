@@ -88,6 +88,9 @@ class DFlashDrafter:
         self.w = dict(weights)
         self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
         self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
+        # backend=cpu: extend and draft in one library call each (kdtree/backends/native_forward.py)
+        make_native = getattr(ops, "native_drafter", None)
+        self._native = make_native(self) if make_native is not None else None
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -113,6 +116,8 @@ class DFlashDrafter:
         return cls(model.cfg, weights, model.ops, model.embed_tokens, model.lm_head_w)
 
     def new_cache(self, max_len: int) -> DrafterCache:
+        if self._native is not None:
+            return self._native.new_cache(max_len)
         return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -129,6 +134,8 @@ class DFlashDrafter:
 
     def extend(self, cache: DrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
         """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
+        if self._native is not None and not isinstance(cache, DrafterCache):
+            return self._native.extend(cache, hiddens)
         feats = np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids], axis=-1)
         T = feats.shape[0]
         if T == 0:
@@ -148,6 +155,8 @@ class DFlashDrafter:
 
     def draft(self, cache: DrafterCache, bonus: int) -> np.ndarray:
         """One block forward after the cached context -> logits f32[B-1, V] of the tokens after `bonus`."""
+        if self._native is not None and not isinstance(cache, DrafterCache):
+            return self._native.draft(cache, bonus)
         B, n = self.block_size, cache.length
         ids = np.full(B, self.mask_token_id, np.int64)
         ids[0] = int(bonus)

@@ -192,6 +192,10 @@ class K2Model:
             num_experts_per_tok=int(cfg.num_experts_per_tok), n_group=int(cfg.n_group),
             topk_group=int(cfg.topk_group), norm_topk_prob=bool(cfg.norm_topk_prob),
             routed_scaling_factor=float(cfg.routed_scaling_factor))
+        self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
+        # backend=cpu: the whole forward in one library call over the same kernels (kdtree/backends/native_forward.py)
+        make_native = getattr(ops, "native_target", None)
+        self._native = make_native(self) if make_native is not None else None
 
     # -- pieces shared with the DFlash drafter ------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -214,6 +218,8 @@ class K2Model:
             raise ConfigError(f"context of {max_len} tokens exceeds max_position_embeddings="
                               f"{self.cfg.max_position_embeddings} of model={self.cfg.name}; "
                               f"shorten the prompt or lower max_new_tokens")
+        if self._native is not None:
+            return self._native.new_cache(max_len)
         return LatentCache(self.cfg.num_hidden_layers, max_len, self.kv_lora + self.rope_dim)
 
     # -- forward ------------------------------------------------------------------------------------
@@ -225,9 +231,11 @@ class K2Model:
         tokens i32[T], positions i32[T], visibility u64[T, ceil(T/64)] over the block (None = causal).
         Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
         """
+        if self._native is not None and not isinstance(cache, LatentCache):
+            return self._native.forward(tokens, positions, cache, visibility, hidden_layers, self.return_logits)
         seq = self._check_seq(0, tokens, positions, cache, visibility)
         h, hiddens = self._forward_rows([seq], hidden_layers)
-        return self.logits(h), hiddens
+        return (self.logits(h) if self.return_logits else np.empty((h.shape[0], 0), np.float32)), hiddens
 
     def forward_batch(self, seqs: Sequence[Tuple[np.ndarray, np.ndarray, LatentCache, Optional[np.ndarray]]],
                       hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
@@ -238,11 +246,13 @@ class K2Model:
         Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
+        if self._native is not None and not isinstance(seqs[0][2], LatentCache):   # backend=cpu: one library call
+            return self._native.forward_batch(seqs, hidden_layers)
         checked = [self._check_seq(s, *seq) for s, seq in enumerate(seqs)]
         if len({id(c[2]) for c in checked}) != len(checked):
             raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
         h, hiddens = self._forward_rows(checked, hidden_layers)
-        logits = self.logits(h)                                             # [N, 0] on tp ranks 1..N-1
+        logits = self.logits(h) if self.return_logits else np.empty((h.shape[0], 0), np.float32)  # tp ranks 1..
         argmax = np.argmax(logits, axis=-1) if logits.shape[1] else np.zeros(len(logits))
         return logits, argmax.astype(np.int32), hiddens
 

@@ -11,13 +11,14 @@ A line per sample reads, e.g.
 """
 from __future__ import annotations
 
+import io
 import json
-import shlex
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
@@ -30,15 +31,35 @@ from kdtree.serve.status import describe
 @dataclass
 class Target:
     url: str                    # base URL as seen from the host (curl runs there)
-    model: str = ""             # empty: the first id of GET /v1/models
+    model: str = ""             # empty: the first id of GET /v1/models, or a completion without `model`
     api_key: str = ""
-    pid: int = 0                # engine pid; 0: from pidfile, the status, or the unit's MainPID
+    pid: int = 0                # root of the server's process tree; 0: from pidfile, the status, or the unit's MainPID
     pidfile: str = ""
     status_path: str = ""       # kdtree's status.json on the host (read when /status does not answer)
     log: str = ""               # engine log file on the host
     unit: str = ""              # systemd unit (log silence via journalctl, crash via ActiveState)
     unit_user: bool = False
-    checkpoint: str = ""        # checkpoint dir on the host: index total_size for the ETA of other servers
+    checkpoint: str = ""        # checkpoint dir on the host: its size for the ETA of servers that report nothing
+    expected_bytes: int = 0     # the checkpoint's size when known (health.expected_bytes); wins over `checkpoint`
+    disk: str = ""              # a block device (nvme0n1) that holds the weights: its reads count as progress
+
+
+class _FirstByte(io.TextIOBase):
+    """The sample's stdout as it streams in: `seen` is set by the first byte (the host answers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = threading.Event()
+        self.at: Optional[float] = None          # monotonic time of the first byte
+
+    def write(self, s: str) -> int:
+        if s and not self.seen.is_set():
+            self.at = time.monotonic()
+            self.seen.set()
+        return len(s)
+
+    def writable(self) -> bool:
+        return True
 
 
 def _mb(n: float) -> str:
@@ -52,17 +73,23 @@ class Watcher:
         self.host, self.target = host, target
         self.interval_s, self.window, self.deadline_s = float(interval_s), float(stall_window_s), float(deadline_s)
         self.timeout = float(probe_timeout_s)
+        self.completion_timeout = self.timeout   # grows when a connected completion is slower than it
         self.history, self.out_dir, self.echo = history, Path(out_dir) if out_dir else None, echo
         self.samples: List[Dict[str, Any]] = []
         self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
+        self.tree = P.ProcessTree()
+        self._tree_root = 0
         self._prev_disk: Optional[Dict[str, Any]] = None
         self._prev_proc: Optional[Dict[str, Any]] = None
         self._prev_log_size: Optional[int] = None
         self._prev_t: Optional[float] = None
         self._gpu_absent = False
-        self._connected = False
-        self._checkpoint_total: Optional[int] = None
+        self._models_settled = bool(target.model)   # the completion's `model` is as good as it gets
+        self._checkpoint_total: Optional[int] = int(target.expected_bytes) or None
         self._last_status: Optional[Dict[str, Any]] = None
+        self._unit_pid = 0
+        self._port_pid = 0                           # the process found listening on the URL's port
+        self._first_byte_s: List[float] = []       # seconds from a sample's start to its first byte (recent ones)
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
 
     # -- probes ----------------------------------------------------------------------------------------
@@ -70,71 +97,129 @@ class Watcher:
         t = self.target
         if t.pid:
             return t.pid
-        if t.pidfile:
-            r = P._run(self.host, "pidfile", f"cat {shlex.quote(t.pidfile)}", self.timeout,
-                       lambda r: {"pid": int(r.stdout.strip())})
-            if r.ok:
-                return r.data["pid"]
+        if self._unit_pid:
+            return self._unit_pid
+        if self._port_pid:
+            return self._port_pid
         if self._last_status and self._last_status.get("pid"):
             return int(self._last_status["pid"])
         return 0
 
-    def _probes(self) -> Dict[str, P.ProbeResult]:
-        t, to = self.target, self.timeout
+    def _local_port(self) -> int:
+        """The URL's port when the server listens on the host the probes run on (its owner can be found there)."""
+        try:
+            u = urlsplit(self.target.url)
+            port = u.port or (443 if u.scheme == "https" else 80)
+        except ValueError:
+            return 0
+        return port if u.hostname in ("127.0.0.1", "localhost", "::1", "0.0.0.0") else 0
+
+    def _spec(self) -> P.SampleSpec:
+        t = self.target
         if not t.url and self._last_status and self._last_status.get("url"):
             t.url = self._last_status["url"]          # serve.port=0: the engine wrote the port it got
-        pid = self._pid()
-        jobs: Dict[str, Callable[[], P.ProbeResult]] = {
-            "completion": lambda: self._completion(),
-            "status": lambda: P.probe_status(self.host, t.url, to, t.status_path),
-            "disk": lambda: P.probe_diskstats(self.host, to),
-        }
-        if pid:
-            jobs["process"] = lambda: P.probe_process(self.host, pid, to)
-        if not self._gpu_absent:
-            jobs["gpu"] = lambda: P.probe_gpu(self.host, to)
-        if t.unit:
-            jobs["log"] = lambda: P.probe_unit(self.host, t.unit, to, user=t.unit_user)
-        elif t.log:
-            jobs["log"] = lambda: P.probe_log_file(self.host, t.log, to)
-        if not self._connected:
-            # one connection before the parallel probes: concurrent first connects of an ssh host race
-            try:
-                self.host.shell("true", timeout=to)
-                self._connected = True
-            except Exception:
-                pass                    # the probes below record the failure, each with its own error
-        results: Dict[str, P.ProbeResult] = {}
-        threads = [threading.Thread(target=lambda k=k, f=f: results.__setitem__(k, f()), daemon=True)
-                   for k, f in jobs.items()]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(to + 30)        # the host layer enforces each probe's own timeout; this is a backstop
-        for k in jobs:
-            results.setdefault(k, P.ProbeResult(k, False, to + 30, timed_out=True, error="probe thread hung"))
-        if "gpu" in results and results["gpu"].ok and not results["gpu"].data.get("present"):
-            self._gpu_absent = True
-        return {k: results[k] for k in jobs}
+        return P.SampleSpec(url=t.url, model=t.model, pid=self._pid(), pidfile=t.pidfile, status_path=t.status_path,
+                            port_owner=self._local_port() if not (t.pidfile or t.unit) else 0,
+                            log=t.log, unit=t.unit, unit_user=t.unit_user, gpu=not self._gpu_absent,
+                            http_timeout_s=self.timeout, completion_timeout_s=self.completion_timeout)
 
-    def _completion(self) -> P.ProbeResult:
+    def sample_deadline(self) -> float:
+        """One sample's whole budget: the slowest curl + the shell's own time (>= 1 s, or twice the slowest recent
+        first byte: an ssh channel and a login shell); + a (re)connect when there is no connection."""
+        connect = 0.0 if getattr(self.host, "connected", True) else float(getattr(self.host, "connect_timeout_s", 0))
+        overhead = max([1.0] + [2 * x for x in self._first_byte_s])
+        return max(self.timeout, self.completion_timeout) + overhead + connect
+
+    def _probes(self, out_stream=None) -> Dict[str, P.ProbeResult]:
+        spec = self._spec()
+        probes = P.run_sample(self.host, spec, self.target.api_key, self.sample_deadline(), out_stream)
         t = self.target
-        if not t.url:
-            return P.ProbeResult("completion", True, 0.0, data={"port": "unknown (no status yet)", "answered": False})
-        if not t.model:
-            m = P.probe_models(self.host, t.url, self.timeout, t.api_key)
-            if m.ok and m.data.get("model"):
-                t.model = m.data["model"]
-            else:
-                m.name = "completion"
-                m.data["answered"] = False
-                return m
-        return P.probe_completion(self.host, t.url, t.model, self.timeout, t.api_key)
+        m = probes.get("models")
+        if m is not None and m.ok:
+            if m.data.get("model"):
+                t.model = m.data["model"]              # the next completions name it
+            self._models_settled = True
+        comp = probes["completion"]
+        if comp.ok:
+            if self._models_settled and comp.data.get("http") is not None:
+                comp.data["final"] = bool(spec.model) or not t.model   # asked with the id /v1/models gave, if any
+            if comp.data.get("slow"):                  # connected, no answer in time: give the next one longer
+                self.completion_timeout = min(max(self.window, self.timeout), 2 * self.completion_timeout)
+        pr = probes.get("process")
+        if pr is not None and pr.ok and pr.data.get("alive") is None:
+            del probes["process"]                      # no process known yet: no process evidence, not a crash
+            pr = None
+        if pr is not None and pr.ok:
+            if pr.data["pid"] != self._tree_root:      # another root (pidfile appeared, port owner found): a new tree
+                self.tree, self._tree_root = P.ProcessTree(), pr.data["pid"]
+            if spec.port_owner and not spec.pid and pr.data.get("alive"):
+                self._port_pid = pr.data["pid"]        # the port's owner: watched from now on, as health.pid would be
+            self.tree.account(pr.data)
+        lg = probes.get("log")
+        if lg is not None and lg.ok and lg.data.get("main_pid"):
+            self._unit_pid = lg.data["main_pid"]
+        g = probes.get("gpu")
+        if g is not None and g.ok:
+            if not g.data.get("present"):
+                self._gpu_absent = True
+            elif pr is not None and pr.ok and pr.data.get("members"):
+                mine = [a for a in g.data["apps"] if a["pid"] in set(pr.data["members"])]
+                g.data["tree_mem_mb"] = sum(a["mem_mb"] for a in mine)
+                g.data["tree_gpus"] = sorted({a["uuid"] for a in mine})
+        dk = probes.get("disk")
+        if dk is not None and dk.ok and t.disk:
+            dev = dk.data["devices"].get(t.disk)
+            dk.data["named_read_bytes"] = dev["read_bytes"] if dev else None
+        return probes
 
     # -- one sample ------------------------------------------------------------------------------------
-    def sample(self, judge: Judge, t_start: float) -> Dict[str, Any]:
+    def sample(self, judge: Judge, t_start: float) -> Iterator[Dict[str, Any]]:
+        """One sample, run in a thread; while no byte of it has come back from the host, a "host unreachable for
+        N s" record at every interval (terminal once N reaches the stall window), then the sample's own record."""
         t_probe, started_at = time.monotonic(), time.time()
-        probes = self._probes()
+        first = _FirstByte()
+        box: Dict[str, Any] = {}
+
+        def work():
+            try:
+                box["probes"] = self._probes(first)
+            except BaseException as e:           # a monitor bug must not look like a hung host
+                box["error"] = e
+
+        th = threading.Thread(target=work, name="monitor-sample", daemon=True)
+        th.start()
+        tick = t_probe + self.interval_s
+        silent_after = self._silent_after()
+        while True:
+            th.join(max(0.0, tick - time.monotonic()))
+            if not th.is_alive():
+                break
+            if not first.seen.is_set() and time.monotonic() - t_probe >= silent_after:
+                waited = time.monotonic() - t_probe
+                failed = P.failed_sample(self._spec(), f"command timed out: no answer from "
+                                         f"{getattr(self.host, 'label', 'the host')} for {waited:.1f} s", waited)
+                rec = self._record(judge, t_start, failed, t_probe, started_at, interim=True)
+                yield rec
+                if rec["terminal"]:
+                    return
+            tick += self.interval_s
+        if "error" in box:
+            raise box["error"]
+        if first.at is not None:
+            self._first_byte_s = (self._first_byte_s + [first.at - t_probe])[-5:]
+        yield self._record(judge, t_start, box["probes"], t_probe, started_at, t_read=first.at)
+
+    def _silent_after(self) -> float:
+        """How long a sample may go without its first byte before the host counts as silent: an interval, or twice
+        the slowest recent first byte (an ssh channel + login shell take ~0.5 s on a busy host), >= 1 s; before the
+        first contact, also the connect timeout."""
+        if not self._first_byte_s:
+            return max(self.interval_s, 1.0, float(getattr(self.host, "connect_timeout_s", 0.0)))
+        return max(self.interval_s, 1.0, 2 * max(self._first_byte_s))
+
+    def _record(self, judge: Judge, t_start: float, probes: Dict[str, P.ProbeResult], t_probe: float,
+                started_at: float, interim: bool = False, t_read: Optional[float] = None) -> Dict[str, Any]:
+        """`t_read`: when the host ran the probes (the first byte of their output arrived), for the ETA."""
         now = time.monotonic()
         elapsed = now - t_start
         st = probes.get("status")
@@ -148,45 +233,48 @@ class Watcher:
         if j.verdict == "READY":
             self._observed.setdefault("ready", elapsed)
 
-        eta = self._eta(probes, snap, t_probe, now)
+        eta = self._eta(probes, snap, t_read or t_probe, now)
         line = self._line(elapsed, j, probes, snap, eta, now)
-        sample = {"t": round(elapsed, 3), "started_at": started_at, "at": time.time(), "verdict": j.verdict, "reason": j.reason,
-                  "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
+        sample = {"t": round(elapsed, 3), "started_at": started_at, "at": time.time(), "verdict": j.verdict,
+                  "terminal": j.terminal, "seconds": round(now - t_probe, 3), "interim": interim,
+                  "reason": j.reason, "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
                   "probes": {k: v.to_dict() for k, v in probes.items()}}
         sample["probes"].get("status", {}).get("data", {}).pop("status", None)   # kept once below, smaller
         if isinstance(snap, dict):
             sample["status"] = {k: snap.get(k) for k in ("phase", "shards_done", "shards_total", "bytes_done",
                                                          "bytes_total", "rate_mb_s", "eta_s", "pid", "warmup_done",
-                                                         "warmup_total", "updated_at")}
-        self._prev_t = now
+                                                         "warmup_total", "updated_at", "error")}
+        if any(p.ok for p in probes.values()):
+            self._prev_t = now                  # rates are per time between samples that saw the host
         return sample
 
     def _eta(self, probes, snap, t: float, now: float) -> Optional[Dict[str, Any]]:
-        """Load ETA from kdtree's status bytes, else from the process's read bytes vs the checkpoint size.
+        """Load ETA from kdtree's status bytes, else from the process tree's loaded bytes (read() or mmap page-ins
+        from disk) against the checkpoint's size (health.expected_bytes, or model.path's size on the host).
 
-        The bytes were read when their probe returned (t + its seconds), the ETA is printed at `now`: over ssh a
-        probe and a sample take ~1 s, which would otherwise time the bytes and the ETA a sample early."""
+        The counters were read at `t` (over ssh ~0.5 s after the sample began), the ETA is printed at `now`."""
         done = total = None
         source = None
+        pr = probes.get("process")
         if isinstance(snap, dict) and snap.get("phase") == "loading" and snap.get("bytes_total"):
             done, total, source = snap.get("bytes_done", 0), snap["bytes_total"], "status"
-        elif self.target.checkpoint and probes.get("process") is not None and probes["process"].ok \
-                and probes["process"].data.get("rchar") is not None:
+        elif pr is not None and pr.ok and pr.data.get("alive") and pr.data.get("io_readable") \
+                and (self.target.expected_bytes or self.target.checkpoint):
             if self._checkpoint_total is None:
-                self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint, self.timeout) or 0
+                self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint,
+                                                                 self.timeout) or 0
             if self._checkpoint_total:
-                done, total, source = min(probes["process"].data["rchar"], self._checkpoint_total), \
-                    self._checkpoint_total, "process"
+                done, total, source = min(pr.data["loaded"], self._checkpoint_total), self._checkpoint_total, \
+                    "process"
         if done is None:
             return None
-        t_read = t + probes[source].seconds
-        self.meter.add(t_read, done)
+        self.meter.add(t, done)
         rate = self.meter.rate()
         e = eta_seconds(done, total, rate)
-        e = None if e is None else max(0.0, e - (now - t_read))
+        e = None if e is None else max(0.0, e - (now - t))
         return {"source": source, "bytes_done": done, "bytes_total": total,
                 "rate_mb_s": None if rate is None else round(rate / 1e6, 3),
-                "eta_s": None if e is None else round(e, 1)}
+                "eta_s": None if e is None or done >= total else round(e, 1)}
 
     def _line(self, elapsed, j, probes, snap, eta, now) -> str:
         parts = []
@@ -216,11 +304,14 @@ class Watcher:
         elif c.data.get("answered"):
             parts.append(f"http 200 {c.data.get('text')!r} in {c.seconds:.2f} s")
         elif c.data.get("http") is not None:
-            parts.append(f"http {c.data['http']}")
+            msg = c.data.get("message")
+            parts.append(f"http {c.data['http']}" + (f" {msg[:80]!r}" if msg else ""))
+        elif c.data.get("slow"):
+            parts.append(f"port open, no answer within {c.seconds:.1f} s")
         else:
             parts.append(f"port {c.data.get('port')}" + (f" after {c.seconds:.1f} s" if c.data.get("port") == "timeout"
                                                         else ""))
-        # process
+        # process tree
         pr = probes.get("process")
         if pr is not None:
             if not pr.ok:
@@ -231,36 +322,51 @@ class Watcher:
                 d = pr.data
                 txt = f"pid {d['pid']} {d['state']}"
                 prev = self._prev_proc
-                if prev and dt and prev.get("pid") == d["pid"]:
+                same = prev is not None and prev.get("pid") == d["pid"] and dt
+                if same:
                     txt += f" cpu {100 * (d['cpu_s'] - prev['cpu_s']) / dt:.0f}%"
                 txt += f" rss {_mb(d['rss_bytes'])}"
-                if d.get("io_readable") and prev and dt and prev.get("rchar") is not None:
-                    txt += f" read {(d['rchar'] - prev['rchar']) / dt / 1e6:.1f} MB/s"
+                if d.get("io_readable") and same:
+                    txt += f" read {(d['loaded'] - prev['loaded']) / dt / 1e6:.1f} MB/s"
                 elif not d.get("io_readable"):
                     txt += " io ?"
-                if d.get("procs", 1) > 1:
-                    txt += f" ({d['procs']} procs)"
+                if len(d.get("members", ())) > 1:
+                    txt += f" ({len(d['members'])} procs)"
+                if d.get("left"):
+                    txt += f" (left: pid {','.join(map(str, d['left'][:4]))})"
                 parts.append(txt)
                 self._prev_proc = d
-        # disk
+        # disk: the named device counts; other devices are shown but are not the server's evidence
         dk = probes.get("disk")
         if dk is not None and dk.ok:
-            devs = dk.data["devices"]
+            devs = P.whole_devices(dk.data["devices"])
+            if self.target.disk and self.target.disk in dk.data["devices"]:
+                devs[self.target.disk] = dk.data["devices"][self.target.disk]
             if self._prev_disk is not None and dt:
                 rates = {n: (v["read_bytes"] - self._prev_disk[n]["read_bytes"]) / dt / 1e6
                          for n, v in devs.items() if n in self._prev_disk}
                 dk.data["read_mb_s"] = {n: round(r, 2) for n, r in rates.items() if r > 0}
-                top = sorted(dk.data["read_mb_s"].items(), key=lambda kv: -kv[1])[:2]
-                parts.append("disk " + (", ".join(f"{n} {r:.1f} MB/s" for n, r in top) if top else "idle"))
+                if self.target.disk:
+                    r = rates.get(self.target.disk)
+                    parts.append(f"disk {self.target.disk} " + ("?" if r is None else f"{r:.1f} MB/s"))
+                else:
+                    top = sorted(dk.data["read_mb_s"].items(), key=lambda kv: -kv[1])[:2]
+                    parts.append("disk " + (", ".join(f"{n} {r:.1f} MB/s" for n, r in top) + " (not counted)"
+                                            if top else "idle"))
             self._prev_disk = devs
             dk.data["devices"] = {}         # raw counters are large; the per-device rates above are the evidence
-        # gpu
+        # gpu: the tree's processes when it is known, else the machine's
         g = probes.get("gpu")
         if g is not None and g.ok and g.data.get("present"):
             gs = g.data["gpus"]
-            parts.append(f"gpu {sum(x['mem_used_mb'] for x in gs) / 1024:.1f}/"
-                         f"{sum(x['mem_total_mb'] for x in gs) / 1024:.0f} GiB "
-                         f"util {max((x['util_pct'] or 0) for x in gs):.0f}%")
+            if g.data.get("tree_mem_mb") is not None:
+                used = [x for x in gs if x["uuid"] in set(g.data.get("tree_gpus", ()))]
+                parts.append(f"gpu {g.data['tree_mem_mb'] / 1024:.1f} GiB on {len(used)} GPU(s) "
+                             f"util {max([(x['util_pct'] or 0) for x in used] or [0]):.0f}%")
+            else:
+                parts.append(f"gpu {sum(x['mem_used_mb'] for x in gs) / 1024:.1f}/"
+                             f"{sum(x['mem_total_mb'] for x in gs) / 1024:.0f} GiB "
+                             f"util {max((x['util_pct'] or 0) for x in gs):.0f}% (machine)")
         # log
         lg = probes.get("log")
         if lg is not None and lg.ok:
@@ -273,6 +379,25 @@ class Watcher:
         head = f"{elapsed:6.1f}s {j.verdict:<11}"
         return head + " " + " | ".join(parts) + f" | {j.reason}"
 
+    def evidence_note(self) -> str:
+        """What this watch can attribute to the server (said once, in the first line)."""
+        t = self.target
+        what = []
+        if t.pid or t.pidfile:
+            what.append(f"process tree of pid {t.pid or '(pidfile ' + t.pidfile + ')'}")
+        elif t.unit:
+            what.append(f"process tree of unit {t.unit}'s MainPID")
+        elif t.status_path:
+            what.append("the engine's status (and its pid's process tree)")
+        if t.disk:
+            what.append(f"reads of {t.disk}")
+        if not what:
+            owner = " until a process listens on the port (then its process tree)" if self._local_port() else ""
+            return ("evidence: nothing attributable to the server (no health.pid, health.unit or health.disk): "
+                    "judging on the port, the completion probe" + (" and the log" if t.log else "") + " alone"
+                    + owner)
+        return "evidence: " + " + ".join(what) + (" + log" if t.log or t.unit else "")
+
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
         t_start = time.monotonic()
@@ -280,29 +405,28 @@ class Watcher:
         base = self.history.baseline() if self.history is not None else {"starts": 0}
         hist_line = (f"{base['starts']} earlier cold start(s), usually ready after {base['to_ready_s']:.1f} s"
                      if base.get("starts") and base.get("to_ready_s") else "no earlier cold starts recorded")
-        self.echo(f"watching {self.target.url} on {getattr(self.host, 'label', 'local')} "
-                  f"(every {self.interval_s:g} s, stall window {self.window:g} s, deadline {self.deadline_s:g} s); "
-                  f"{hist_line}")
+        self.echo(f"watching {self.target.url or '(the engine URL, once its status says)'} on "
+                  f"{getattr(self.host, 'label', 'local')} (every {self.interval_s:g} s, stall window {self.window:g} s, "
+                  f"deadline {self.deadline_s:g} s); {self.evidence_note()}; {hist_line}")
         jsonl = self.out_dir / "health.jsonl" if self.out_dir else None
         if jsonl:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             jsonl.write_text("")
         verdict, reason = "STALLED", "interrupted"
         try:
-            while True:
+            settled = False
+            while not settled:
                 t_sample = time.monotonic()
-                s = self.sample(judge, t_start)
-                self.samples.append(s)
-                self.echo(s["line"])
-                if jsonl:
-                    with open(jsonl, "a") as f:
-                        f.write(json.dumps(s, default=str) + "\n")
-                if s["verdict"] in ("READY", "CRASHED", "STALLED", "UNREACHABLE") and \
-                        (s["verdict"] != "UNREACHABLE" or judge.unreachable_since is not None
-                         and time.monotonic() - judge.unreachable_since >= self.window):
-                    verdict, reason = s["verdict"], s["reason"]
-                    break
-                time.sleep(max(0.0, self.interval_s - (time.monotonic() - t_sample)))
+                for s in self.sample(judge, t_start):
+                    self.samples.append(s)
+                    self.echo(s["line"])
+                    if jsonl:
+                        with open(jsonl, "a") as f:
+                            f.write(json.dumps(s, default=str) + "\n")
+                    if s["terminal"]:
+                        verdict, reason, settled = s["verdict"], s["reason"], True
+                if not settled:
+                    time.sleep(max(0.0, self.interval_s - (time.monotonic() - t_sample)))
         except KeyboardInterrupt:
             verdict, reason = "INTERRUPTED", "interrupted by the user"
         return self._finish(verdict, reason, time.monotonic() - t_start, base)

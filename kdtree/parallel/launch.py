@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +121,43 @@ def _await(workers: List[_Worker], want: str, timeout_s: Optional[float]) -> Lis
     return [got[w.rank] for w in workers]
 
 
+def exit_words(code: int) -> str:
+    """'exit code 3' / 'killed by SIGKILL' for a Popen returncode."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _watched(progress, workers: List[_Worker], tp: int, every_s: float = 0.2):
+    """progress(...) that first checks the other ranks (at most every `every_s`): rank 0 loads its own slices
+    for minutes while ranks 1..N-1 load theirs; a rank that dies meanwhile fails the load at once (TPError
+    naming it and its exit status, which the load stage writes to status.json), not when rank 0 is done."""
+    last = [0.0]
+
+    def check() -> None:
+        now = time.monotonic()
+        if now - last[0] < every_s:
+            return
+        last[0] = now
+        for w in workers:
+            code = w.proc.poll()
+            if code is not None:
+                words = w.last_words()
+                raise TPError(f"tp rank {w.rank}/{tp} (pid {w.proc.pid}) exited during load, {exit_words(code)}"
+                              + (f": {words}" if words and "exited with code" not in words else "")
+                              + "; see the engine log")
+
+    def wrapped(*args):
+        check()
+        if progress is not None:
+            progress(*args)
+
+    return wrapped
+
+
 def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     """Start ranks 1..N-1, load rank 0's slices here -> (TPModel, rank 0's LoadStats with bytes_read of ALL ranks)."""
     import torch.distributed as dist
@@ -156,7 +194,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         init_group(store, 0, tp, dist_backend, timeout_s)
         rss0 = resident_bytes()
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
-                                         progress=progress, **load_options(cfg.load))
+                                         progress=_watched(progress, workers, tp), **load_options(cfg.load))
         local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(tp, dist_backend))
         del weights
         rss0 = resident_bytes() - rss0

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from omegaconf import OmegaConf
 
 from kdtree.config.paths import cache_dir
-from kdtree.errors import PipelineError
+from kdtree.errors import HostError, PipelineError
 from kdtree.hosts.base import ALIVE_SH
 from kdtree.pipeline import registry
 from kdtree.pipeline.context import StageContext
@@ -326,21 +326,36 @@ def wait_engine(engine: EngineHandle, tail: bool = True, out=None, timeout_s: Op
     return code
 
 
+class StopUnreachable(PipelineError):
+    """The engine's host did not answer while stopping it: it may still run (the message says how to stop it)."""
+
+
 def stop_engine(host, pid: int, grace_s: float = 10.0, poll_s: float = 0.2) -> str:
-    """SIGTERM the engine's process group, wait up to grace_s, then SIGKILL it: 'not running'|'terminated'|'killed'."""
-    if not host.is_alive(pid):
-        return "not running"
-    host.signal(pid, signal.SIGTERM, group=True)
-    deadline = time.monotonic() + max(0.0, grace_s)
-    while time.monotonic() < deadline:
-        if not host.is_alive(pid):
-            return "terminated"
-        time.sleep(poll_s)
-    host.signal(pid, signal.SIGKILL, group=True)
-    for _ in range(50):  # bounded: SIGKILL cannot be refused; only the reaping can lag
-        if not host.is_alive(pid):
-            break
-        time.sleep(0.1)
+    """SIGTERM the engine's process group, wait up to grace_s, then SIGKILL it: 'not running'|'terminated'|'killed'.
+
+    Every host command shares one budget (grace_s + 2 s for the SIGKILL): over a dead transport this gives up
+    with StopUnreachable after that long instead of waiting a command timeout per call."""
+    give_up_at = time.monotonic() + max(0.0, grace_s) + 2.0
+
+    def budget() -> float:     # seconds the next host command may take (>= 0.5 s so a live host can answer)
+        return max(0.5, min(host.command_timeout_s, give_up_at - time.monotonic()))
+
+    try:
+        if not host.is_alive(pid, timeout=budget()):
+            return "not running"
+        host.signal(pid, signal.SIGTERM, group=True, timeout=budget())
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while time.monotonic() < deadline:
+            if not host.is_alive(pid, timeout=budget()):
+                return "terminated"
+            time.sleep(poll_s)
+        host.signal(pid, signal.SIGKILL, group=True, timeout=budget())
+        for _ in range(50):  # bounded: SIGKILL cannot be refused; only the reaping can lag
+            if not host.is_alive(pid, timeout=budget()) or time.monotonic() > give_up_at:
+                break
+            time.sleep(0.1)
+    except HostError as e:
+        raise StopUnreachable(f"could not stop engine pid {pid} on {host.label}: {e}") from None
     return "killed"
 
 

@@ -152,17 +152,24 @@ class _Run:
     def stop_engine(self, why: str, drain: bool = False) -> None:
         """drain: the user stopped a working engine (Ctrl-C, SIGTERM, SIGHUP): wait the grace its stages declare
         (STOP_GRACE_S; serve's covers finishing the accepted requests) before any SIGKILL. After a failure the
-        engine is not serving anyone: DEFAULT_STOP_GRACE_S."""
+        engine is not serving anyone: DEFAULT_STOP_GRACE_S. A host that does not answer gets the exact command to
+        stop it later (ep.stop_engine gives up after its grace + 2 s)."""
         self.stop_following()
         if self.engine is None:
             return
         declared = [float(g) for g in self.declared("STOP_GRACE_S")]
         grace = max(declared) if drain and declared else DEFAULT_STOP_GRACE_S
-        how = ep.stop_engine(self.engine.host, self.engine.pid, grace_s=grace)
-        self.events.emit("engine_stop", pid=self.engine.pid, why=why, outcome=how)
-        ep.tail_log(self.engine, self.out)
-        ep.fetch_back(self.engine)
-        self.engine = None
+        engine, self.engine = self.engine, None
+        try:
+            how = ep.stop_engine(engine.host, engine.pid, grace_s=grace)
+        except ep.StopUnreachable as e:
+            cmd = f"python -m kdtree.run pipeline=stop stop.run_dir={self.run_dir}"
+            self.events.emit("engine_stop", pid=engine.pid, why=why, outcome="unreachable", error=str(e), stop=cmd)
+            self.error(f"{e}; it may still be running: stop it with `{cmd}`")
+            return
+        self.events.emit("engine_stop", pid=engine.pid, why=why, outcome=how)
+        ep.tail_log(engine, self.out)
+        ep.fetch_back(engine)
 
     def run(self) -> int:
         groups = self.spec.groups()
@@ -176,8 +183,9 @@ class _Run:
                 continue
             if not execute_stage(self.ctx, stages[0], self.events):
                 self.error(_fail_line(_last_failure(self.run_dir, "controller") or {}, self.spec))
-                if self.engine is not None and not self.keeps_running():
-                    self.stop_engine(f"stage {stages[0].stage!r} failed")
+                # KEEPS_RUNNING (serve.detach=true) leaves a READY engine running; one whose health poll failed
+                # is stopped (or the stop command printed, when its host does not answer)
+                self.stop_engine(f"stage {stages[0].stage!r} failed")
                 return EXIT_STAGE_FAILED
         if self.engine is None:
             return EXIT_OK

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import kdtree
 from kdtree.pipeline import registry as stage_registry
-from kdtree.errors import PipelineError
+from kdtree.config.validate import read_yaml
+from kdtree.errors import ConfigError, PipelineError
 
 SIDES = ("host", "controller")
 STAGE_KEYS = ("stage", "on", "params")
@@ -100,10 +100,9 @@ class PipelineSpec:
 
 def _read_yaml(path: Path, where: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        line = str(e).replace("\n", " ")
-        raise PipelineError(f"{where}: not valid YAML: {line}") from None
+        return read_yaml(path)                         # one message for a YAML syntax error: FILE:LINE:COL
+    except ConfigError as e:
+        raise PipelineError(str(e)) from None
 
 
 def load_pipeline(name_or_path: str, cfg: DictConfig) -> PipelineSpec:

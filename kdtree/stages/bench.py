@@ -15,12 +15,14 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from kdtree.backends import native
+from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.decode.result import STAGES
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import PipelineError
@@ -113,6 +115,8 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
+    lib0, coll0 = LIBRARY_CLOCK.seconds, LIBRARY_CLOCK.collective_seconds
+    cpu0 = time.process_time()   # this process's CPU seconds: steadier than wall time on a shared machine
     for i, ids in enumerate(prompts_ids):
         sp = None if sampling is None or sampling.greedy else sampling.for_sample(i)
         r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp)
@@ -126,8 +130,16 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
         drafts += r.draft_forwards
         seconds += r.seconds
     acc = [a for p in per_prompt for a in p["acceptance_lengths"]]
+    cpu_s = time.process_time() - cpu0
+    collective_s = LIBRARY_CLOCK.collective_seconds - coll0
+    library_s = LIBRARY_CLOCK.seconds - lib0 - collective_s
     return {
         "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+        "cpu_seconds": cpu_s, "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9),
+        # share of decode wall time outside the native forward / draft / tree calls (timed around each call; the
+        # tp > 1 all-reduce callbacks count as outside); 1.0 on backend=numpy, where nothing runs in the library
+        "library_seconds": library_s, "collective_seconds": collective_s,
+        "python_overhead_fraction": max(0.0, 1.0 - library_s / max(seconds, 1e-9)),
         "target_forwards": forwards, "draft_forwards": drafts,
         "target_forwards_per_token": forwards / max(tokens, 1),
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
@@ -163,6 +175,9 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
         "tokens_per_s": tree["tokens_per_s"],
         "ar_tokens_per_s": ar["tokens_per_s"],
         "speedup_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+        "cpu_speedup_vs_ar": tree["tokens_per_cpu_s"] / max(ar["tokens_per_cpu_s"], 1e-9),
+        "python_overhead_fraction": tree["python_overhead_fraction"],
+        "ar_python_overhead_fraction": ar["python_overhead_fraction"],
         "target_forwards_per_token": tree["target_forwards_per_token"],
         "ar_target_forwards_per_token": ar["target_forwards_per_token"],
         "mean_acceptance_length": tree["mean_acceptance_length"],
@@ -179,9 +194,11 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> d
     t = cfg.tree
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
     print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
-          f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x, acceptance "
+          f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (CPU time "
+          f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "
           f"{out['mean_acceptance_length']:.2f} (greedy {greedy_acc:.2f}), target forwards/token "
           f"{out['target_forwards_per_token']:.3f}, "
+          f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "

@@ -116,6 +116,131 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
 int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
 
+/* ---- whole-model forward (kd_forward.c; the CUDA build returns KD_EINVAL until its own forward exists) --------
+ * A model is registered once: the caller fills descriptors with pointers into its loaded arrays (which it keeps
+ * alive for the model's life; INT4 weights stay packed), kd_model_create copies the descriptors (never the
+ * weights). The library owns a pool of latent-cache slots (one per sequence, [n_layers][max_len][L+R] f32) and
+ * grow-only scratch sized by the largest forward so far: nothing is allocated per token once warm.
+ * A forward takes rows of one or more sequences (rows grouped per sequence); a row sees its own sequence's cache
+ * rows and the block rows of its sequence allowed by that sequence's visibility (block-diagonal), so a row's
+ * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order).
+ * One call at a time per model (its scratch is shared); callers serialise (the engine's one worker does). */
+typedef struct {
+  const float *f32;        /* f32 [n_out, n_in], or NULL when packed is set */
+  const int32_t *packed;   /* W4A16 [n_out, ceil(n_in/8)] (kd_linear_w4a16), or NULL */
+  const float *scales;     /* f32 [n_out, ceil(n_in/group)] with packed */
+  int64_t n_out, n_in, group;
+} kd_weight;
+
+typedef struct {
+  kd_weight gate, up, down;   /* [I, D], [I, D], [D, I] */
+} kd_mlp;
+
+typedef struct {
+  const float *in_norm, *post_norm;   /* [D] */
+  kd_weight q_a;                      /* [q_lora, D] */
+  const float *q_a_norm;              /* [q_lora] */
+  kd_weight q_b;                      /* [H*(nope+R), q_lora] */
+  kd_weight kv_a;                     /* [L+R, D] */
+  const float *kv_a_norm;             /* [L] */
+  const float *w_uk_t;                /* [H, L, nope]: q_nope -> latent (absorbed) */
+  const float *w_uv;                  /* [H, v, L]: latent -> v (absorbed) */
+  kd_weight o;                        /* [D, H*v] */
+  int64_t heads;                      /* local heads (tensor parallel splits heads) */
+  int32_t is_moe;
+  kd_mlp mlp;                         /* dense layer (is_moe == 0) */
+  const float *router;                /* f32 [E, D] */
+  const float *router_bias;           /* f32 [E] (e_score_correction_bias) */
+  const kd_mlp *experts;              /* [E], copied at create */
+  int32_t has_shared;
+  kd_mlp shared;
+} kd_layer;
+
+/* all_reduce (tensor parallel; NULL at tp 1): sum x f32[n] over the ranks in place, the same bits on every rank;
+ * returns 0, else non-zero (the forward then fails with KD_EINVAL). Called after o_proj and after the MLP/MoE. */
+typedef int (*kd_all_reduce_fn)(float *x, int64_t n, void *ctx);
+
+typedef struct {
+  int64_t vocab, hidden, n_layers, kv_lora, rope_dim, nope, v_head;
+  int64_t n_experts, top_k, n_group, topk_group;
+  int32_t norm_topk_prob;
+  float routed_scale, eps, attn_scale;
+  const double *inv_freq;             /* [rope_dim/2] YaRN inverse frequencies, copied at create */
+  double rope_mscale;                 /* cos/sin = (float)(cos|sin(pos * inv_freq) * mscale) */
+  const float *embed;                 /* [V, D] */
+  const float *final_norm;            /* [D] */
+  kd_weight lm_head;                  /* [V, D] */
+  const kd_layer *layers;             /* [n_layers], copied at create */
+  kd_all_reduce_fn all_reduce;
+  void *all_reduce_ctx;
+} kd_model_desc;
+
+typedef struct kd_model kd_model;
+
+typedef struct {
+  int64_t n_rows;
+  const int32_t *tokens;       /* [n_rows] */
+  const int32_t *positions;    /* [n_rows] */
+  int64_t n_seqs;
+  const int64_t *slots;        /* [n_seqs] distinct cache slots */
+  const int64_t *row_start;    /* [n_seqs + 1]: rows of sequence s are row_start[s] .. row_start[s+1]-1 */
+  const uint64_t *visibility;  /* per sequence u64[T_s, ceil(T_s/64)], concatenated in sequence order; NULL = causal */
+  int64_t n_out;               /* rows whose logits / argmax are returned */
+  const int64_t *out_rows;     /* [n_out] row indices, or NULL = rows 0..n_out-1 */
+  float *logits;               /* [n_out, V] or NULL */
+  int32_t *argmax;             /* [n_out] (ties -> lowest id) or NULL */
+  int64_t n_hidden;
+  const int64_t *hidden_layers;/* [n_hidden] */
+  float *hidden;               /* [n_rows, n_hidden * D]: residual stream after each listed layer, concatenated */
+} kd_forward_args;
+
+int kd_model_create(const kd_model_desc *desc, kd_model **out);
+int kd_model_destroy(kd_model *m);
+/* Append each sequence's rows to its cache slot and run every layer; outputs as asked in args. */
+int kd_model_forward(kd_model *m, const kd_forward_args *args);
+/* latent-cache pool */
+int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot);
+int kd_cache_free(kd_model *m, int64_t slot);
+int kd_cache_length(kd_model *m, int64_t slot, int64_t *length);
+int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n);     /* drop rows [n, length) */
+/* keep rows (absolute, ascending, within [start, length)) moved contiguously to start..; length = start + n */
+int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n);
+int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows);   /* layer's f32 [max_len, L+R] */
+
+/* DFlash block drafter (kdtree/model/drafter.py): shares the target's embed and lm_head pointers. */
+typedef struct {
+  const float *in_norm, *post_norm;          /* [D] */
+  kd_weight q, k, v, o;                      /* [Hq*hd, D], [Hkv*hd, D], [Hkv*hd, D], [D, Hq*hd] */
+  const float *q_norm, *k_norm;              /* [hd] */
+  kd_mlp mlp;
+} kd_drafter_layer;
+
+typedef struct {
+  int64_t vocab, hidden, n_layers, hq, hkv, head_dim, block_size;
+  int32_t mask_token;
+  float eps;
+  double rope_theta;
+  kd_weight fc;                              /* [D, n_target_layers * D] */
+  const float *hidden_norm, *final_norm;     /* [D] */
+  const float *embed;                        /* [V, D] (the target's) */
+  kd_weight lm_head;                         /* [V, D] (the target's) */
+  const kd_drafter_layer *layers;            /* [n_layers], copied at create */
+} kd_drafter_desc;
+
+typedef struct kd_drafter kd_drafter;
+
+int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out);
+int kd_drafter_destroy(kd_drafter *d);
+int kd_drafter_cache_alloc(kd_drafter *d, int64_t max_len, int64_t *slot);
+int kd_drafter_cache_free(kd_drafter *d, int64_t slot);
+int kd_drafter_cache_length(kd_drafter *d, int64_t slot, int64_t *length);
+int kd_drafter_cache_truncate(kd_drafter *d, int64_t slot, int64_t n);
+/* Append context rows to each sequence: feats f32[sum T_s, fc.n_in] (rows grouped per sequence as row_start). */
+int kd_drafter_extend(kd_drafter *d, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
+                      const float *feats);
+/* One block forward per sequence after its context: logits f32[n_seqs, B-1, V] of the tokens after bonus[s]. */
+int kd_drafter_draft(kd_drafter *d, int64_t n_seqs, const int64_t *slots, const int32_t *bonus, float *logits);
+
 #ifdef __cplusplus
 }
 #endif

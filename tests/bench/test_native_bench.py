@@ -18,6 +18,9 @@ Groups (min times; compare within a group):
                            wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
   mla_attention(...)       native vs numpy reference, one verify block (T=33 = root + budget 32).
   cuda_*                   the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
+  target_forward(T=...)    one tiny-model forward after a 64-token context: numpy reference vs the per-op native
+                           path (one library call per op) vs the whole native forward (one call), T=1 (an AR step)
+                           and T=33 (a verify block); extra_info carries the time inside the library per call.
 Outputs are asserted equal (integers) or within the parity suite's tolerance (floats).
 """
 from __future__ import annotations
@@ -257,3 +260,39 @@ def test_cuda_kernel(benchmark, op):
     got = out.download(np.empty(want.shape, np.float32))
     benchmark.extra_info["GB/s"] = round(nbytes / benchmark.stats.stats.mean / 1e9, 1)
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+# ---- whole target forward ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 33])
+@pytest.mark.parametrize("impl", ["numpy", "cpu_per_op", "cpu_whole"])
+def test_target_forward(benchmark, tiny_cfg, tiny_weights, impl, T):
+    from kdtree.backends.native_forward import LIBRARY_CLOCK
+    from kdtree.tree import causal_visibility
+    from kdtree.model.k2 import K2Model
+    benchmark.group = f"target_forward(T={T})"
+    ops = REF if impl == "numpy" else native.NativeOps("cpu")
+    if impl == "cpu_per_op":
+        ops.native_forward = False
+    m = K2Model(tiny_cfg, tiny_weights, ops)
+    ctx = 64
+    cache = m.new_cache(ctx + T)
+    m.forward(np.arange(ctx, dtype=np.int32), np.arange(ctx), cache)
+    block, pos, vis = np.arange(T, dtype=np.int32) + 7, ctx + np.arange(T), causal_visibility(T)
+
+    def step():
+        out = m.forward(block, pos, cache, visibility=vis)
+        cache.truncate(ctx)
+        return out
+
+    lib0 = LIBRARY_CLOCK.seconds
+    logits, _ = benchmark.pedantic(step, rounds=20, iterations=5, warmup_rounds=2)
+    benchmark.extra_info.update(library_seconds_per_call=(LIBRARY_CLOCK.seconds - lib0) / (22 * 5))
+    ref, _ = K2Model(tiny_cfg, tiny_weights, REF).forward(np.concatenate([np.arange(ctx), block]).astype(np.int32),
+                                                          np.arange(ctx + T), m.new_cache(ctx + T)
+                                                          if impl == "numpy" else _ref_cache(tiny_cfg, ctx + T))
+    np.testing.assert_allclose(logits, ref[ctx:], rtol=1e-4, atol=1e-4)
+
+
+def _ref_cache(cfg, n):
+    from kdtree.model.k2 import LatentCache
+    return LatentCache(cfg.num_hidden_layers, n, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

@@ -102,6 +102,14 @@ def test_config_json_field_disagrees(write, cfg, fp32, field, value):
     fails(d, cfg, fp32, "config.json", f"{field}={value}", f"model.{field}={cfg[field]}")
 
 
+def test_config_json_without_the_architecture_dims_is_refused(write, cfg, fp32, tmp_path):
+    d = write()
+    conf = json.loads((d / "config.json").read_text())
+    del conf["hidden_size"], conf["num_hidden_layers"]
+    (d / "config.json").write_text(json.dumps(conf))
+    fails(d, cfg, fp32, "config.json", "no hidden_size, num_hidden_layers", "not a K2-architecture")
+
+
 def test_config_json_nested_rope_scaling(write, cfg, fp32):
     d = write(config={"rope_scaling": {**dict(cfg.rope_scaling), "factor": 8.0}})
     fails(d, cfg, fp32, "config.json", "rope_scaling.factor=8.0", "model.rope_scaling.factor=4.0")

@@ -3,6 +3,7 @@ detached processes, put/get. Skipped when openssh-server is not installed."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -124,6 +125,33 @@ def test_command_timeout_is_a_host_error(sshd):
     with connect({**sshd, "command_timeout_s": 1}) as host:
         with pytest.raises(HostError, match=r"timed out after 1 s"):
             host.run(["sleep", "5"])
+
+
+def _sshd_session_pid(host) -> int:
+    """The sshd process serving `host`'s current connection ("sshd: user@notty", the command's parent)."""
+    p = int(host.shell("echo $PPID").stdout)
+    assert open(f"/proc/{p}/cmdline", "rb").read().startswith(b"sshd: ") and b" -D " not in open(
+        f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" "), "the command's parent is not an sshd session"
+    return p
+
+
+def test_frozen_connection_times_out_in_time_and_the_next_command_reconnects(sshd):
+    """SIGSTOP of the sshd session under a live connection: a command with timeout=3 returns in ~3 s (not the
+    60 s of an unbounded channel open), and the next command gets a new transport (the listening sshd is fine)."""
+    with connect(sshd) as host:
+        frozen = _sshd_session_pid(host)
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(HostError, match=r"timed out after 3 s") as e:
+                host.shell("echo ok", timeout=3)
+            assert time.monotonic() - t0 < 3 + 1.0
+            assert "\n" not in str(e.value)
+            t0 = time.monotonic()
+            assert host.shell("echo ok", timeout=10).stdout.strip() == "ok"      # a fresh transport
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(frozen, signal.SIGCONT)
 
 
 def test_secret_env_reaches_a_detached_remote_process(sshd, tmp_path):

@@ -97,6 +97,7 @@ def test_numpy_ops_rows_independent_of_T(n_in, n_out):
 def test_fused_moe_equals_grouped_path(tiny_cfg, tiny_weights):
     """backend=cpu runs each MoE layer as one kd_moe_f32 call; it gives the grouped Python path's bits."""
     fused_ops, plain_ops = get_ops("cpu"), get_ops("cpu")
+    fused_ops.native_forward = plain_ops.native_forward = False   # the per-op path (one call per op)
     plain_ops.moe = lambda *a, **k: None
     fused, plain = K2Model(tiny_cfg, tiny_weights, fused_ops), K2Model(tiny_cfg, tiny_weights, plain_ops)
     calls = []

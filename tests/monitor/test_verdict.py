@@ -51,12 +51,59 @@ def test_the_monitors_own_probes_do_not_count_as_progress():
     assert moved_signals({"process.rchar": 0}, {"process.rchar": 4096}, dt=1.0) == []
 
 
-def test_machine_wide_disk_reads_do_not_hide_a_frozen_process():
+def test_machine_wide_disk_reads_never_count_only_the_named_disk_does():
     probes = loading(20)
     probes["disk"] = ProbeResult("disk", True, 0.01, data={"devices": {"sda": {"read_bytes": 1 << 30}}})
     assert "disk.read_bytes" not in progress_signals(probes)       # the process is known: its own reads count
     del probes["process"]
-    assert "disk.read_bytes" in progress_signals(probes)
+    assert "disk.read_bytes" not in progress_signals(probes)       # nor without one: another process may read
+    probes["disk"].data["named_read_bytes"] = 1 << 30              # health.disk=sda: the operator says it is ours
+    assert progress_signals(probes)["disk.read_bytes"] == 1 << 30
+
+
+def url_only(port="refused", http=None, code_final=False, message=""):
+    data = {"http": http, "port": port, "answered": False, "detail": "Failed to connect"}
+    if http is not None:
+        data.update(final=code_final, message=message)
+    return {"completion": ProbeResult("completion", True, 0.01, data=data),
+            "status": ProbeResult("status", True, 0.01, data={"source": None, "status": None}),
+            "disk": ProbeResult("disk", True, 0.01, data={"devices": {}})}
+
+
+def test_nothing_listening_for_the_window_is_unreachable_with_the_reason():
+    j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    for t in (0.0, 1.0, 2.0):
+        assert j.judge(url_only(), t).verdict == "PROGRESSING"
+    v = j.judge(url_only(), 3.0)
+    assert v.verdict == "UNREACHABLE" and v.terminal and "connection refused" in v.reason
+    v = Judge(3, 600, 0.0).judge(url_only("unresolved"), 3.5)
+    assert v.verdict == "UNREACHABLE" and "not resolved" in v.reason
+    # a server that listens but never gets ready is STALLED, not UNREACHABLE
+    j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    assert j.judge(url_only("open", http=503), 3.5).verdict == "STALLED"
+
+
+def test_a_permanent_4xx_is_its_own_verdict_after_two_samples():
+    j = Judge(stall_window_s=30, deadline_s=600, now=0.0)
+    assert j.judge(url_only("open", http=404, code_final=False), 0.0).verdict == "PROGRESSING"  # model unsettled
+    assert j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 1.0).verdict == "PROGRESSING"
+    v = j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 2.0)
+    assert v.verdict == "NOT_OPENAI" and v.terminal and "HTTP 404 'Not Found'" in v.reason
+    assert "not as an OpenAI completions server" in v.reason
+
+
+def test_a_process_leaving_the_tree_is_noted_not_subtracted():
+    from kdtree.monitor.probes import ProcessTree
+
+    tree = ProcessTree()
+    def proc(pid, rb, cpu):
+        return {"pid": pid, "state": "R", "start": pid, "read_bytes": rb, "rchar": 0, "cpu_s": cpu, "faults": 0}
+    a = {"pid": 1, "procs": {1: proc(1, 100, 1.0), 2: proc(2, 5000, 9.0)}}
+    tree.account(a)
+    b = {"pid": 1, "procs": {1: proc(1, 200, 1.5), 3: proc(3, 300, 0.5)}}     # rank 2 died, worker 3 appeared
+    tree.account(b)
+    assert b["left"] == [2] and b["members"] == [1, 3]
+    assert b["read_bytes"] - a["read_bytes"] == 100 + 300 and b["cpu_s"] - a["cpu_s"] == 1.0   # never negative
 
 
 def test_gone_or_zombie_process_is_crashed_and_ready_wins():
@@ -85,3 +132,40 @@ def test_deadline_extends_while_progress_moves():
     for t in range(0, 20):                       # bytes move every second: never a failure
         v = j.judge(loading(t), float(t))
         assert v.verdict == "PROGRESSING", (t, v)
+
+
+def test_one_sample_script_output_parses_into_every_probe():
+    """parse_sample on the script's section format (nvidia-smi's CSV as `--format=csv,noheader,nounits` prints it;
+    no GPU on CI machines, so the GPU section is text here)."""
+    from kdtree.monitor.probes import SampleSpec, parse_sample
+
+    spec = SampleSpec(url="http://127.0.0.1:1", model="m", pid=10, log="/x.log")
+    out = ("@@kd process 100.0\npid 10\n500.0 1.0\n100\n"
+           "## 10\n10 (python3 -m (sglang)) S 1 10 10 0 -1 0 300 0 7 0 250 50 0 0 20 0 1 0 1000 0 0\n"
+           "VmRSS:\t  2048 kB\nrchar: 5000\nread_bytes: 8192\n"
+           "## 11\n11 (worker) R 10 11 11 0 -1 0 10 0 0 0 100 0 0 0 20 0 1 0 2000 0 0\nrchar: 1\nread_bytes: 4096\n"
+           "@@kd disk 100.1\n 259 0 nvme0n1 10 0 2048 0 0 0 16 0\n"
+           "@@kd gpu 100.2\n0, GPU-aaa, 40960, 143771, 87\n1, GPU-bbb, 0, 143771, 0\n@@apps\n11, GPU-aaa, 40000\n"
+           "@@kd log 100.3\n123 1700000000\nloading\n@@kd wait 100.4\n"
+           "@@http completion\n0 100.0 100.5\n503 0.001\n\n{\"error\": {\"message\": \"loading 3/8\"}}\n"
+           "@@http status\n7 100.0 100.0\n000 0.000000\ncurl: (7) Failed to connect\n\n@@kd end 100.6\n")
+    p = parse_sample(spec, out, 0.7)
+    assert p["completion"].data == {"http": 503, "port": "open", "answered": False, "message": "loading 3/8"}
+    proc = p["process"].data
+    assert proc["alive"] and proc["state"] == "S" and set(proc["procs"]) == {10, 11}
+    assert proc["procs"][10]["cpu_s"] == 3.0 and proc["procs"][10]["faults"] == 307     # (250+50)/100, 300+7
+    assert proc["procs"][11]["read_bytes"] == 4096 and proc["procs"][10]["rss_bytes"] == 2048 * 1024
+    assert p["disk"].data["devices"]["nvme0n1"]["read_bytes"] == 2048 * 512
+    assert p["gpu"].data["apps"] == [{"pid": 11, "uuid": "GPU-aaa", "mem_mb": 40000.0}]
+    assert p["log"].data["size"] == 123 and abs(p["disk"].seconds - 0.1) < 1e-6
+    assert p["status"].data["source"] is None
+
+
+def test_the_completion_answer_moving_towards_ready_is_progress_and_freezing_is_not():
+    def state(v):
+        return {"completion.state": v}
+    assert moved_signals(state("closed"), state("503"), 1.0) == ["completion.state"]      # the port opened
+    assert moved_signals(state("closed"), state("slow"), 1.0) == ["completion.state"]
+    assert moved_signals(state("503"), state("404"), 1.0) == ["completion.state"]
+    assert moved_signals(state("503"), state("slow"), 1.0) == []          # a frozen server stops answering
+    assert moved_signals(state("503"), state("closed"), 1.0) == []

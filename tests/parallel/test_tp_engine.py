@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.config.schema import register
+from tests.native_lib import CPU_ERROR, CPU_SKIPPED
 from tests.procs import alive, wait_gone
 from kdtree.decode import generate
 from kdtree.engine import Engine
@@ -39,8 +40,10 @@ register()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "decode"))
 from scripted_drafter import noisy_rank, scripted  # noqa: E402  (the decode tests' drafter that accepts paths)
 
-CASES = [("fp32", 2), ("fp32", 4), pytest.param(("fp32", 8), marks=pytest.mark.slow),
-         ("int4_w4a16", 2), pytest.param(("int4_w4a16", 8), marks=pytest.mark.slow)]
+# (quant, tp, backend): backend=cpu runs each rank's whole forward natively, the all-reduces called back from C
+CASES = [("fp32", 2, "numpy"), ("fp32", 4, "numpy"), pytest.param(("fp32", 8, "numpy"), marks=pytest.mark.slow),
+         ("int4_w4a16", 2, "numpy"), pytest.param(("int4_w4a16", 8, "numpy"), marks=pytest.mark.slow),
+         ("fp32", 2, "cpu"), ("int4_w4a16", 2, "cpu")]
 
 
 @pytest.fixture(scope="module")
@@ -56,21 +59,26 @@ def compose_tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(compose_tiny):
-    """quant -> the tp=1 engine (in this process, no torch.distributed)."""
+    """(quant, backend) -> the tp=1 engine (in this process, no torch.distributed)."""
     engines = {}
 
-    def get(quant):
-        if quant not in engines:
-            engines[quant] = Engine.from_config(compose_tiny(f"quant={quant}"))
-        return engines[quant]
+    def get(quant, backend="numpy"):
+        if (quant, backend) not in engines:
+            engines[quant, backend] = Engine.from_config(compose_tiny(f"quant={quant}", f"backend={backend}"))
+        return engines[quant, backend]
 
     return get
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-{c[2]}")
 def tp_engine(request, compose_tiny):
-    quant, tp = request.param
-    engine = Engine.from_config(compose_tiny(f"quant={quant}", f"tp='{tp}'"))
+    quant, tp, backend = request.param
+    if backend == "cpu" and CPU_SKIPPED:
+        pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR}); make native")
+    engine = Engine.from_config(compose_tiny(f"quant={quant}", f"tp='{tp}'", f"backend={backend}"))
+    if backend == "cpu":
+        assert engine.model.local._native is not None, "rank 0 did not take the native forward"
+    engine.backend = backend
     pids = [w.proc.pid for w in engine.model.workers]
     assert len(pids) == tp - 1 and all(alive(p) for p in pids)
     yield quant, tp, engine
@@ -86,7 +94,7 @@ def _tree(kind):
 
 def test_logits_match_tp1(tp_engine, reference):
     quant, tp, engine = tp_engine
-    ref = reference(quant)
+    ref = reference(quant, engine.backend)
     for prompt in PROMPTS:
         ids = np.asarray(engine.tokenizer.encode(prompt), np.int32)
         pos = np.arange(len(ids), dtype=np.int32)
@@ -100,7 +108,7 @@ def test_logits_match_tp1(tp_engine, reference):
 
 def test_greedy_ar_chain_ddtree_match_tp1_ar(tp_engine, reference):
     quant, tp, engine = tp_engine
-    ref = reference(quant)
+    ref = reference(quant, engine.backend)
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
         want = generate(ref.model, None, _tree("ar"), ids, NEW_TOKENS).tokens
@@ -114,7 +122,7 @@ def test_greedy_ar_chain_ddtree_match_tp1_ar(tp_engine, reference):
 @pytest.mark.parametrize("shape", [("chain", 1, 7, 7), ("ddtree", 4, 7, 32)], ids=["chain-d7", "w4-d7-b32"])
 def test_accepted_tree_paths_commit_the_same_tokens_as_tp1_ar(tp_engine, reference, shape):
     quant, tp, engine = tp_engine
-    ref = reference(quant)
+    ref = reference(quant, engine.backend)
     ids = engine.tokenizer.encode("The quick brown fox")
     block = int(engine.cfg.model.drafter.block_size)
     ar_long = generate(ref.model, None, _tree("ar"), ids, NEW_TOKENS + block).tokens

@@ -43,6 +43,8 @@ def test_sweep_writes_one_bench_json_per_run_with_ratios_and_provenance(sweep):
             assert key in b, key
         assert b["outputs_equal_ar"] is True
         assert b["speedup_vs_ar"] == pytest.approx(b["tokens_per_s"] / b["ar_tokens_per_s"])
+        # backend=numpy (the sweep's default) runs nothing in the native library: all decode time is Python's
+        assert b["python_overhead_fraction"] == 1.0 and b["ar_python_overhead_fraction"] == 1.0
         p = b["provenance"]
         assert p["git_commit"] and p["versions"]["numpy"] and p["cpu"] and p["seeds"]["model"] == 0
         assert any(o.startswith("tree.width=") for o in p["overrides"])

@@ -1,0 +1,422 @@
+"""Whole-model forwards in one library call (native/src/cpu/kd_forward.c): the K2 target and the DFlash drafter.
+
+backend=cpu: K2Model and DFlashDrafter hand their weights to the library once (pointers into the loaded arrays,
+kept alive by the model; INT4 stays packed), and each forward / extend / draft is then ONE C call. The library
+owns the latent caches (a pool of slots, one per sequence) and grow-only scratch. Python keeps the decode loop.
+
+    target = NativeTarget(k2_model, lib)                 # registers the weights (K2Model does this itself)
+    cache = target.new_cache(max_len)                    # a slot of the native pool (LatentCache interface)
+    logits, hiddens = target.forward(tokens, positions, cache, visibility, hidden_layers)
+
+The ABI takes rows of several sequences per forward (kd_forward_args: slots + row_start, block-diagonal
+visibility); the decode loops pass one today. LIBRARY_CLOCK.seconds accumulates the wall time spent inside these
+calls (and the tree ops) so the bench can report the share of decode time spent outside the library.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from kdtree.errors import ConfigError, NativeError
+from kdtree.tree import causal_visibility
+
+_F32 = np.dtype(np.float32)
+
+
+class LibraryClock:
+    """Seconds spent inside native forward / draft / tree calls of this process (read as a difference);
+    collective_seconds: the part of them spent back in Python, in the tensor-parallel all-reduce callbacks."""
+
+    seconds = 0.0
+    collective_seconds = 0.0
+
+
+LIBRARY_CLOCK = LibraryClock()
+
+
+def supports(w: Any) -> bool:
+    """A weight the native forward takes as is: a float32 2-D ndarray or a packed Int4Weight."""
+    if isinstance(w, np.ndarray):
+        return w.dtype == _F32 and w.ndim == 2
+    return hasattr(w, "packed") and hasattr(w, "scale") and hasattr(w, "group_size")
+
+
+class _Registry:
+    """Pointers handed to C, and the arrays/cdata they point into, kept alive together."""
+
+    def __init__(self, lib):
+        self.lib, self.ffi = lib, lib.ffi
+        self.keep: List[Any] = []
+
+    def ptr(self, a: np.ndarray, ctype: str = "float[]"):
+        a = np.ascontiguousarray(a)
+        c = self.ffi.from_buffer(ctype, a)
+        self.keep += [a, c]
+        return c
+
+    def vec(self, a: Any):
+        """A 1-D float32 vector (norm weights, router bias)."""
+        return self.ptr(np.ascontiguousarray(np.asarray(a, np.float32).reshape(-1)))
+
+    def weight(self, dst, w: Any, name: str) -> None:
+        """Fill a kd_weight from a float32 [out, in] ndarray or an Int4Weight."""
+        if isinstance(w, np.ndarray):
+            if w.ndim != 2:
+                raise NativeError(f"{name}: expected a 2-D weight, got shape {w.shape}")
+            w = np.ascontiguousarray(w, np.float32)
+            dst.f32 = self.ptr(w)
+            dst.n_out, dst.n_in = w.shape
+            return
+        if not supports(w):
+            raise NativeError(f"{name}: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
+                              f"Int4Weight")
+        dst.packed = self.ptr(np.ascontiguousarray(w.packed, np.int32), "int32_t[]")
+        dst.scales = self.ptr(np.ascontiguousarray(w.scale, np.float32))
+        dst.n_out, dst.n_in = int(w.shape[0]), int(w.shape[1])
+        dst.group = int(w.group_size)
+
+    def mlp(self, dst, m: Any, name: str) -> None:
+        self.weight(dst.gate, m.gate, f"{name}.gate_proj")
+        self.weight(dst.up, m.up, f"{name}.up_proj")
+        self.weight(dst.down, m.down, f"{name}.down_proj")
+
+
+def _free_slot(owner, free, slot: int) -> None:
+    free(owner.handle, slot)
+
+
+def _timed(fn, *args) -> int:
+    t0 = time.perf_counter()
+    rc = fn(*args)
+    LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+    return rc
+
+
+class NativeLatentCache:
+    """A slot of the target's native latent-cache pool, with LatentCache's interface (length, max_len, kv,
+    truncate, keep). Freed with the object."""
+
+    def __init__(self, target: "NativeTarget", max_len: int):
+        self.target, self.max_len = target, int(max_len)
+        lib = target.lib
+        p = lib.ffi.new("int64_t *")
+        lib.check(lib.c.kd_cache_alloc(target.handle, self.max_len, p), "kd_cache_alloc")
+        self.slot = int(p[0])
+        self._len = lib.ffi.new("int64_t *")
+        self._kv: Optional[List[np.ndarray]] = None
+        # the finalizer holds the target, so the model is never destroyed before its cache slots are freed
+        weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
+
+    @property
+    def length(self) -> int:
+        lib = self.target.lib
+        lib.check(lib.c.kd_cache_length(self.target.handle, self.slot, self._len), "kd_cache_length")
+        return int(self._len[0])
+
+    @property
+    def kv(self) -> List[np.ndarray]:
+        """Per layer f32[max_len, kv_lora + rope] views of the native rows (valid while this cache lives)."""
+        if self._kv is None:
+            lib, t = self.target.lib, self.target
+            p = lib.ffi.new("float **")
+            views = []
+            for layer in range(t.n_layers):
+                lib.check(lib.c.kd_cache_rows(t.handle, self.slot, layer, p), "kd_cache_rows")
+                buf = lib.ffi.buffer(p[0], self.max_len * t.width * 4)
+                views.append(np.frombuffer(buf, np.float32).reshape(self.max_len, t.width))
+            self._kv = views
+        return self._kv
+
+    def truncate(self, n: int) -> None:
+        """Drop rows [n, length) (a rejected verify block)."""
+        length = self.length
+        if not 0 <= n <= length:
+            raise ValueError(f"truncate({n}) outside [0, {length}]")
+        lib = self.target.lib
+        lib.check(lib.c.kd_cache_truncate(self.target.handle, self.slot, int(n)), "kd_cache_truncate")
+
+    def keep(self, start: int, rows: Iterable[int]) -> None:
+        """Keep block rows `rows` (absolute, ascending, >= start) moved contiguously to start..; drop the rest."""
+        rows = np.ascontiguousarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
+        lib = self.target.lib
+        rc = lib.c.kd_cache_keep(self.target.handle, self.slot, int(start), lib.ffi.from_buffer("int64_t[]", rows),
+                                 rows.size)
+        if rc:
+            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within "
+                             f"[{start}, {self.length})")
+
+
+class NativeTarget:
+    """A K2Model's weights registered with the library; forward = one kd_model_forward call."""
+
+    def __init__(self, model: Any, lib):
+        cfg = model.cfg
+        self.lib, self.cfg = lib, cfg
+        ffi = lib.ffi
+        reg = self._reg = _Registry(lib)
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.width = int(model.kv_lora + model.rope_dim)
+        self.vocab, self.hidden = int(model.embed_tokens.shape[0]), int(model.embed_tokens.shape[1])
+        d = self._desc = ffi.new("kd_model_desc *")
+        d.vocab, d.hidden, d.n_layers = self.vocab, self.hidden, self.n_layers
+        d.kv_lora, d.rope_dim, d.nope, d.v_head = model.kv_lora, model.rope_dim, model.nope, int(cfg.v_head_dim)
+        rc = model._route_cfg
+        d.n_experts, d.top_k = int(cfg.n_routed_experts or 0), rc.num_experts_per_tok
+        d.n_group, d.topk_group = max(rc.n_group, 1), max(rc.topk_group, 1)
+        d.norm_topk_prob, d.routed_scale = int(rc.norm_topk_prob), rc.routed_scaling_factor
+        d.eps, d.attn_scale = model.eps, float(model.scale)
+        d.inv_freq = reg.ptr(np.ascontiguousarray(model.rotary.inv_freq, np.float64), "double[]")
+        d.rope_mscale = float(model.rotary.mscale)
+        d.embed = reg.ptr(np.ascontiguousarray(model.embed_tokens, np.float32))
+        d.final_norm = reg.vec(model.norm_w)
+        reg.weight(d.lm_head, model.lm_head_w, "lm_head")
+        layers = ffi.new("kd_layer[]", self.n_layers)
+        reg.keep.append(layers)
+        for i, layer in enumerate(model.layers):
+            ly, a, p = layers[i], layer["attn"], f"model.layers.{i}"
+            ly.in_norm, ly.post_norm = reg.vec(layer["in_norm"]), reg.vec(layer["post_norm"])
+            reg.weight(ly.q_a, a.q_a, f"{p}.self_attn.q_a_proj")
+            ly.q_a_norm = reg.vec(a.q_a_norm)
+            reg.weight(ly.q_b, a.q_b, f"{p}.self_attn.q_b_proj")
+            reg.weight(ly.kv_a, a.kv_a, f"{p}.self_attn.kv_a_proj_with_mqa")
+            ly.kv_a_norm = reg.vec(a.kv_a_norm)
+            ly.w_uk_t, ly.w_uv = reg.ptr(a.w_uk_t), reg.ptr(a.w_uv)
+            reg.weight(ly.o, a.o, f"{p}.self_attn.o_proj")
+            ly.heads = a.heads
+            moe = layer["moe"]
+            if moe is None:
+                ly.is_moe = 0
+                reg.mlp(ly.mlp, layer["mlp"], f"{p}.mlp")
+                continue
+            ly.is_moe = 1
+            ly.router, ly.router_bias = reg.ptr(moe.gate), reg.vec(moe.bias)
+            experts = ffi.new("kd_mlp[]", len(moe.experts))
+            reg.keep.append(experts)
+            for e, m in enumerate(moe.experts):
+                reg.mlp(experts[e], m, f"{p}.mlp.experts.{e}")
+            ly.experts = experts
+            if moe.shared is not None:
+                ly.has_shared = 1
+                reg.mlp(ly.shared, moe.shared, f"{p}.mlp.shared_experts")
+        d.layers = layers
+        if model.all_reduce is not None:
+            # tensor parallel: the C forward calls back into the ordered all-reduce between layer halves
+            all_reduce = model.all_reduce
+
+            def _all_reduce(x, n, _ctx):
+                t0 = time.perf_counter()
+                buf = np.frombuffer(ffi.buffer(x, n * 4), np.float32)
+                buf[:] = all_reduce(buf)
+                LIBRARY_CLOCK.collective_seconds += time.perf_counter() - t0
+                return 0
+
+            cb = ffi.callback("int(float *, int64_t, void *)", _all_reduce, error=-1)
+            reg.keep.append(cb)   # the callback object itself: the struct field alone does not keep it alive
+            d.all_reduce = cb
+        h = ffi.new("kd_model **")
+        lib.check(lib.c.kd_model_create(d, h), "kd_model_create")
+        self.handle = h[0]
+        weakref.finalize(self, lib.c.kd_model_destroy, self.handle)
+        # reused per call: one argument block, one slot, one row range (one sequence per forward today)
+        self._args = ffi.new("kd_forward_args *")
+        self._seq = np.zeros(3, np.int64)                               # [slot, row_start 0, row_start 1]
+        self._seq_c = ffi.from_buffer("int64_t[]", self._seq)
+        self._args.n_seqs = 1
+        self._args.slots = self._seq_c
+        self._args.row_start = self._seq_c + 1
+        self._fb = ffi._backend.from_buffer
+        self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t", "uint64_t")}
+        self._fwd = lib.c.kd_model_forward
+
+    def new_cache(self, max_len: int) -> NativeLatentCache:
+        return NativeLatentCache(self, max_len)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: NativeLatentCache,
+                visibility: Optional[np.ndarray] = None, hidden_layers: Iterable[int] = (),
+                logits: bool = True) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
+        """K2Model.forward of one sequence in one library call: logits f32[T, V] (f32[T, 0] when logits=False)
+        and {layer: f32[T, D]} for the hidden_layers."""
+        if getattr(cache, "target", None) is not self:
+            raise ValueError(f"forward: the cache ({type(cache).__name__}) was not made by this model's new_cache; "
+                             f"use model.new_cache(max_len)")
+        tokens = np.ascontiguousarray(tokens, np.int32)
+        positions = np.ascontiguousarray(positions, np.int32)
+        T = tokens.shape[0]
+        if positions.shape != (T,):
+            raise ValueError(f"positions shape {positions.shape} != tokens shape ({T},)")
+        length = cache.length
+        if length + T > cache.max_len:
+            raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {length} + {T} tokens; "
+                              f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
+        if T == 0:
+            return np.empty((0, self.vocab if logits else 0), np.float32), {}
+        fb, ty = self._fb, self._types
+        a = self._args
+        if visibility is not None:
+            visibility = np.ascontiguousarray(visibility, np.uint64)
+            if visibility.shape != (T, (T + 63) // 64):
+                raise ValueError(f"visibility shape {visibility.shape} != ({T}, {(T + 63) // 64})")
+            a.visibility = fb(ty["uint64_t"], visibility, False)
+        else:
+            a.visibility = self.lib.ffi.NULL
+        want = list(dict.fromkeys(int(i) for i in hidden_layers))
+        D = self.hidden
+        hid = np.empty((T, len(want) * D), np.float32) if want else None
+        out = np.empty((T, self.vocab if logits else 0), np.float32)
+        hl = np.asarray(want, np.int64)
+        self._seq[0], self._seq[2] = cache.slot, T
+        a.n_rows, a.tokens, a.positions = T, fb(ty["int32_t"], tokens, False), fb(ty["int32_t"], positions, False)
+        a.n_out = T if logits else 0
+        a.logits = fb(ty["float"], out, False) if logits else self.lib.ffi.NULL
+        a.n_hidden = len(want)
+        if want:
+            a.hidden_layers, a.hidden = fb(ty["int64_t"], hl, False), fb(ty["float"], hid, False)
+        rc = _timed(self._fwd, self.handle, a)
+        if rc:
+            self.lib.check(rc, "kd_model_forward")
+        return out, {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
+
+
+    def forward_batch(self, seqs: Sequence[Tuple[np.ndarray, np.ndarray, NativeLatentCache, Optional[np.ndarray]]],
+                      hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
+        """Rows of several sequences in ONE call: seqs = [(tokens i32[T_s], positions i32[T_s], cache, visibility
+        u64[T_s, ceil(T_s/64)] | None = causal)], distinct caches. Each row sees its own cache and its own block's
+        visible rows (block-diagonal), so its results equal its sequence's forward alone, bit for bit.
+        Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
+        if not seqs:
+            raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
+        toks, poss, vis, row_start, slots = [], [], [], [0], []
+        for tokens, positions, cache, visibility in seqs:
+            if getattr(cache, "target", None) is not self:
+                raise ValueError(f"forward_batch: sequence {len(slots)}'s cache was not made by this model's "
+                                 f"new_cache; use model.new_cache(max_len)")
+            t = np.ascontiguousarray(tokens, np.int32)
+            T = t.shape[0]
+            if T == 0 or np.shape(positions) != (T,):
+                raise ValueError(f"forward_batch: sequence {len(slots)} has tokens {t.shape}, positions "
+                                 f"{np.shape(positions)}; expected [T] and [T] with T >= 1")
+            if cache.length + T > cache.max_len:
+                raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
+                                  f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
+            v = causal_visibility(T) if visibility is None else np.ascontiguousarray(visibility, np.uint64)
+            if v.shape != (T, (T + 63) // 64):
+                raise ValueError(f"visibility shape {v.shape} != ({T}, {(T + 63) // 64})")
+            toks.append(t), poss.append(np.asarray(positions, np.int32)), vis.append(v.reshape(-1))
+            row_start.append(row_start[-1] + T), slots.append(cache.slot)
+        N, D = row_start[-1], self.hidden
+        want = list(dict.fromkeys(int(i) for i in hidden_layers))
+        arrays = {"tokens": np.concatenate(toks), "positions": np.concatenate(poss),
+                  "slots": np.asarray(slots, np.int64), "row_start": np.asarray(row_start, np.int64),
+                  "visibility": np.concatenate(vis), "hidden_layers": np.asarray(want or [0], np.int64),
+                  "logits": np.empty((N, self.vocab), np.float32), "argmax": np.empty(N, np.int32),
+                  "hidden": np.empty((N, max(len(want), 1) * D), np.float32)}
+        ctype = {np.dtype(np.int32): "int32_t[]", np.dtype(np.int64): "int64_t[]", np.dtype(np.uint64): "uint64_t[]",
+                 _F32: "float[]"}
+        c = {k: self.lib.ffi.from_buffer(ctype[v.dtype], v) for k, v in arrays.items()}
+        a = self.lib.ffi.new("kd_forward_args *")
+        a.n_rows, a.tokens, a.positions, a.n_seqs = N, c["tokens"], c["positions"], len(slots)
+        a.slots, a.row_start, a.visibility = c["slots"], c["row_start"], c["visibility"]
+        a.n_out, a.logits, a.argmax = N, c["logits"], c["argmax"]
+        a.n_hidden, a.hidden_layers, a.hidden = len(want), c["hidden_layers"], c["hidden"]
+        self.lib.check(_timed(self._fwd, self.handle, a), "kd_model_forward")
+        hid = arrays["hidden"]
+        return arrays["logits"], arrays["argmax"], {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
+
+
+class NativeDrafterCache:
+    """A slot of the drafter's native context cache (DrafterCache's length / max_len / truncate)."""
+
+    def __init__(self, drafter: "NativeDrafter", max_len: int):
+        self.drafter, self.max_len = drafter, int(max_len)
+        lib = drafter.lib
+        p = lib.ffi.new("int64_t *")
+        lib.check(lib.c.kd_drafter_cache_alloc(drafter.handle, self.max_len, p), "kd_drafter_cache_alloc")
+        self.slot = int(p[0])
+        self._len = lib.ffi.new("int64_t *")
+        self._slot_arr = np.array([self.slot], np.int64)
+        weakref.finalize(self, _free_slot, drafter, lib.c.kd_drafter_cache_free, self.slot)
+
+    @property
+    def length(self) -> int:
+        lib = self.drafter.lib
+        lib.check(lib.c.kd_drafter_cache_length(self.drafter.handle, self.slot, self._len), "kd_drafter_cache_length")
+        return int(self._len[0])
+
+    def truncate(self, n: int) -> None:
+        lib = self.drafter.lib
+        lib.check(lib.c.kd_drafter_cache_truncate(self.drafter.handle, self.slot, int(n)), "kd_drafter_cache_truncate")
+
+
+class NativeDrafter:
+    """A DFlashDrafter's weights (and its target's embed / lm_head) registered with the library."""
+
+    def __init__(self, drafter: Any, lib):
+        self.lib = lib
+        ffi = lib.ffi
+        reg = self._reg = _Registry(lib)
+        w = drafter.w
+        self.block_size, self.vocab = drafter.block_size, int(drafter.embed.shape[0])
+        self.target_layer_ids = list(drafter.target_layer_ids)
+        d = self._desc = ffi.new("kd_drafter_desc *")
+        d.vocab, d.hidden, d.n_layers = self.vocab, int(drafter.embed.shape[1]), drafter.num_layers
+        d.hq, d.hkv, d.head_dim, d.block_size = drafter.hq, drafter.hkv, drafter.hd, drafter.block_size
+        d.mask_token, d.eps, d.rope_theta = drafter.mask_token_id, drafter.eps, drafter.theta
+        reg.weight(d.fc, w["fc.weight"], "fc")
+        d.hidden_norm, d.final_norm = reg.vec(w["hidden_norm.weight"]), reg.vec(w["norm.weight"])
+        d.embed = reg.ptr(np.ascontiguousarray(drafter.embed, np.float32))
+        reg.weight(d.lm_head, drafter.lm_head, "lm_head")
+        layers = ffi.new("kd_drafter_layer[]", drafter.num_layers)
+        reg.keep.append(layers)
+        for i in range(drafter.num_layers):
+            ly, p, a = layers[i], f"layers.{i}", f"layers.{i}.self_attn"
+            ly.in_norm, ly.post_norm = reg.vec(w[f"{p}.input_layernorm.weight"]), reg.vec(w[f"{p}.post_attention_layernorm.weight"])
+            for name in ("q", "k", "v", "o"):
+                reg.weight(getattr(ly, name), w[f"{a}.{name}_proj.weight"], f"{a}.{name}_proj")
+            ly.q_norm, ly.k_norm = reg.vec(w[f"{a}.q_norm.weight"]), reg.vec(w[f"{a}.k_norm.weight"])
+            for name in ("gate", "up", "down"):
+                reg.weight(getattr(ly.mlp, name), w[f"{p}.mlp.{name}_proj.weight"], f"{p}.mlp.{name}_proj")
+        d.layers = layers
+        h = ffi.new("kd_drafter **")
+        lib.check(lib.c.kd_drafter_create(d, h), "kd_drafter_create")
+        self.handle = h[0]
+        weakref.finalize(self, lib.c.kd_drafter_destroy, self.handle)
+        self._rows = np.zeros(2, np.int64)
+        self._bonus = np.zeros(1, np.int32)
+        self._fb = ffi._backend.from_buffer
+        self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t")}
+
+    def new_cache(self, max_len: int) -> NativeDrafterCache:
+        return NativeDrafterCache(self, max_len)
+
+    def extend(self, cache: NativeDrafterCache, hiddens: Dict[int, np.ndarray]) -> None:
+        feats = np.ascontiguousarray(np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids],
+                                                    axis=-1))
+        T = feats.shape[0]
+        if T == 0:
+            return
+        n = cache.length
+        if n + T > cache.max_len:
+            raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
+                              f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
+        fb, ty = self._fb, self._types
+        self._rows[1] = T
+        rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+                    fb(ty["int64_t"], self._rows, False), fb(ty["float"], feats, False))
+        if rc:
+            self.lib.check(rc, "kd_drafter_extend")
+
+    def draft(self, cache: NativeDrafterCache, bonus: int) -> np.ndarray:
+        out = np.empty((self.block_size - 1, self.vocab), np.float32)
+        self._bonus[0] = int(bonus)
+        fb, ty = self._fb, self._types
+        rc = _timed(self.lib.c.kd_drafter_draft, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+                    fb(ty["int32_t"], self._bonus, False), fb(ty["float"], out, False))
+        if rc:
+            self.lib.check(rc, "kd_drafter_draft")
+        return out
+
+
+__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "NativeDrafter", "NativeDrafterCache", "supports"]

@@ -1,0 +1,827 @@
+/* Whole-model forwards of the CPU build (libkdtree_cpu.so): the K2 target (kdtree/model/k2.py, K2Model.forward)
+ * and the DFlash drafter (kdtree/model/drafter.py, extend / draft), one library call each.
+ *
+ * The layer loops read like the numpy reference beside them and call the public dense kernels (kd_linear_f32,
+ * kd_linear_w4a16, kd_rms_norm, kd_silu_mul, kd_head_linear_f32, kd_mla_attention), so every row keeps their
+ * fixed reduction order: a row's result never depends on the other rows or sequences in the call. What is new
+ * here is element-wise or per-row glue (YaRN rope, sigmoid routing, the MoE combine, argmax), written in the
+ * numpy reference's operation order. Weights are the caller's (pointers registered once); latent caches and
+ * scratch are owned here; scratch only grows, so a warm decode loop allocates nothing. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kd_common.h"
+
+/* ---- small helpers ------------------------------------------------------------------------------------- */
+typedef struct {
+  void *p;
+  size_t cap;
+} kd_buf;
+
+/* grow-only scratch: contents are not kept across a growth */
+static void *kd_reserve(kd_buf *b, size_t bytes) {
+  if (bytes == 0) bytes = 1;
+  if (b->cap < bytes) {
+    free(b->p);
+    b->p = malloc(bytes);
+    b->cap = b->p ? bytes : 0;
+  }
+  return b->p;
+}
+
+#define KD_TRY(expr)          \
+  do {                        \
+    int rc_ = (expr);         \
+    if (rc_) return rc_;      \
+  } while (0)
+
+static int kd_lin(const kd_weight *w, const float *x, float *out, int64_t T) {
+  if (w->packed)
+    return kd_linear_w4a16(x, w->packed, w->scales, out, T, w->n_in, w->n_out, w->group, NULL);
+  return kd_linear_f32(x, w->f32, out, T, w->n_in, w->n_out, NULL);
+}
+
+static int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
+  if (w->n_out != n_out || w->n_in != n_in) return 0;
+  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
+  return w->f32 != NULL;
+}
+
+/* numpy's float32 sum of a short contiguous row (pairwise_sum for n <= 128): sequential below 8 elements, else
+ * eight partial sums combined ((0+1)+(2+3))+((4+5)+(6+7)), then the tail -- the reference's routing weights sum */
+static float kd_np_sum(const float *a, int64_t n) {
+  if (n < 8) {
+    float r = 0.0f;
+    for (int64_t i = 0; i < n; i++) r += a[i];
+    return r;
+  }
+  float r[8];
+  for (int j = 0; j < 8; j++) r[j] = a[j];
+  int64_t i = 8;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) r[j] += a[i + j];
+  float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+  for (; i < n; i++) res += a[i];
+  return res;
+}
+
+/* index of the first maximum among the entries not yet taken (a stable descending sort's next pick) */
+static int64_t kd_pick_max(const float *v, unsigned char *taken, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; i++)
+    if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+  if (best >= 0) taken[best] = 1;
+  return best;
+}
+
+/* ---- the target model ------------------------------------------------------------------------------------ */
+typedef struct {
+  float *kv; /* [n_layers][max_len][L+R] */
+  int64_t max_len, length;
+  int used;
+} kd_slot;
+
+struct kd_model {
+  kd_model_desc d;
+  kd_layer *layers;
+  kd_mlp **experts;     /* per layer copies */
+  double *inv_freq;
+  kd_slot *slots;
+  int64_t n_slots;
+  int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
+  kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, gs;
+};
+
+int kd_model_destroy(kd_model *m) {
+  if (!m) return KD_OK;
+  if (m->experts)
+    for (int64_t i = 0; i < m->d.n_layers; i++) free(m->experts[i]);
+  free(m->experts);
+  free(m->layers);
+  free(m->inv_freq);
+  for (int64_t s = 0; s < m->n_slots; s++) free(m->slots[s].kv);
+  free(m->slots);
+  kd_buf *bufs[] = {&m->h, &m->x, &m->t, &m->qa, &m->q, &m->kva, &m->qf, &m->olat, &m->o, &m->cs, &m->rl, &m->ex,
+                    &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->gs};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
+  free(m);
+  return KD_OK;
+}
+
+static int kd_mlp_ok(const kd_mlp *p, int64_t D) {
+  int64_t I = p->gate.n_out;
+  return I > 0 && kd_weight_ok(&p->gate, I, D) && kd_weight_ok(&p->up, I, D) && kd_weight_ok(&p->down, D, I);
+}
+
+int kd_model_create(const kd_model_desc *desc, kd_model **out) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_create", desc);
+  KD_CHECK_PTR("kd_model_create", out);
+  *out = NULL;
+  const kd_model_desc *d = desc;
+  int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim;
+  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || L <= 0 || R <= 0 || R % 2 || d->nope <= 0 || d->v_head <= 0)
+    return kd_fail(KD_EINVAL, "kd_model_create: bad sizes (D=%lld V=%lld layers=%lld L=%lld R=%lld)",
+                   (long long)D, (long long)d->vocab, (long long)d->n_layers, (long long)L, (long long)R);
+  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
+    return kd_fail(KD_EINVAL, "kd_model_create: embed, final_norm, lm_head [V, D], layers and inv_freq are required");
+  kd_model *m = (kd_model *)calloc(1, sizeof(kd_model));
+  if (!m) return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
+  m->d = *d;
+  m->E = L + R;
+  m->layers = (kd_layer *)malloc(sizeof(kd_layer) * (size_t)d->n_layers);
+  m->experts = (kd_mlp **)calloc((size_t)d->n_layers, sizeof(kd_mlp *));
+  m->inv_freq = (double *)malloc(sizeof(double) * (size_t)(R / 2));
+  if (!m->layers || !m->experts || !m->inv_freq) {
+    kd_model_destroy(m);
+    return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
+  }
+  memcpy(m->layers, d->layers, sizeof(kd_layer) * (size_t)d->n_layers);
+  memcpy(m->inv_freq, d->inv_freq, sizeof(double) * (size_t)(R / 2));
+  m->d.layers = m->layers;
+  m->d.inv_freq = m->inv_freq;
+  for (int64_t i = 0; i < d->n_layers; i++) {
+    kd_layer *ly = &m->layers[i];
+    int64_t H = ly->heads, ql = ly->q_a.n_out;
+    int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm && ly->w_uk_t &&
+             ly->w_uv && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
+             kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
+    if (ok && ly->is_moe) {
+      ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
+           ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
+           d->topk_group <= d->n_group;
+      if (ok) {
+        m->experts[i] = (kd_mlp *)malloc(sizeof(kd_mlp) * (size_t)d->n_experts);
+        if (!m->experts[i]) {
+          kd_model_destroy(m);
+          return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
+        }
+        memcpy(m->experts[i], ly->experts, sizeof(kd_mlp) * (size_t)d->n_experts);
+        ly->experts = m->experts[i];
+        for (int64_t e = 0; e < d->n_experts && ok; e++) {
+          ok = kd_mlp_ok(&ly->experts[e], D);
+          if (ok && ly->experts[e].gate.n_out > m->inter) m->inter = ly->experts[e].gate.n_out;
+        }
+      }
+      if (ok && ly->has_shared) {
+        ok = kd_mlp_ok(&ly->shared, D);
+        if (ok && ly->shared.gate.n_out > m->inter) m->inter = ly->shared.gate.n_out;
+      }
+    } else if (ok) {
+      ok = kd_mlp_ok(&ly->mlp, D);
+      if (ok && ly->mlp.gate.n_out > m->inter) m->inter = ly->mlp.gate.n_out;
+    }
+    if (!ok) {
+      kd_model_destroy(m);
+      return kd_fail(KD_EINVAL, "kd_model_create: layer %lld has a missing weight or one whose shape disagrees "
+                                "with the model sizes", (long long)i);
+    }
+    if (ql > m->q_lora) m->q_lora = ql;
+  }
+  *out = m;
+  return KD_OK;
+}
+
+static kd_slot *kd_slot_get(kd_model *m, int64_t slot, const char *fn) {
+  if (!m || slot < 0 || slot >= m->n_slots || !m->slots[slot].used) {
+    kd_fail(KD_EINVAL, "%s: cache slot %lld is not allocated", fn, (long long)slot);
+    return NULL;
+  }
+  return &m->slots[slot];
+}
+
+int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_cache_alloc", m);
+  KD_CHECK_PTR("kd_cache_alloc", slot);
+  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
+  int64_t s = 0;
+  while (s < m->n_slots && m->slots[s].used) s++;
+  if (s == m->n_slots) {
+    kd_slot *grown = (kd_slot *)realloc(m->slots, sizeof(kd_slot) * (size_t)(m->n_slots + 1));
+    if (!grown) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory");
+    m->slots = grown;
+    memset(&m->slots[m->n_slots++], 0, sizeof(kd_slot));
+  }
+  size_t n = (size_t)(m->d.n_layers * max_len * m->E);
+  float *kv = (float *)calloc(n, sizeof(float));
+  if (!kv) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory (%zu floats)", n);
+  m->slots[s] = (kd_slot){kv, max_len, 0, 1};
+  *slot = s;
+  return KD_OK;
+}
+
+int kd_cache_free(kd_model *m, int64_t slot) {
+  kd_clear_error();
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_free");
+  if (!c) return KD_EINVAL;
+  free(c->kv);
+  memset(c, 0, sizeof *c);
+  return KD_OK;
+}
+
+int kd_cache_length(kd_model *m, int64_t slot, int64_t *length) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_length");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_cache_length", length);
+  *length = c->length;
+  return KD_OK;
+}
+
+int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_truncate");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || n > c->length)
+    return kd_fail(KD_EINVAL, "kd_cache_truncate(%lld) outside [0, %lld]", (long long)n, (long long)c->length);
+  c->length = n;
+  return KD_OK;
+}
+
+int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_keep");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || start < 0 || start + n > c->length || (n && !rows))
+    return kd_fail(KD_EINVAL, "kd_cache_keep: start=%lld n=%lld outside the cache's %lld rows", (long long)start,
+                   (long long)n, (long long)c->length);
+  for (int64_t i = 0; i < n; i++)
+    if (rows[i] < start || rows[i] >= c->length || (i && rows[i] <= rows[i - 1]))
+      return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend within [%lld, %lld)", (long long)start,
+                     (long long)c->length);
+  /* ascending rows >= start: row i moves down to start + i <= rows[i], never over a row still to move */
+  for (int64_t l = 0; l < m->d.n_layers; l++) {
+    float *kv = c->kv + l * c->max_len * m->E;
+    for (int64_t i = 0; i < n; i++)
+      if (rows[i] != start + i) memmove(kv + (start + i) * m->E, kv + rows[i] * m->E, sizeof(float) * (size_t)m->E);
+  }
+  c->length = start + n;
+  return KD_OK;
+}
+
+int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_rows");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_cache_rows", rows);
+  if (layer < 0 || layer >= m->d.n_layers)
+    return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
+  *rows = c->kv + layer * c->max_len * m->E;
+  return KD_OK;
+}
+
+/* x [T, R] rotated in place by interleaved pairs: (x0 c - x1 s, x1 c + x0 s), as k2.rope_apply (x*C + swap(x)*S) */
+static void kd_rope_interleaved(float *x, const float *cs, int64_t half) {
+  const float *c = cs, *s = cs + half;
+  for (int64_t i = 0; i < half; i++) {
+    float x0 = x[2 * i], x1 = x[2 * i + 1];
+    x[2 * i] = x0 * c[i] + x1 * -s[i];
+    x[2 * i + 1] = x1 * c[i] + x0 * s[i];
+  }
+}
+
+/* scores (sigmoid), bias -> experts/weights of one token (k2.route_rows, noaux_tc, group-limited if n_group > 1) */
+static void kd_route(const kd_model_desc *d, const float *s, const float *bias, float *choice, float *gscore,
+                     unsigned char *taken, int32_t *ex, float *ew) {
+  int64_t E = d->n_experts, G = d->n_group, per = E / G, k = d->top_k;
+  for (int64_t e = 0; e < E; e++) choice[e] = s[e] + bias[e];
+  if (G > 1) {
+    int64_t top = per < 2 ? per : 2;
+    for (int64_t g = 0; g < G; g++) { /* sum of the group's best two (sorted descending, summed as numpy) */
+      memset(taken, 0, (size_t)per);
+      float r = 0.0f;
+      for (int64_t j = 0; j < top; j++) r += choice[g * per + kd_pick_max(choice + g * per, taken, per)];
+      gscore[g] = r;
+    }
+    memset(taken, 0, (size_t)G);
+    for (int64_t j = 0; j < d->topk_group; j++) kd_pick_max(gscore, taken, G);
+    for (int64_t g = 0; g < G; g++)
+      if (!taken[g])
+        for (int64_t j = 0; j < per; j++) choice[g * per + j] = 0.0f; /* HF masks with 0.0 */
+  }
+  memset(taken, 0, (size_t)E);
+  for (int64_t j = 0; j < k; j++) {
+    ex[j] = (int32_t)kd_pick_max(choice, taken, E);
+    ew[j] = s[ex[j]];
+  }
+  if (d->norm_topk_prob) {
+    float den = kd_np_sum(ew, k) + 1e-20f;
+    for (int64_t j = 0; j < k; j++) ew[j] = ew[j] / den;
+  }
+  for (int64_t j = 0; j < k; j++) ew[j] = ew[j] * d->routed_scale;
+}
+
+/* gate/up/silu/down of n rows x -> y (scratch g, u of n x I) */
+static int kd_mlp_rows(const kd_mlp *p, const float *x, float *y, int64_t n, float *g, float *u) {
+  if (n == 0) return KD_OK;
+  int64_t I = p->gate.n_out;
+  KD_TRY(kd_lin(&p->gate, x, g, n));
+  KD_TRY(kd_lin(&p->up, x, u, n));
+  KD_TRY(kd_silu_mul(g, u, g, n, I, NULL));
+  return kd_lin(&p->down, g, y, n);
+}
+
+/* MoE of N rows (k2.K2Model._moe): router, routing, experts grouped by expert (slot order kept), then per token
+ * out = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared(x) */
+static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *out, int64_t N) {
+  const kd_model_desc *d = &m->d;
+  int64_t D = d->hidden, E = d->n_experts, k = d->top_k, S = N * k, I = m->inter;
+  float *rl = (float *)kd_reserve(&m->rl, sizeof(float) * (size_t)(N * E + E + d->n_group));
+  int32_t *ex = (int32_t *)kd_reserve(&m->ex, sizeof(int32_t) * (size_t)S);
+  float *ew = (float *)kd_reserve(&m->ew, sizeof(float) * (size_t)S);
+  int64_t *cnt = (int64_t *)kd_reserve(&m->cnt, sizeof(int64_t) * (size_t)(E + 1));
+  int64_t *pos = (int64_t *)kd_reserve(&m->pos, sizeof(int64_t) * (size_t)S);
+  float *xs = (float *)kd_reserve(&m->xs, sizeof(float) * (size_t)(S * D));
+  float *ys = (float *)kd_reserve(&m->ys, sizeof(float) * (size_t)(S * D));
+  int64_t rows = S > N ? S : N;
+  float *g = (float *)kd_reserve(&m->g, sizeof(float) * (size_t)(rows * I));
+  float *u = (float *)kd_reserve(&m->u, sizeof(float) * (size_t)(rows * I));
+  float *sh = (float *)kd_reserve(&m->sh, sizeof(float) * (size_t)(N * D));
+  unsigned char *taken = (unsigned char *)kd_reserve(&m->taken, (size_t)(E > d->n_group ? E : d->n_group));
+  if (!rl || !ex || !ew || !cnt || !pos || !xs || !ys || !g || !u || !sh || !taken)
+    return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE scratch, %lld rows)", (long long)N);
+  float *choice = rl + N * E, *gscore = choice + E;
+  KD_TRY(kd_linear_f32(x, ly->router, rl, N, D, E, NULL));
+  for (int64_t i = 0; i < N * E; i++) rl[i] = 1.0f / (1.0f + expf(-rl[i]));
+  for (int64_t t = 0; t < N; t++)
+    kd_route(d, rl + t * E, ly->router_bias, choice, gscore, taken, ex + t * k, ew + t * k);
+  memset(cnt, 0, sizeof(int64_t) * (size_t)(E + 1));
+  for (int64_t i = 0; i < S; i++) cnt[ex[i] + 1]++;
+  for (int64_t e = 0; e < E; e++) cnt[e + 1] += cnt[e];
+  for (int64_t i = 0; i < S; i++) {
+    int64_t p = cnt[ex[i]]++;
+    pos[i] = p;
+    memcpy(xs + p * D, x + (i / k) * D, sizeof(float) * (size_t)D);
+  }
+  for (int64_t e = E; e > 0; e--) cnt[e] = cnt[e - 1];
+  cnt[0] = 0;
+  for (int64_t e = 0; e < E; e++)
+    KD_TRY(kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u));
+  if (ly->has_shared) KD_TRY(kd_mlp_rows(&ly->shared, x, sh, N, g, u));
+  for (int64_t t = 0; t < N; t++) {
+    float *o = out + t * D;
+    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+      float w = ew[t * k + j];
+      const float *y = ys + pos[t * k + j] * D;
+      for (int64_t c = 0; c < D; c++) o[c] = o[c] + w * y[c];
+    }
+    if (ly->has_shared)
+      for (int64_t c = 0; c < D; c++) o[c] = o[c] + sh[t * D + c];
+  }
+  return KD_OK;
+}
+
+static int kd_reduce(kd_model *m, float *x, int64_t n) {
+  if (!m->d.all_reduce) return KD_OK;
+  if (m->d.all_reduce(x, n, m->d.all_reduce_ctx))
+    return kd_fail(KD_EINVAL, "kd_model_forward: the tensor-parallel all-reduce failed (see the rank's log)");
+  return KD_OK;
+}
+
+static int kd_forward_check(kd_model *m, const kd_forward_args *a) {
+  const kd_model_desc *d = &m->d;
+  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
+                              "are required", (long long)a->n_rows, (long long)a->n_seqs);
+  if (a->row_start[0] != 0 || a->row_start[a->n_seqs] != a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: row_start must run from 0 to n_rows=%lld", (long long)a->n_rows);
+  for (int64_t s = 0; s < a->n_seqs; s++) {
+    kd_slot *c = kd_slot_get(m, a->slots[s], "kd_model_forward");
+    if (!c) return KD_EINVAL;
+    int64_t T = a->row_start[s + 1] - a->row_start[s];
+    if (T <= 0) return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s, (long long)T);
+    if (c->length + T > c->max_len)
+      return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld of %lld rows cannot hold %lld + %lld tokens",
+                     (long long)a->slots[s], (long long)c->max_len, (long long)c->length, (long long)T);
+    for (int64_t r = 0; r < s; r++)
+      if (a->slots[r] == a->slots[s])
+        return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld appears twice", (long long)a->slots[s]);
+  }
+  for (int64_t i = 0; i < a->n_rows; i++)
+    if (a->tokens[i] < 0 || a->tokens[i] >= d->vocab || a->positions[i] < 0)
+      return kd_fail(KD_EINVAL, "kd_model_forward: row %lld has token %d (vocab %lld) at position %d", (long long)i,
+                     a->tokens[i], (long long)d->vocab, a->positions[i]);
+  if (a->n_out < 0 || a->n_out > a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_out=%lld out of range", (long long)a->n_out);
+  for (int64_t i = 0; a->out_rows && i < a->n_out; i++)
+    if (a->out_rows[i] < 0 || a->out_rows[i] >= a->n_rows)
+      return kd_fail(KD_EINVAL, "kd_model_forward: out_rows[%lld]=%lld outside [0, %lld)", (long long)i,
+                     (long long)a->out_rows[i], (long long)a->n_rows);
+  if (a->n_hidden < 0 || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden", (long long)a->n_hidden);
+  return KD_OK;
+}
+
+int kd_model_forward(kd_model *m, const kd_forward_args *a) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_forward", m);
+  KD_CHECK_PTR("kd_model_forward", a);
+  KD_TRY(kd_forward_check(m, a));
+  const kd_model_desc *d = &m->d;
+  int64_t N = a->n_rows, D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, nope = d->nope;
+  int64_t half = R / 2, Hmax = 0;
+  for (int64_t i = 0; i < d->n_layers; i++)
+    if (m->layers[i].heads > Hmax) Hmax = m->layers[i].heads;
+  float *h = (float *)kd_reserve(&m->h, sizeof(float) * (size_t)(N * D));
+  float *x = (float *)kd_reserve(&m->x, sizeof(float) * (size_t)(N * D));
+  float *t = (float *)kd_reserve(&m->t, sizeof(float) * (size_t)(N * D));
+  float *qa = (float *)kd_reserve(&m->qa, sizeof(float) * (size_t)(N * m->q_lora));
+  float *q = (float *)kd_reserve(&m->q, sizeof(float) * (size_t)(N * Hmax * (nope + R)));
+  float *kva = (float *)kd_reserve(&m->kva, sizeof(float) * (size_t)(N * E));
+  float *qf = (float *)kd_reserve(&m->qf, sizeof(float) * (size_t)(N * Hmax * E));
+  float *olat = (float *)kd_reserve(&m->olat, sizeof(float) * (size_t)(N * Hmax * L));
+  float *o = (float *)kd_reserve(&m->o, sizeof(float) * (size_t)(N * Hmax * d->v_head));
+  float *cs = (float *)kd_reserve(&m->cs, sizeof(float) * (size_t)(N * R)); /* per row: cos[R/2], sin[R/2] */
+  if (!h || !x || !t || !qa || !q || !kva || !qf || !olat || !o || !cs)
+    return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (%lld rows)", (long long)N);
+
+  /* YaRN cos/sin of each row's position (float64, rounded once: rope.RotaryTable), shared by the layers */
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t i = 0; i < half; i++) {
+      double ang = (double)a->positions[r] * m->inv_freq[i];
+      cs[r * R + i] = (float)(cos(ang) * d->rope_mscale);
+      cs[r * R + half + i] = (float)(sin(ang) * d->rope_mscale);
+    }
+  for (int64_t r = 0; r < N; r++) memcpy(h + r * D, d->embed + (int64_t)a->tokens[r] * D, sizeof(float) * (size_t)D);
+
+  for (int64_t li = 0; li < d->n_layers; li++) {
+    const kd_layer *ly = &m->layers[li];
+    int64_t H = ly->heads, qw = nope + R;
+    /* attention: h = h + o_proj(absorbed MLA(norm(h))) */
+    KD_TRY(kd_rms_norm(h, ly->in_norm, x, N, D, d->eps, NULL));
+    KD_TRY(kd_lin(&ly->q_a, x, qa, N));
+    KD_TRY(kd_rms_norm(qa, ly->q_a_norm, qa, N, ly->q_a.n_out, d->eps, NULL));
+    KD_TRY(kd_lin(&ly->q_b, qa, q, N));                                  /* q: [N, H, nope+R] */
+    KD_TRY(kd_lin(&ly->kv_a, x, kva, N));                                /* kv_a: [N, L+R] */
+    for (int64_t s = 0; s < a->n_seqs; s++) { /* new latent rows [norm(c), rope(k_pe)] at the cache's end */
+      kd_slot *c = &m->slots[a->slots[s]];
+      float *kv = c->kv + li * c->max_len * E;
+      for (int64_t r = a->row_start[s], j = c->length; r < a->row_start[s + 1]; r++, j++) {
+        KD_TRY(kd_rms_norm(kva + r * E, ly->kv_a_norm, kv + j * E, 1, L, d->eps, NULL));
+        memcpy(kv + j * E + L, kva + r * E + L, sizeof(float) * (size_t)R);
+        kd_rope_interleaved(kv + j * E + L, cs + r * R, half);
+      }
+    }
+    for (int64_t r = 0; r < N; r++) /* q_full[:, :, L:] = rope(q_pe) */
+      for (int64_t hh = 0; hh < H; hh++) {
+        float *dst = qf + (r * H + hh) * E + L;
+        memcpy(dst, q + (r * H + hh) * qw + nope, sizeof(float) * (size_t)R);
+        kd_rope_interleaved(dst, cs + r * R, half);
+      }
+    /* q_full[:, :, :L] = W_uk[h]^T q_nope[h] */
+    KD_TRY(kd_head_linear_f32(q, H * qw, qw, ly->w_uk_t, qf, H * E, E, N, H, nope, L, NULL));
+    const uint64_t *vis = a->visibility;
+    for (int64_t s = 0; s < a->n_seqs; s++) { /* each sequence over its own cache: block-diagonal visibility */
+      kd_slot *c = &m->slots[a->slots[s]];
+      int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
+      KD_TRY(kd_mla_attention(qf + r0 * H * E, c->kv + li * c->max_len * E, vis, olat + r0 * H * L, T, H, L, R,
+                              c->length, d->attn_scale, NULL));
+      if (vis) vis += T * ((T + 63) / 64);
+    }
+    KD_TRY(kd_head_linear_f32(olat, H * L, L, ly->w_uv, o, H * d->v_head, d->v_head, N, H, L, d->v_head, NULL));
+    KD_TRY(kd_lin(&ly->o, o, t, N));
+    KD_TRY(kd_reduce(m, t, N * D));
+    for (int64_t i = 0; i < N * D; i++) h[i] = h[i] + t[i];
+    /* MLP / MoE: h = h + mlp(norm(h)) */
+    KD_TRY(kd_rms_norm(h, ly->post_norm, x, N, D, d->eps, NULL));
+    if (ly->is_moe) {
+      KD_TRY(kd_moe_rows(m, ly, x, t, N));
+    } else {
+      int64_t I = ly->mlp.gate.n_out;
+      float *g = (float *)kd_reserve(&m->g, sizeof(float) * (size_t)(N * I));
+      float *u = (float *)kd_reserve(&m->u, sizeof(float) * (size_t)(N * I));
+      if (!g || !u) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MLP, %lld rows)", (long long)N);
+      KD_TRY(kd_mlp_rows(&ly->mlp, x, t, N, g, u));
+    }
+    KD_TRY(kd_reduce(m, t, N * D));
+    for (int64_t i = 0; i < N * D; i++) h[i] = h[i] + t[i];
+    for (int64_t j = 0; j < a->n_hidden; j++)
+      if (a->hidden_layers[j] == li)
+        for (int64_t r = 0; r < N; r++)
+          memcpy(a->hidden + (r * a->n_hidden + j) * D, h + r * D, sizeof(float) * (size_t)D);
+  }
+  for (int64_t s = 0; s < a->n_seqs; s++) m->slots[a->slots[s]].length += a->row_start[s + 1] - a->row_start[s];
+
+  /* final norm + lm_head of the asked rows only (row-wise: the same bits as over all rows) */
+  int64_t n_out = a->n_out, V = d->vocab;
+  if (n_out == 0 || (!a->logits && !a->argmax)) return KD_OK;
+  float *fo = (float *)kd_reserve(&m->fo, sizeof(float) * (size_t)(n_out * D));
+  float *lg = a->logits ? a->logits : (float *)kd_reserve(&m->lg, sizeof(float) * (size_t)(n_out * V));
+  if (!fo || !lg) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (%lld logits rows)", (long long)n_out);
+  for (int64_t i = 0; i < n_out; i++) {
+    int64_t r = a->out_rows ? a->out_rows[i] : i;
+    memcpy(x + i * D, h + r * D, sizeof(float) * (size_t)D); /* x is free now and holds N >= n_out rows */
+  }
+  KD_TRY(kd_rms_norm(x, d->final_norm, fo, n_out, D, d->eps, NULL));
+  KD_TRY(kd_lin(&d->lm_head, fo, lg, n_out));
+  if (a->argmax)
+    for (int64_t i = 0; i < n_out; i++) {
+      const float *row = lg + i * V;
+      int64_t best = 0;
+      for (int64_t v = 1; v < V; v++)
+        if (row[v] > row[best]) best = v;
+      a->argmax[i] = (int32_t)best;
+    }
+  return KD_OK;
+}
+
+/* ---- the DFlash drafter ---------------------------------------------------------------------------------- */
+typedef struct {
+  float *k, *v; /* [n_layers][max_len][Hkv*hd] each */
+  int64_t max_len, length;
+  int used;
+} kd_dslot;
+
+struct kd_drafter {
+  kd_drafter_desc d;
+  kd_drafter_layer *layers;
+  kd_dslot *slots;
+  int64_t n_slots, kvw; /* Hkv * hd */
+  kd_buf ctx, x, hbuf, q, kb, vb, o, t, g, u, p, cs, fo;
+};
+
+int kd_drafter_destroy(kd_drafter *dr) {
+  if (!dr) return KD_OK;
+  free(dr->layers);
+  for (int64_t s = 0; s < dr->n_slots; s++) free(dr->slots[s].k), free(dr->slots[s].v);
+  free(dr->slots);
+  kd_buf *bufs[] = {&dr->ctx, &dr->x, &dr->hbuf, &dr->q, &dr->kb, &dr->vb, &dr->o, &dr->t, &dr->g, &dr->u, &dr->p,
+                    &dr->cs, &dr->fo};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
+  free(dr);
+  return KD_OK;
+}
+
+int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_create", desc);
+  KD_CHECK_PTR("kd_drafter_create", out);
+  *out = NULL;
+  const kd_drafter_desc *d = desc;
+  int64_t D = d->hidden, hd = d->head_dim;
+  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || d->hq <= 0 || d->hkv <= 0 || d->hq % d->hkv || hd <= 0 ||
+      hd % 2 || d->block_size < 2)
+    return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
+                   (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
+  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && kd_weight_ok(&d->lm_head, d->vocab, D) &&
+           d->fc.n_out == D && kd_weight_ok(&d->fc, D, d->fc.n_in);
+  for (int64_t i = 0; ok && i < d->n_layers; i++) {
+    const kd_drafter_layer *ly = &d->layers[i];
+    ok = ly->in_norm && ly->post_norm && ly->q_norm && ly->k_norm && kd_weight_ok(&ly->q, d->hq * hd, D) &&
+         kd_weight_ok(&ly->k, d->hkv * hd, D) && kd_weight_ok(&ly->v, d->hkv * hd, D) &&
+         kd_weight_ok(&ly->o, D, d->hq * hd) && kd_mlp_ok(&ly->mlp, D);
+  }
+  if (!ok) return kd_fail(KD_EINVAL, "kd_drafter_create: a weight is missing or its shape disagrees with the sizes");
+  kd_drafter *dr = (kd_drafter *)calloc(1, sizeof(kd_drafter));
+  if (!dr || !(dr->layers = (kd_drafter_layer *)malloc(sizeof(kd_drafter_layer) * (size_t)d->n_layers))) {
+    free(dr);
+    return kd_fail(KD_ENOMEM, "kd_drafter_create: out of memory");
+  }
+  dr->d = *d;
+  memcpy(dr->layers, d->layers, sizeof(kd_drafter_layer) * (size_t)d->n_layers);
+  dr->d.layers = dr->layers;
+  dr->kvw = d->hkv * hd;
+  *out = dr;
+  return KD_OK;
+}
+
+static kd_dslot *kd_dslot_get(kd_drafter *dr, int64_t slot, const char *fn) {
+  if (!dr || slot < 0 || slot >= dr->n_slots || !dr->slots[slot].used) {
+    kd_fail(KD_EINVAL, "%s: drafter cache slot %lld is not allocated", fn, (long long)slot);
+    return NULL;
+  }
+  return &dr->slots[slot];
+}
+
+int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *slot) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_cache_alloc", dr);
+  KD_CHECK_PTR("kd_drafter_cache_alloc", slot);
+  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
+  int64_t s = 0;
+  while (s < dr->n_slots && dr->slots[s].used) s++;
+  if (s == dr->n_slots) {
+    kd_dslot *grown = (kd_dslot *)realloc(dr->slots, sizeof(kd_dslot) * (size_t)(dr->n_slots + 1));
+    if (!grown) return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory");
+    dr->slots = grown;
+    memset(&dr->slots[dr->n_slots++], 0, sizeof(kd_dslot));
+  }
+  size_t n = (size_t)(dr->d.n_layers * max_len * dr->kvw);
+  float *k = (float *)calloc(n, sizeof(float)), *v = (float *)calloc(n, sizeof(float));
+  if (!k || !v) {
+    free(k), free(v);
+    return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory (%zu floats)", 2 * n);
+  }
+  dr->slots[s] = (kd_dslot){k, v, max_len, 0, 1};
+  *slot = s;
+  return KD_OK;
+}
+
+int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
+  kd_clear_error();
+  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_free");
+  if (!c) return KD_EINVAL;
+  free(c->k), free(c->v);
+  memset(c, 0, sizeof *c);
+  return KD_OK;
+}
+
+int kd_drafter_cache_length(kd_drafter *dr, int64_t slot, int64_t *length) {
+  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_length");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_drafter_cache_length", length);
+  *length = c->length;
+  return KD_OK;
+}
+
+int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
+  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_truncate");
+  if (!c) return KD_EINVAL;
+  if (n < 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_truncate(%lld): n must be >= 0", (long long)n);
+  if (n < c->length) c->length = n;
+  return KD_OK;
+}
+
+/* rotate_half RoPE tables of T positions from `start` (drafter.rope_cos_sin): cs [T, hd/2 cos | hd/2 sin] */
+static void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta) {
+  int64_t half = hd / 2;
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t i = 0; i < half; i++) {
+      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)hd), ang = (double)(start + r) * inv;
+      cs[r * hd + i] = (float)cos(ang);
+      cs[r * hd + half + i] = (float)sin(ang);
+    }
+}
+
+/* x [T, H, hd] rotated in place: x*cos + rotate_half(x)*sin (drafter.apply_rope_half) */
+static void kd_rope_half(float *x, const float *cs, int64_t T, int64_t H, int64_t hd) {
+  int64_t half = hd / 2;
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t hh = 0; hh < H; hh++) {
+      float *v = x + (r * H + hh) * hd;
+      const float *c = cs + r * hd, *s = c + half;
+      for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + -b * s[i];
+        v[i + half] = b * c[i] + a * s[i];
+      }
+    }
+}
+
+/* k, v of T rows h [T, D] at positions start.. into kd, vd [T, Hkv*hd] (drafter._kv) */
+static int kd_drafter_kv(kd_drafter *dr, const kd_drafter_layer *ly, const float *h, float *kd, float *vd, int64_t T,
+                         const float *cs) {
+  const kd_drafter_desc *d = &dr->d;
+  KD_TRY(kd_lin(&ly->k, h, kd, T));
+  KD_TRY(kd_lin(&ly->v, h, vd, T));
+  KD_TRY(kd_rms_norm(kd, ly->k_norm, kd, T * d->hkv, d->head_dim, d->eps, NULL));
+  kd_rope_half(kd, cs, T, d->hkv, d->head_dim);
+  return KD_OK;
+}
+
+int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
+                      const float *feats) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_extend", dr);
+  if (n_seqs <= 0 || !slots || !row_start || row_start[0] != 0)
+    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with slots and row_start from 0 required",
+                   (long long)n_seqs);
+  const kd_drafter_desc *d = &dr->d;
+  int64_t N = row_start[n_seqs], D = d->hidden, W = dr->kvw;
+  for (int64_t s = 0; s < n_seqs; s++) {
+    kd_dslot *c = kd_dslot_get(dr, slots[s], "kd_drafter_extend");
+    if (!c) return KD_EINVAL;
+    int64_t T = row_start[s + 1] - row_start[s];
+    if (T < 0 || c->length + T > c->max_len)
+      return kd_fail(KD_EINVAL, "kd_drafter_extend: drafter context %lld + %lld exceeds its cache max_len=%lld",
+                     (long long)c->length, (long long)T, (long long)c->max_len);
+  }
+  if (N == 0) return KD_OK;
+  KD_CHECK_PTR("kd_drafter_extend", feats);
+  float *ctx = (float *)kd_reserve(&dr->ctx, sizeof(float) * (size_t)(N * D));
+  float *cs = (float *)kd_reserve(&dr->cs, sizeof(float) * (size_t)(N * d->head_dim));
+  float *kb = (float *)kd_reserve(&dr->kb, sizeof(float) * (size_t)(N * W));
+  float *vb = (float *)kd_reserve(&dr->vb, sizeof(float) * (size_t)(N * W));
+  if (!ctx || !cs || !kb || !vb) return kd_fail(KD_ENOMEM, "kd_drafter_extend: out of memory (%lld rows)", (long long)N);
+  KD_TRY(kd_lin(&d->fc, feats, ctx, N));                               /* ctx = hidden_norm(fc(feats)) */
+  KD_TRY(kd_rms_norm(ctx, d->hidden_norm, ctx, N, D, d->eps, NULL));
+  for (int64_t s = 0; s < n_seqs; s++)
+    kd_rope_half_table(cs + row_start[s] * d->head_dim, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s],
+                       d->head_dim, d->rope_theta);
+  for (int64_t li = 0; li < d->n_layers; li++) {
+    KD_TRY(kd_drafter_kv(dr, &dr->layers[li], ctx, kb, vb, N, cs));
+    for (int64_t s = 0; s < n_seqs; s++) {
+      kd_dslot *c = &dr->slots[slots[s]];
+      int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
+      size_t off = (size_t)((li * c->max_len + c->length) * W);
+      memcpy(c->k + off, kb + r0 * W, sizeof(float) * (size_t)(T * W));
+      memcpy(c->v + off, vb + r0 * W, sizeof(float) * (size_t)(T * W));
+    }
+  }
+  for (int64_t s = 0; s < n_seqs; s++) dr->slots[slots[s]].length += row_start[s + 1] - row_start[s];
+  return KD_OK;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KD_FWD_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define KD_FWD_CLONES
+#endif
+
+/* drafter attention score: 8 lane-wise partial sums (vectorised without reordering any lane), fixed combine */
+KD_FWD_CLONES static float kd_fdot(const float *a, const float *b, int64_t n) {
+  float acc[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+  float r = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; i++) r += a[i] * b[i];
+  return r;
+}
+
+/* non-causal GQA of B queries over n cached + B block keys/values: o [B, Hq*hd] */
+static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
+                                 const float *kb, const float *vb, int64_t n, float *o, float *p) {
+  int64_t B = d->block_size, hd = d->head_dim, W = d->hkv * hd, group = d->hq / d->hkv, S = n + B;
+  float scale = (float)(1.0 / sqrt((double)hd));
+  for (int64_t t = 0; t < B; t++)
+    for (int64_t hh = 0; hh < d->hq; hh++) {
+      const float *qr = q + (t * d->hq + hh) * hd;
+      int64_t kvh = hh / group;
+      float m = -INFINITY, sum = 0.0f;
+      for (int64_t j = 0; j < S; j++) {
+        const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
+        p[j] = kd_fdot(qr, kr, hd) * scale;
+        if (p[j] > m) m = p[j];
+      }
+      for (int64_t j = 0; j < S; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+      }
+      float *orow = o + (t * d->hq + hh) * hd;
+      for (int64_t i = 0; i < hd; i++) orow[i] = 0.0f;
+      for (int64_t j = 0; j < S; j++) {
+        const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
+        float w = p[j] / sum;
+        for (int64_t i = 0; i < hd; i++) orow[i] += w * vr[i];
+      }
+    }
+}
+
+int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus, float *logits) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_draft", dr);
+  KD_CHECK_PTR("kd_drafter_draft", logits);
+  if (n_seqs <= 0 || !slots || !bonus)
+    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with slots and bonus required", (long long)n_seqs);
+  const kd_drafter_desc *d = &dr->d;
+  int64_t B = d->block_size, D = d->hidden, hd = d->head_dim, W = dr->kvw, QW = d->hq * hd, maxn = 0;
+  for (int64_t s = 0; s < n_seqs; s++) {
+    kd_dslot *c = kd_dslot_get(dr, slots[s], "kd_drafter_draft");
+    if (!c) return KD_EINVAL;
+    if (bonus[s] < 0 || bonus[s] >= d->vocab)
+      return kd_fail(KD_EINVAL, "kd_drafter_draft: bonus token %d outside the vocabulary of %lld", bonus[s],
+                     (long long)d->vocab);
+    if (c->length > maxn) maxn = c->length;
+  }
+  int64_t I = 0;
+  for (int64_t li = 0; li < d->n_layers; li++)
+    if (dr->layers[li].mlp.gate.n_out > I) I = dr->layers[li].mlp.gate.n_out;
+  float *x = (float *)kd_reserve(&dr->x, sizeof(float) * (size_t)(B * D));
+  float *hb = (float *)kd_reserve(&dr->hbuf, sizeof(float) * (size_t)(B * D));
+  float *q = (float *)kd_reserve(&dr->q, sizeof(float) * (size_t)(B * QW));
+  float *kb = (float *)kd_reserve(&dr->kb, sizeof(float) * (size_t)(B * W));
+  float *vb = (float *)kd_reserve(&dr->vb, sizeof(float) * (size_t)(B * W));
+  float *o = (float *)kd_reserve(&dr->o, sizeof(float) * (size_t)(B * QW));
+  float *t = (float *)kd_reserve(&dr->t, sizeof(float) * (size_t)(B * D));
+  float *g = (float *)kd_reserve(&dr->g, sizeof(float) * (size_t)(B * I));
+  float *u = (float *)kd_reserve(&dr->u, sizeof(float) * (size_t)(B * I));
+  float *p = (float *)kd_reserve(&dr->p, sizeof(float) * (size_t)(maxn + B));
+  float *cs = (float *)kd_reserve(&dr->cs, sizeof(float) * (size_t)(B * hd));
+  float *fo = (float *)kd_reserve(&dr->fo, sizeof(float) * (size_t)(B * D));
+  if (!x || !hb || !q || !kb || !vb || !o || !t || !g || !u || !p || !cs || !fo)
+    return kd_fail(KD_ENOMEM, "kd_drafter_draft: out of memory");
+  for (int64_t s = 0; s < n_seqs; s++) {
+    kd_dslot *c = &dr->slots[slots[s]];
+    int64_t n = c->length;
+    for (int64_t r = 0; r < B; r++) /* block = embed([bonus, MASK x (B-1)]) */
+      memcpy(x + r * D, d->embed + (int64_t)(r ? d->mask_token : bonus[s]) * D, sizeof(float) * (size_t)D);
+    kd_rope_half_table(cs, n, B, hd, d->rope_theta);
+    for (int64_t li = 0; li < d->n_layers; li++) {
+      const kd_drafter_layer *ly = &dr->layers[li];
+      KD_TRY(kd_rms_norm(x, ly->in_norm, hb, B, D, d->eps, NULL));
+      KD_TRY(kd_lin(&ly->q, hb, q, B));
+      KD_TRY(kd_rms_norm(q, ly->q_norm, q, B * d->hq, hd, d->eps, NULL));
+      kd_rope_half(q, cs, B, d->hq, hd);
+      KD_TRY(kd_drafter_kv(dr, ly, hb, kb, vb, B, cs));
+      size_t off = (size_t)(li * c->max_len * W);
+      kd_drafter_attention(d, q, c->k + off, c->v + off, kb, vb, n, o, p);
+      KD_TRY(kd_lin(&ly->o, o, t, B));
+      for (int64_t i = 0; i < B * D; i++) x[i] = x[i] + t[i];
+      KD_TRY(kd_rms_norm(x, ly->post_norm, hb, B, D, d->eps, NULL));
+      KD_TRY(kd_mlp_rows(&ly->mlp, hb, t, B, g, u));
+      for (int64_t i = 0; i < B * D; i++) x[i] = x[i] + t[i];
+    }
+    KD_TRY(kd_rms_norm(x + D, d->final_norm, fo, B - 1, D, d->eps, NULL));  /* rows 1..B-1 */
+    KD_TRY(kd_lin(&d->lm_head, fo, logits + s * (B - 1) * d->vocab, B - 1));
+  }
+  return KD_OK;
+}

@@ -1,0 +1,209 @@
+"""The whole-model native forward (kd_model_forward, kd_drafter_extend / kd_drafter_draft: one library call each)
+against the numpy reference (K2Model / DFlashDrafter over NumpyOps), and its batch invariance.
+
+Tolerances: the native forward runs the same float32 formulas as the reference, but its fixed-order dot products
+(16 lanes, pairwise combine) round differently from numpy's BLAS GEMVs, and expf/cos differ from numpy's by an
+ulp; through 4 layers that stays below 1e-4 absolute on logits of magnitude ~1 (max seen ~1e-5). INT4 adds no
+error of its own: the packed weights are dequantized to the same float32 values in both.
+
+Run: .venv/bin/python -m pytest -q tests/native/test_native_forward.py
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from kdtree.backends import native
+from kdtree.model.names import drafter_tensor_shapes, init_weights
+from kdtree.tree import ancestor_visibility
+from tests.native_lib import needs_cpu_library
+
+pytestmark = needs_cpu_library
+
+PROMPT = np.array([256, 50, 43, 50, 61, 10, 99], np.int32)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _int4(weights):
+    from kdtree.quant import int4
+    w = dict(weights)
+    for name in list(w):
+        if ".mlp.experts." in name and name.endswith("_proj.weight"):
+            packed, scale, shape = int4.quantize_weight(w[name], 32)
+            w[name] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
+    return w
+
+
+def _models(cfg, weights):
+    from kdtree.backends.numpy_ops import NumpyOps
+    from kdtree.model.k2 import K2Model
+    ref = K2Model(cfg, weights, NumpyOps())
+    nat = K2Model(cfg, weights, native.NativeOps("cpu"))
+    assert nat._native is not None, "backend=cpu did not register the native forward"
+    return ref, nat
+
+
+def _steps(m):
+    """prefill, AR step, tree verify (ancestor visibility), then keep the accepted rows and one more AR step."""
+    layers = (1, 3)
+    c = m.new_cache(64)
+    out = [m.forward(PROMPT, np.arange(len(PROMPT)), c, hidden_layers=layers)]
+    out.append(m.forward(np.array([7], np.int32), np.array([len(PROMPT)]), c))
+    parents = np.array([-1, 0, 0, 1, 3, -1], np.int32)
+    vis = ancestor_visibility(parents)
+    depths = np.array([1, 2, 2, 3, 4, 1])
+    start = c.length
+    block = np.array([5, 9, 10, 11, 12, 13, 14], np.int32)
+    out.append(m.forward(block, start + np.concatenate([[0], depths]), c, visibility=vis, hidden_layers=layers))
+    c.keep(start, start + np.array([0, 1, 2, 4]))
+    out.append(m.forward(np.array([3], np.int32), np.array([start + 4]), c, hidden_layers=layers))
+    return out, c
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
+    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    ref, nat = _models(tiny_cfg, weights)
+    (r_out, r_cache), (n_out, n_cache) = _steps(ref), _steps(nat)
+    for step, ((rl, rh), (nl, nh)) in enumerate(zip(r_out, n_out)):
+        np.testing.assert_allclose(nl, rl, **TOL, err_msg=f"logits of step {step}")
+        assert np.array_equal(nl.argmax(-1), rl.argmax(-1)), f"argmax of step {step}"
+        assert sorted(nh) == sorted(rh)
+        for layer in rh:
+            np.testing.assert_allclose(nh[layer], rh[layer], **TOL, err_msg=f"hidden {layer} of step {step}")
+    assert n_cache.length == r_cache.length
+    for layer in range(tiny_cfg.num_hidden_layers):
+        np.testing.assert_allclose(n_cache.kv[layer][:n_cache.length], r_cache.kv[layer][:r_cache.length], **TOL)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_target_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
+    """A row's logits are bit-identical alone, inside a longer block, and with another sequence in the call."""
+    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    _, m = _models(tiny_cfg, weights)
+    block = np.random.default_rng(3).integers(0, 256, 33).astype(np.int32)
+    pos = len(PROMPT) + np.arange(len(block))
+
+    def prefilled(prompt=PROMPT):
+        c = m.new_cache(128)
+        m.forward(prompt, np.arange(len(prompt)), c)
+        return c
+
+    c1 = prefilled()
+    lg, _ = m.forward(block, pos, c1)
+    c2 = prefilled()
+    one = np.concatenate([m.forward(block[i:i + 1], pos[i:i + 1], c2)[0] for i in range(len(block))])
+    np.testing.assert_array_equal(lg, one)
+    for layer in range(tiny_cfg.num_hidden_layers):
+        np.testing.assert_array_equal(c1.kv[layer][:c1.length], c2.kv[layer][:c2.length])
+
+    # two sequences in one call (the batched ABI): each row equals its own sequence's forward alone
+    other = np.array([256, 3, 4], np.int32)
+    ca, cb = prefilled(), prefilled(other)
+    parents = np.array([-1, 0, 0, 2], np.int32)                     # sequence b verifies a small tree
+    tree_vis, tree_pos = ancestor_visibility(parents), len(other) + np.array([0, 1, 2, 2, 3])
+    logits, argmax, hid = m._native.forward_batch([(block[:9], pos[:9], ca, None),
+                                                   (block[:5], tree_pos, cb, tree_vis)], hidden_layers=(2,))
+    np.testing.assert_array_equal(logits[:9], lg[:9])
+    cc = prefilled(other)
+    alone, alone_hid = m.forward(block[:5], tree_pos, cc, visibility=tree_vis, hidden_layers=(2,))
+    np.testing.assert_array_equal(logits[9:], alone)
+    np.testing.assert_array_equal(hid[2][9:], alone_hid[2])
+    np.testing.assert_array_equal(argmax, logits.argmax(-1))
+    assert (ca.length, cb.length) == (len(PROMPT) + 9, len(other) + 5)
+
+
+def test_native_forward_equals_per_op_path_tokens(tiny_cfg, tiny_weights):
+    """The whole forward and the per-op native path (same kernels, routing in numpy) pick the same tokens."""
+    from kdtree.decode.ar import generate_ar
+    from kdtree.model.k2 import K2Model
+    per_op = native.NativeOps("cpu")
+    per_op.native_forward = False
+    a = generate_ar(K2Model(tiny_cfg, tiny_weights, per_op), PROMPT, 24)
+    b = generate_ar(K2Model(tiny_cfg, tiny_weights, native.NativeOps("cpu")), PROMPT, 24)
+    assert a.tokens == b.tokens
+
+
+def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
+    _, m = _models(tiny_cfg, tiny_weights)
+    c = m.new_cache(8)
+    with pytest.raises(native.NativeError, match="token 999"):
+        m.forward(np.array([999], np.int32), np.array([0]), c)
+    with pytest.raises(Exception, match="cannot hold 0 \\+ 9 tokens"):
+        m.forward(np.arange(9, dtype=np.int32), np.arange(9), c)
+    m.forward(PROMPT[:3], np.arange(3), c)
+    with pytest.raises(ValueError, match="rows must ascend"):
+        c.keep(1, [2, 1])
+    with pytest.raises(ValueError, match="outside"):
+        c.truncate(5)
+    _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its slot ids mean nothing here
+    with pytest.raises(ValueError, match="not made by this model"):
+        m.forward(PROMPT[:1], np.array([3]), other.new_cache(8))
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
+    from kdtree.backends.numpy_ops import NumpyOps
+    from kdtree.model.drafter import DFlashDrafter
+    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    if quant == "int4":   # the shared lm_head packed too: the drafter must take it packed
+        from kdtree.quant import int4
+        packed, scale, shape = int4.quantize_weight(tiny_weights["lm_head.weight"], 32)
+        weights["lm_head.weight"] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
+    dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
+    ref = DFlashDrafter(tiny_cfg, dw, NumpyOps(), embed, head)
+    nat = DFlashDrafter(tiny_cfg, dw, native.NativeOps("cpu"), embed, head)
+    assert nat._native is not None
+    rng = np.random.default_rng(0)
+    D = tiny_cfg.hidden_size
+    chunks = [{i: rng.standard_normal((n, D)).astype(np.float32) for i in tiny_cfg.drafter.target_layer_ids}
+              for n in (6, 1, 3)]
+    rc, nc = ref.new_cache(32), nat.new_cache(32)
+    for chunk in chunks:
+        ref.extend(rc, chunk)
+        nat.extend(nc, chunk)
+        assert nc.length == rc.length
+        for bonus in (5, 200):
+            np.testing.assert_allclose(nat.draft(nc, bonus), ref.draft(rc, bonus), **TOL)
+    nc.truncate(4)
+    assert nc.length == 4
+
+
+def test_cuda_build_says_not_implemented():
+    """The CUDA library exports the forward entry points but answers KD_EINVAL with a clear message (its own issue)."""
+    path = native.library_path("cuda")
+    if not path.exists():
+        pytest.skip("libkdtree_cuda.so not built")
+    lib = native.load_library("cuda")
+    d = lib.ffi.new("kd_model_desc *")
+    h = lib.ffi.new("kd_model **")
+    assert lib.c.kd_model_create(d, h) == -1
+    assert "not implemented in the CUDA build yet" in lib.last_error()
+
+
+def test_cache_slots_are_freed_and_reused(tiny_cfg, tiny_weights):
+    """A dropped cache gives its slot (and memory) back to the pool: a server making one cache per request
+    does not grow the pool."""
+    import gc
+    _, m = _models(tiny_cfg, tiny_weights)
+    slots = set()
+    for _ in range(5):
+        c = m.new_cache(16)
+        m.forward(PROMPT[:3], np.arange(3), c)
+        slots.add(c.slot)
+        del c
+        gc.collect()
+    assert slots == {0}
+
+
+def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
+    """n_group > 1 (K2's V3 ancestors): experts only from the topk_group best groups (sum of each group's top 2)."""
+    cfg = copy.deepcopy(tiny_cfg)
+    cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok = 4, 2, 3
+    ref, nat = _models(cfg, tiny_weights)
+    (r_out, _), (n_out, _) = _steps(ref), _steps(nat)
+    for step, ((rl, _), (nl, _)) in enumerate(zip(r_out, n_out)):
+        np.testing.assert_allclose(nl, rl, **TOL, err_msg=f"logits of step {step}")
