@@ -166,7 +166,8 @@ class BatchScheduler:
         sp = req.sampling
         if sp is not None:
             if sp.n != 1:
-                raise ConfigError(f"n={sp.n}: the batch scheduler decodes one completion per request; submit n requests")
+                raise ConfigError(f"n={sp.n}: the batch scheduler decodes one completion per request; "
+                                  f"submit n requests")
             if not sp.greedy and int(req.max_new_tokens) > 0:    # as solo: no draw, no seed
                 st.sampler = Sampler(sp.resolved(), st.prompt)
                 req.result.seed = st.sampler.seed

@@ -1,6 +1,7 @@
 """Continuous batching on the embedded tiny model (pytest-benchmark; nothing about speed asserted).
 
-    OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest tests/bench/test_batch_bench.py --benchmark-enable --benchmark-only
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest tests/bench/test_batch_bench.py --benchmark-enable \
+        --benchmark-only
     (one BLAS thread: a multithreaded GEMM on a shared 2-core VM is ~10x slower than the per-row path and would
     measure the contention, not the exactness)
 
@@ -31,7 +32,8 @@ def _engine(compose_cfg, backend):
     if backend not in _engines:
         if backend == "cpu" and CPU_SKIPPED:
             pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR}); make native")
-        _engines[backend] = Engine.from_config(compose_cfg(f"backend={backend}", "tree.budget=8", "load.progress=false"))
+        _engines[backend] = Engine.from_config(compose_cfg(f"backend={backend}", "tree.budget=8",
+                                                           "load.progress=false"))
     return _engines[backend]
 
 

@@ -26,7 +26,8 @@ TEXT = (Path(json.__file__).parent / "decoder.py").read_text()   # source text l
 TREES = {"ddtree": None,                                           # None = the engine's tree (ddtree w4 d7 b8)
          "chain": OmegaConf.create({"kind": "chain", "width": 1, "depth": 5, "budget": 5}),
          "ar": AR_TREE}
-CONFIGS = [("numpy", "fp32"), ("numpy", "int4_w4a16")] + ([] if CPU_SKIPPED else [("cpu", "fp32"), ("cpu", "int4_w4a16")])
+CONFIGS = [("numpy", "fp32"), ("numpy", "int4_w4a16")] + (
+    [] if CPU_SKIPPED else [("cpu", "fp32"), ("cpu", "int4_w4a16")])
 
 _engines = {}
 
@@ -85,8 +86,8 @@ def test_every_request_equals_its_solo_run_under_load(compose_cfg, backend, quan
 @pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
 def test_under_tensor_parallelism_too(compose_cfg, backend):
     """tp=2 (a real gloo rank): every step is ONE forward_batch on both ranks."""
-    engine = Engine.from_config(compose_cfg(f"backend={backend}", "tp='2'", "tree=ddtree", "tree.width=4", "tree.depth=7",
-                                            "tree.budget=8", "load.progress=false"))
+    engine = Engine.from_config(compose_cfg(f"backend={backend}", "tp='2'", "tree=ddtree", "tree.width=4",
+                                            "tree.depth=7", "tree.budget=8", "load.progress=false"))
     try:
         run_under_load(engine, n=8, pool_tokens=500)
     finally:
