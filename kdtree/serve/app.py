@@ -8,7 +8,8 @@ kdtree/serve/transport.py the limits, the key check, the access log and the one 
     app.drain(timeout_s)      # SIGTERM: phase=draining, finish accepted requests (new ones 503), close, stopped
 
 Endpoints (the schema is at GET /openapi.json)
-    POST /v1/completions, /v1/chat/completions   greedy generation, streamed as SSE with `stream: true`
+    POST /v1/completions, /v1/chat/completions   generation (greedy at temperature 0, else sampled losslessly:
+                                                 kdtree/decode/sampling.py), streamed as SSE with `stream: true`
     GET  /v1/models, /v1/models/{id}             the one served model, with max_model_len
     GET  /health    liveness: 200 while the process answers (also while loading), 503 once failed
     GET  /ready     readiness: 200 when completions are served, else 503 with the phase
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
@@ -41,9 +43,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
 from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
+from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.metrics import Metrics
 from kdtree.decode.batch import ContextLengthExceeded, RequestTimeout
@@ -242,15 +246,29 @@ class ServeApp:
                 out.append(int(ids[0]))
         return tuple(out)
 
-    def _submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool) -> List[Job]:
+    def sampling(self, req: Any, chat: bool) -> SamplingParams:
+        """The request's sampling fields over the engine's defaults, seed resolved; a bad value is a 400 naming it."""
+        get = getattr(self.engine, "sampling_defaults", None)
+        defaults = get() if callable(get) else {"temperature": 1.0}
+        try:
+            return SamplingParams.from_openai(req.model_dump(exclude_none=True), defaults, chat=chat).resolved()
+        except SamplingError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+
+    def _submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
+                sampling: Optional[SamplingParams] = None) -> List[Job]:
+        """One job per prompt and sample: prompt-major, so job k is choice index k (prompt k // n, sample k % n,
+        whose seed is sampling.for_sample(k % n).seed)."""
         if not self.ready:
             raise self.not_ready_error()
         stop_ids, jobs = self._stop_ids(stops), []
+        n = sampling.n if sampling is not None else 1
         try:
-            for ids in prompts:
+            for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
                 fut = loop.create_future()
                 q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
                 job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=_LoopSink(loop, q) if stream else None)
+                job.sampling = sampling.for_sample(i) if sampling is not None else None
                 job.notify = _notifier(loop, fut)
                 job.future, job.aqueue = fut, q
                 jobs.append(self.worker.submit(job))
@@ -280,11 +298,16 @@ class ServeApp:
             return ApiError(400, str(job.error), param="prompt")
         return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
 
-    def stats(self, results) -> P.KdtreeStats:
+    def stats(self, results, sampling: Optional[SamplingParams] = None) -> P.KdtreeStats:
         accepted = [a for r in results for a in r.acceptance_lengths]
         return P.KdtreeStats(target_forwards=sum(r.target_forwards for r in results),
                              mean_acceptance_length=sum(accepted) / len(accepted) if accepted else 0.0,
-                             seconds=round(sum(r.seconds for r in results), 4))
+                             seconds=round(sum(r.seconds for r in results), 4), seed=_seed(sampling))
+
+
+def _seed(sampling: Optional[SamplingParams]) -> Optional[int]:
+    """The seed to report: the request's (sample 0's) when it samples; None for greedy (no draw, nothing to replay)."""
+    return None if sampling is None or sampling.greedy else int(sampling.seed)
 
 
 class _LoopSink:
@@ -457,7 +480,10 @@ def build_app(serve: ServeApp) -> FastAPI:
         serve._check_model(model_id)
         return card()
 
-    stream_doc = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    # each server-sent event: `data: <a JSON chunk>` (the last one `data: [DONE]`)
+    event_schema = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"]}
+    stream_doc = {200: {"content": {"text/event-stream": {"schema": event_schema}}}}
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
     async def completions(req: P.CompletionRequest, request: Request):
@@ -467,30 +493,36 @@ def build_app(serve: ServeApp) -> FastAPI:
             raise ApiError(400, bad[1], param=bad[0])
         if not serve.ready:
             raise serve.not_ready_error()
+        sp = serve.sampling(req, chat=False)
         encoded = [serve._token_ids(p) for p in req.prompts()]
         for ids, _ in encoded:
             serve._check_context(ids, req.max_tokens, "prompt")
         stops = req.stops()
         loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids for ids, _ in encoded], req.max_tokens, stops, loop, req.stream)
-        texts = [t for _, t in encoded]
+        jobs = serve._submit([ids for ids, _ in encoded], req.max_tokens, stops, loop, req.stream, sp)
+        texts = [encoded[k // sp.n][1] for k in range(len(jobs))]
         n_prompt = sum(len(ids) for ids, _ in encoded)
         if req.stream:
             return await _stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
-                                 bool(req.stream_options and req.stream_options.include_usage))
+                                 bool(req.stream_options and req.stream_options.include_usage), sp)
         choices, results = [], []
         await _until_done_or_gone(request, jobs)
+        tok = serve.engine.tokenizer
         for i, job in enumerate(jobs):
             if job.error is not None:
                 raise serve.job_error(job)
             text, finish = _final_text(serve, job, stops)
-            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text,
+            lp = None
+            if sp.logprobs is not None:
+                lp = completion_logprobs(tok, job.result, prompt_ids=job.prompt_ids if req.echo else None,
+                                         text_offset=0 if req.echo else len(texts[i]))
+            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text, logprobs=lp,
                                               finish_reason=finish))
             results.append(job.result)
         n_out = sum(len(r.tokens) for r in results)
         resp = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices,
                                     usage=P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results))
+                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results, sp))
         return JSONResponse(P.dump(resp))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
@@ -501,6 +533,7 @@ def build_app(serve: ServeApp) -> FastAPI:
             raise ApiError(400, bad[1], param=bad[0])
         if not serve.ready:
             raise serve.not_ready_error()
+        sp = serve.sampling(req, chat=True)
         tpl = serve.chat_template
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
@@ -516,21 +549,25 @@ def build_app(serve: ServeApp) -> FastAPI:
         serve._check_context(ids, max(1, max_tokens), "messages")
         stops = req.stops() + list(tpl.stops)
         loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream)
+        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream, sp)
         if req.stream:
-            return await _stream(serve, jobs, stops, "chat.completion.chunk", False, [text], len(ids),
-                                 bool(req.stream_options and req.stream_options.include_usage))
-        job = jobs[0]
+            return await _stream(serve, jobs, stops, "chat.completion.chunk", False, [text] * len(jobs), len(ids),
+                                 bool(req.stream_options and req.stream_options.include_usage), sp)
         await _until_done_or_gone(request, jobs)
-        if job.error is not None:
-            raise serve.job_error(job)
-        out, finish = _final_text(serve, job, stops)
-        n_out = len(job.result.tokens)
+        choices = []
+        for i, job in enumerate(jobs):
+            if job.error is not None:
+                raise serve.job_error(job)
+            out, finish = _final_text(serve, job, stops)
+            lp = chat_logprobs(serve.engine.tokenizer, job.result) if sp.logprobs is not None else None
+            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=out), logprobs=lp,
+                                        finish_reason=finish))
+        results = [job.result for job in jobs]
+        n_out = sum(len(r.tokens) for r in results)
         resp = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name,
-                                        choices=[P.ChatChoice(index=0, message=P.AssistantMessage(content=out),
-                                                              finish_reason=finish)],
+                                        choices=choices,
                                         usage=P.Usage(prompt_tokens=len(ids), completion_tokens=n_out,
-                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats([job.result]))
+                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats(results, sp))
         return JSONResponse(P.dump(resp))
 
     # -- middleware (the last added is the outermost) --------------------------------------------------
@@ -568,7 +605,7 @@ def _final_text(serve: ServeApp, job: Job, stops: List[str]) -> Tuple[str, str]:
 
 
 async def _stream(serve: ServeApp, jobs: List[Job], stops: List[str], kind: str, echo: bool, texts: List[str],
-                  n_prompt: int, include_usage: bool) -> Response:
+                  n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None) -> Response:
     first = await jobs[0].aqueue.get()                 # the first tokens, or the end of a job that failed
     if first is None and jobs[0].error is not None:
         for job in jobs:
@@ -577,28 +614,58 @@ async def _stream(serve: ServeApp, jobs: List[Job], stops: List[str], kind: str,
     chat = kind == "chat.completion.chunk"
     cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     created = int(time.time())
+    tok = serve.engine.tokenizer
+    want_lp = sampling is not None and sampling.logprobs is not None
+    seed = _seed(sampling)
 
-    def event(index: int, text: Optional[str], finish: Optional[str], role: bool = False) -> bytes:
+    def event(index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None) -> bytes:
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return _sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [choice]})
+            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        out = {"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [choice]}
+        if seed is not None:
+            out["kdtree"] = {"seed": seed}
+        return _sse(out)
 
     async def body():
         t0, n_out = time.monotonic(), 0
         try:
             for index, job in enumerate(jobs):
-                ts = TextStream(serve.engine.tokenizer, stops)
+                ts = TextStream(tok, stops)
+                sent, offset = 0, 0 if chat else len(texts[index])   # logprob entries sent; completions' text_offset
+
+                def logprobs(final: bool = False):
+                    nonlocal sent, offset
+                    if not want_lp or job.live is None:
+                        return None
+                    have = job.live.logprobs or []
+                    entries = have[sent:] if final else have[sent:len(ts.tokens)]
+                    sent += len(entries)
+                    part = SimpleNamespace(logprobs=entries, prompt_logprobs=None)
+                    if chat:
+                        return chat_logprobs(tok, part)
+                    out = completion_logprobs(tok, part, text_offset=offset)
+                    offset += sum(len(t) for t in out["tokens"])
+                    return out
+
                 if chat:
                     yield event(index, None, None, role=True)
+                pre = first if index == 0 else ...
+                if echo and want_lp and index > 0:
+                    pre = await job.aqueue.get()       # its prefill is done: the prompt's logprobs are in
                 if echo:
-                    yield event(index, texts[index], None)
-                async for ids in _pieces(job, first if index == 0 else ...):
+                    lp = None
+                    if want_lp and job.live is not None:
+                        prompt = SimpleNamespace(logprobs=[], prompt_logprobs=job.live.prompt_logprobs)
+                        lp = completion_logprobs(tok, prompt, prompt_ids=job.prompt_ids)
+                        offset = sum(len(t) for t in lp["tokens"])
+                    yield event(index, texts[index], None, lp=lp)
+                async for ids in _pieces(job, pre):
                     piece = ts.push(ids)
                     if piece:
-                        yield event(index, piece, None)
+                        yield event(index, piece, None, lp=logprobs())
                     if ts.stopped:
                         job.cancel()                # the text is over; free the engine for the next request
                         break
@@ -612,10 +679,13 @@ async def _stream(serve: ServeApp, jobs: List[Job], stops: List[str], kind: str,
                     return
                 piece = ts.finish()
                 if piece:
-                    yield event(index, piece, None)
+                    yield event(index, piece, None, lp=logprobs())
                 r = job.result
                 finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
-                yield event(index, None if chat else "", finish)
+                rest = logprobs(final=True)
+                if rest is not None and not (rest.get("content") if chat else rest["tokens"]):
+                    rest = None
+                yield event(index, None if chat else "", finish, lp=rest)
                 n_out += len(ts.tokens)
             if include_usage:
                 yield _sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [],

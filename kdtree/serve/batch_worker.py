@@ -74,6 +74,7 @@ class BatchWorker:
                                on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled,
                                sampling=getattr(job, "sampling", None))
             self._jobs[id(req)] = job
+            job.live = req.result
             try:
                 self.scheduler.submit(req)
             except BaseException:

@@ -2,11 +2,11 @@
 
 One class per request and per response. Requests are strict (a string is not a bool, a float is not an int,
 NaN is not a temperature) and closed (`extra="forbid"`: an unknown parameter is a 400 naming it, never
-ignored). Parameters that kdtree does not implement yet are typed fields all the same, so the schema at
+ignored). Parameters that kdtree does not implement are typed fields all the same, so the schema at
 /openapi.json says what they are; `unsupported()` names the ones a request sets to a value other than the
-identity (temperature > 0, n > 1, logprobs, top_p < 1, penalties, logit_bias, suffix, seed).
-Wiring sampling to the engine (temperature/top_p/seed/n/logprobs, #20) is then one line per field in
-ServeApp's request-to-job step; the models stay as they are.
+identity (logit_bias, best_of != 1, suffix). The sampling fields (temperature, top_p, top_k, seed, penalties,
+n, logprobs, echo) become a SamplingParams in ServeApp (SamplingParams.from_openai, #20); an omitted one takes
+the engine's default (the checkpoint's generation_config.json, else OpenAI's temperature 1).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ TokenId = Annotated[int, Field(ge=0)]
 Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
 Probability = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)]
 
 
 class _Request(BaseModel):
@@ -48,35 +49,24 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields both APIs share. Defaults are the identity: greedy, one choice, no bias."""
+    """Fields both APIs share. None = not set: the server's default (sampling_defaults())."""
     model: Optional[Text] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[Text, Annotated[List[Text], Field(max_length=16)]]] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[Probability] = None
+    top_k: Optional[Annotated[int, Field(ge=-1)]] = None               # vLLM's extension: -1 or 0 = all tokens
     n: Optional[Annotated[int, Field(ge=1, le=128)]] = None
     seed: Optional[int] = None
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None             # vLLM's extension: 1 = off
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]] = None
     user: Optional[Text] = None
 
     def unsupported(self) -> Optional[tuple]:
-        """(param, message) for the first field set to something kdtree cannot do yet; None when all are fine."""
-        if self.temperature is not None and self.temperature > 0:
-            return "temperature", (f"only greedy decoding is supported: send temperature=0 (got {self.temperature}); "
-                                   f"greedy is what keeps speculative decoding lossless")
-        if self.n is not None and self.n != 1:
-            return "n", f"n={self.n} is not supported; greedy decoding has one answer, use n=1"
-        if self.top_p is not None and self.top_p != 1.0:
-            return "top_p", f"top_p={self.top_p} needs sampling, which this server does not do yet; use top_p=1"
-        if self.seed is not None:
-            return "seed", "seed needs sampling, which this server does not do yet (greedy output has no seed); drop it"
-        for key in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, key)
-            if v is not None and v != 0:
-                return key, f"{key}={v} is not supported; use 0"
+        """(param, message) for the first field set to something kdtree cannot do; None when all are fine."""
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported; send none"
         return None
@@ -95,10 +85,8 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[Text] = None
 
     def unsupported(self) -> Optional[tuple]:
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported by this server; drop the parameter"
         if self.best_of is not None and self.best_of != 1:
-            return "best_of", f"best_of={self.best_of} is not supported; greedy decoding has one answer, use best_of=1"
+            return "best_of", f"best_of={self.best_of} is not supported; use n for several samples (best_of=1)"
         if self.suffix is not None:
             return "suffix", "suffix (insertion) is not supported by this model; drop the parameter"
         return super().unsupported()
@@ -135,10 +123,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True            # vLLM's extension, rendered into the template as HF does
 
     def unsupported(self) -> Optional[tuple]:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported by this server; drop the parameter"
-        if self.top_logprobs is not None:
-            return "top_logprobs", "top_logprobs are not supported by this server; drop the parameter"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_tokens", "give max_completion_tokens or max_tokens, not both"
         return super().unsupported()
@@ -169,6 +153,28 @@ class KdtreeStats(_Response):
     target_forwards: int
     mean_acceptance_length: float
     seconds: float
+    seed: Optional[int] = None          # the request's sampling seed (given or drawn): replay with "seed": this
+
+
+class CompletionLogprobs(_Response):
+    tokens: List[str]
+    token_logprobs: List[Optional[float]]
+    top_logprobs: List[Optional[Dict[str, float]]]
+    text_offset: List[int]
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[List[int]] = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: List[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: Optional[List[ChatTokenLogprob]] = None
 
 
 FinishReason = Literal["stop", "length"]
@@ -177,7 +183,7 @@ FinishReason = Literal["stop", "length"]
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[FinishReason] = None
 
 
@@ -199,7 +205,7 @@ class AssistantMessage(_Response):
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: FinishReason
 
 
@@ -221,7 +227,7 @@ class DeltaMessage(_Response):
 class ChatChunkChoice(_Response):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[FinishReason] = None
 
 

@@ -48,6 +48,8 @@ class Job:
     notify: Optional[Callable[[], None]] = None    # called (worker thread) once done is set: wakes an async waiter
     future: Any = None                 # the HTTP side's asyncio future, resolved through notify
     aqueue: Any = None                 # the HTTP side's asyncio.Queue that `stream` feeds
+    sampling: Any = None               # SamplingParams (n=1, seed resolved); None = greedy
+    live: Any = None                   # the GenerationResult while it fills (logprobs of the streamed tokens)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.done.wait(timeout)

@@ -30,8 +30,8 @@ def test_openai_client_completions_streamed_and_not(served):
                                        stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
-    with pytest.raises(openai.BadRequestError, match="only greedy") as e:
-        c.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0.8)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature"
 
 
@@ -46,7 +46,7 @@ def test_openai_client_chat_streamed_and_not_and_models(served):
     rendered = ("<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\ndef fib(n):<|im_end|>\n"
                 "<|im_start|>assistant\n")
     assert r.usage.prompt_tokens == len(rendered.encode())
-    code, plain = post(served.url, {"prompt": rendered, "max_tokens": 10, "stop": "<|im_end|>"})
+    code, plain = post(served.url, {"prompt": rendered, "max_tokens": 10, "stop": "<|im_end|>", "temperature": 0})
     assert code == 200 and plain["choices"][0]["text"] == text        # chat = completion of the rendered template
     chunks = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -99,13 +99,18 @@ BAD_BODIES = [
     (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", "greater than or equal to 1"),
     (b'{"prompt": "x", "max_tokens": 2.5}', 400, "max_tokens", "valid integer"),
     (b'{"prompt": "x", "max_tokens": true}', 400, "max_tokens", "valid integer"),
-    (b'{"prompt": "x", "top_p": 0.5}', 400, "top_p", "top_p=0.5"),
-    (b'{"prompt": "x", "seed": 1}', 400, "seed", "seed"),
-    (b'{"prompt": "x", "presence_penalty": 1}', 400, "presence_penalty", "not supported"),
+    (b'{"prompt": "x", "temperature": -1}', 400, "temperature", "greater than or equal to 0"),
+    (b'{"prompt": "x", "top_p": 0}', 400, "top_p", "greater than 0"),
+    (b'{"prompt": "x", "top_k": -2}', 400, "top_k", "greater than or equal to -1"),
+    (b'{"prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty", "greater than 0"),
+    (b'{"prompt": "x", "presence_penalty": 3}', 400, "presence_penalty", "less than or equal to 2"),
+    (b'{"prompt": "x", "seed": 1.5}', 400, "seed", "valid integer"),
     (b'{"prompt": "x", "logit_bias": {"5": 10}}', 400, "logit_bias", "not supported"),
     (b'{"prompt": "x", "suffix": "y"}', 400, "suffix", "not supported"),
-    (b'{"prompt": "x", "n": 2}', 400, "n", "n=2"),
-    (b'{"prompt": "x", "logprobs": 1}', 400, "logprobs", "not supported"),
+    (b'{"prompt": "x", "best_of": 2}', 400, "best_of", "not supported"),
+    (b'{"prompt": "x", "n": 0}', 400, "n", "greater than or equal to 1"),
+    (b'{"prompt": "x", "n": 2, "temperature": 0}', 400, "n", "greedy decoding has one answer"),
+    (b'{"prompt": "x", "logprobs": 9}', 400, "logprobs", "less than or equal to 5"),
     (b'{"prompt": "x", "frobnicate": 1}', 400, "frobnicate", "unknown parameter 'frobnicate'"),
     (b'{"model": "tiny", "max_tokens": 4}', 400, "prompt", "missing required field 'prompt'"),
     (b'{"prompt": "x", "stop": 5}', 400, "stop", "valid string"),
@@ -135,7 +140,10 @@ CHAT_BAD = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'system'"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", ""),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown parameter"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     "less than or equal to 20"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature", "greater than or equal"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 3}, "max_tokens",
      "not both"),
     ({"messages": [{"role": "user", "content": "x" * 2100}], "max_tokens": 3}, "messages", "maximum context length"),
@@ -232,9 +240,9 @@ def test_openapi_schema_fuzzed_no_5xx_no_schema_violation(served):
             if isinstance(case.body, dict):          # keep generation short (chat's default is the rest of the context)
                 if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
                     case.body["max_tokens"] = 16
-                for key in ("max_tokens", "max_completion_tokens"):
-                    if isinstance(case.body.get(key), int):
-                        case.body[key] = min(case.body[key], 32)
+                for key, most in (("max_tokens", 32), ("max_completion_tokens", 32), ("n", 4)):
+                    if isinstance(case.body.get(key), int) and not isinstance(case.body.get(key), bool):
+                        case.body[key] = min(case.body[key], most)
             response = case.call(timeout=60)
             case.validate_response(response, checks=checks)
             if response.status_code >= 400:
@@ -243,3 +251,124 @@ def test_openapi_schema_fuzzed_no_5xx_no_schema_violation(served):
 
         fuzz()
     assert any(c == 200 for c in seen) and any(400 <= c < 500 for c in seen), seen
+
+
+# -- sampling (#20): the OpenAI fields map onto SamplingParams; output replays by seed --------------------------
+@pytest.fixture(scope="module")
+def engine(kdtree_cache):
+    """An in-process engine of the same tiny model and tree as `served` (tests/serve/served_engine.py)."""
+    from hydra import compose, initialize_config_dir
+
+    from kdtree.config.schema import register
+    from kdtree.engine import Engine
+    from served_engine import TREE
+    from tests.conftest import REPO
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"cache_dir={kdtree_cache}", "load.progress=false", *TREE])
+    eng = Engine.from_config(cfg)
+    yield eng
+    eng.close()
+
+
+def test_sampled_completion_replays_by_seed_and_equals_the_engine(served, engine):
+    from kdtree.decode.sampling import SamplingParams
+    from kdtree.engine import AR_TREE
+
+    c = client(served)
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0.8, seed=7)
+    a, b = c.completions.create(**kw), c.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.model_extra["kdtree"]["seed"] == 7
+    params = SamplingParams.merged(engine.sampling_defaults(), {"temperature": 0.8, "seed": 7})
+    ids = engine.tokenizer.encode("def add(a, b):")
+    for tree in (None, AR_TREE):                     # the served ddtree = the engine's ddtree = AR, same seed
+        r = engine.generate(ids, 12, sampling=params, tree=tree)
+        assert engine.tokenizer.decode(r.tokens) == a.choices[0].text and a.usage.completion_tokens == len(r.tokens)
+    streamed = list(c.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == a.choices[0].text
+    # no seed: one is drawn and reported; replaying it gives the same text
+    code, r1 = post(served.url, {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0})
+    seed = r1["kdtree"]["seed"]
+    assert code == 200 and isinstance(seed, int)
+    code, r2 = post(served.url, {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "seed": seed})
+    assert r2["choices"][0]["text"] == r1["choices"][0]["text"] and r2["kdtree"]["seed"] == seed
+    # temperature omitted: the checkpoint's default (or OpenAI's 1) samples, and reports a seed
+    code, r3 = post(served.url, {"prompt": "Once upon a time", "max_tokens": 4})
+    assert code == 200 and (r3["kdtree"]["seed"] is None) == (engine.sampling_defaults()["temperature"] < 1e-5)
+    # greedy reports no seed
+    assert post(served.url, {"prompt": "2+2=", "max_tokens": 2, "temperature": 0})[1]["kdtree"]["seed"] is None
+
+
+def test_n_choices_each_with_its_derived_seed(served, engine):
+    from kdtree.decode.sampling import SamplingParams
+
+    c = client(served)
+    r = c.completions.create(model="tiny", prompt="import ", max_tokens=8, temperature=1.2, seed=11, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and r.model_extra["kdtree"]["seed"] == 11
+    base = SamplingParams.merged(engine.sampling_defaults(), {"temperature": 1.2, "seed": 11, "n": 3})
+    ids = engine.tokenizer.encode("import ")
+    for i, ch in enumerate(r.choices):
+        want = engine.generate(ids, 8, sampling=base.for_sample(i))
+        assert ch.text == engine.tokenizer.decode(want.tokens), i
+    # two prompts x n=2: prompt-major choice indexes, streamed too
+    body = {"prompt": ["a", "b"], "max_tokens": 4, "temperature": 1.0, "seed": 3, "n": 2}
+    code, plain = post(served.url, body)
+    assert code == 200 and [ch["index"] for ch in plain["choices"]] == [0, 1, 2, 3]
+    chunks = list(c.completions.create(model="tiny", stream=True, **{k: v for k, v in body.items()}))
+    for i in range(4):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) == \
+            plain["choices"][i]["text"]
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                     temperature=0.9, seed=5, n=2)
+    assert [ch.index for ch in chat.choices] == [0, 1]
+
+
+def test_completion_logprobs_streamed_and_not_with_echo(served):
+    c = client(served)
+    r = c.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, temperature=0.7, seed=1, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert all(len(top) == 2 and all(v <= 0 for v in top.values()) for top in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert lp.text_offset[0] == len("def f(x):")
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(
+        model="tiny", prompt="def f(x):", max_tokens=8, temperature=0.7, seed=1, logprobs=2, stream=True)
+        if ch.choices and ch.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    # echo: the prompt's tokens first (the first has no logprob), then the completion's
+    e = c.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, temperature=0.7, seed=1, logprobs=2,
+                             echo=True).choices[0]
+    p = r.usage.prompt_tokens
+    assert len(e.logprobs.tokens) == p + n and e.logprobs.token_logprobs[0] is None
+    assert e.logprobs.token_logprobs[p:] == lp.token_logprobs and e.text == "def f(x):" + r.choices[0].text
+    assert e.logprobs.text_offset[0] == 0
+    # greedy with logprobs: the chosen token is the top one
+    g = c.completions.create(model="tiny", prompt="2+2=", max_tokens=4, temperature=0, logprobs=1).choices[0]
+    assert all(max(top.values()) == v for top, v in zip(g.logprobs.top_logprobs, g.logprobs.token_logprobs))
+
+
+def test_chat_logprobs_streamed_and_not(served):
+    c = client(served)
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "def fib(n):"}], max_tokens=8, temperature=0.8,
+              seed=9, logprobs=True, top_logprobs=3)
+    r = c.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 and isinstance(t.bytes, list) for t in content)
+    streamed = [t for ch in c.chat.completions.create(**kw, stream=True)
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+    plain = c.chat.completions.create(**dict(kw, logprobs=None, top_logprobs=None))
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("n", 0), ("logprobs", 9)])
+def test_bad_sampling_values_are_a_400_naming_the_param(served, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(served).completions.create(model="tiny", prompt="x", max_tokens=2, **{field: value})
+    assert e.value.body["param"] == field

@@ -50,7 +50,7 @@ def test_curl_post_returns_choices_text(served):
     assert resp["usage"]["prompt_tokens"] == 4
     assert resp["choices"][0]["finish_reason"] in ("length", "eos", "stop")
     # the same prompt as token ids is the same request
-    code, by_ids = post(served.url, {"prompt": [50, 43, 50, 61], "max_tokens": 4})
+    code, by_ids = post(served.url, {"prompt": [50, 43, 50, 61], "max_tokens": 4, "temperature": 0})
     assert code == 200 and by_ids["choices"][0]["text"] == resp["choices"][0]["text"]
 
 
@@ -179,7 +179,7 @@ def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed
         assert finish_reason(events) == want["choices"][0]["finish_reason"], stop
         if stop != "never-generated-zzz":
             assert finish_reason(events) == "stop" and len(want["choices"][0]["text"]) < len(full)
-    body = {"prompt": ["2+2=", "Once upon a time"], "max_tokens": 20, "stop": [mid], "echo": True,
+    body = {"prompt": ["2+2=", "Once upon a time"], "max_tokens": 20, "stop": [mid], "echo": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     code, want = post(served.url, body)
     events = sse(served.url, body)
@@ -193,8 +193,8 @@ def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed
     # (2040 + 8 tokens fit the context, but not with the tree's verify block)
     code, err = post(served.url, {"prompt": "x" * 2040, "max_tokens": 8, "stream": True})
     assert code == 400 and err["error"]["code"] == "context_length_exceeded", err
-    assert streamed_text(sse(served.url, {"prompt": "2+2=", "max_tokens": 3})) == \
-        post(served.url, {"prompt": "2+2=", "max_tokens": 3})[1]["choices"][0]["text"]
+    assert streamed_text(sse(served.url, {"prompt": "2+2=", "max_tokens": 3, "temperature": 0})) == \
+        post(served.url, {"prompt": "2+2=", "max_tokens": 3, "temperature": 0})[1]["choices"][0]["text"]
 
 
 def test_a_client_leaving_a_stream_frees_the_engine(served):
