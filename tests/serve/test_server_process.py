@@ -200,7 +200,8 @@ def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed
 def test_a_client_leaving_a_stream_frees_the_engine(served):
     host, port = served.url.split("//", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "leave", "max_tokens": 1500, "stream": True}),
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "leave", "max_tokens": 1500, "stream": True,
+                                                        "temperature": 0}),
                  {"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.readline().startswith(b"data: ")
@@ -215,7 +216,8 @@ def test_a_client_leaving_a_stream_frees_the_engine(served):
 def test_sigterm_drains_the_request_in_flight_and_exits_0(served):
     """Last in this module: it stops the shared server."""
     result = {}
-    t = threading.Thread(target=lambda: result.update(r=post(served.url, {"prompt": "drain me", "max_tokens": 40})))
+    t = threading.Thread(target=lambda: result.update(r=post(served.url, {"prompt": "drain me", "max_tokens": 40,
+                                                                                 "temperature": 0})))
     t.start()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:                  # wait until the worker has it

@@ -31,8 +31,8 @@ def _complete(url: str, i: int):
 def _stream(url: str, i: int):
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=300)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": f"stream {i}: class ", "max_tokens": MAX_TOKENS,
-                                                        "stream": True}), {"Content-Type": "application/json"})
+    body = {"prompt": f"stream {i}: class ", "max_tokens": MAX_TOKENS, "stream": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         return "stream", r.status, json.loads(r.read())
@@ -104,7 +104,8 @@ def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event(tmp_path_fac
     try:
         host, port = s.url.split("//", 1)[1].rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "cut me", "max_tokens": 1500, "stream": True}),
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "cut me", "max_tokens": 1500, "stream": True,
+                                                         "temperature": 0}),
                      {"Content-Type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200
