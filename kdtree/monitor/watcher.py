@@ -212,7 +212,10 @@ class Watcher:
     def _silent_after(self) -> float:
         """How long a sample may go without its first byte before the host counts as silent: an interval, or twice
         the slowest recent first byte (an ssh channel + login shell take ~0.5 s on a busy host), >= 1 s; before the
-        first contact, also the connect timeout."""
+        first contact, also the connect timeout. A local host cannot be unreachable: its sample is a subprocess,
+        slow only on an overloaded machine, so it counts as silent only after the whole stall window."""
+        if getattr(self.host, "kind", "local") == "local":
+            return max(self.interval_s, 1.0, self.window)
         if not self._first_byte_s:
             return max(self.interval_s, 1.0, float(getattr(self.host, "connect_timeout_s", 0.0)))
         return max(self.interval_s, 1.0, 2 * max(self._first_byte_s))
