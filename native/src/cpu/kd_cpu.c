@@ -290,6 +290,76 @@ typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64
 static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3},  /* [R - 1][O - 1] */
                                           {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
 
+/* Direct tiles for short rows (n_in <= KD_KC, the tiny model's and the drafter's matrices; T >= 2): an
+ * [R rows x O outputs] tile computes whole dots in registers, from +0, and writes their kd_hsum -- no partial
+ * buffer, no copies, weights read in place. Each dot is still exactly kd_dot_avx2's (lanes k % 16, the same
+ * tail, the same pairwise combine), so the result never depends on T or on which tile a row falls in.
+ * 3 x 2 = 12 accumulators + 2 weight vectors + 1 x vector: the whole tile stays in the 16 ymm registers. */
+__attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
+    const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *out,
+    int64_t os) {
+  __m256 lo[3][2], hi[3][2];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+    for (int o = 0; o < O; o++) lo[r][o] = hi[r][o] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES) {
+    __m256 wv[2];
+#pragma GCC unroll 2
+    for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * ws + k);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) {
+      __m256 xv = _mm256_loadu_ps(x + r * xs + k);
+#pragma GCC unroll 2
+      for (int o = 0; o < O; o++) lo[r][o] = _mm256_add_ps(lo[r][o], _mm256_mul_ps(wv[o], xv));
+    }
+#pragma GCC unroll 2
+    for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * ws + k + 8);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++) {
+      __m256 xv = _mm256_loadu_ps(x + r * xs + k + 8);
+#pragma GCC unroll 2
+      for (int o = 0; o < O; o++) hi[r][o] = _mm256_add_ps(hi[r][o], _mm256_mul_ps(wv[o], xv));
+    }
+  }
+  if (k < n)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+      for (int o = 0; o < O; o++) KD_TAIL_AVX2(lo[r][o], hi[r][o], w + o * ws, x + r * xs, k, n);
+#pragma GCC unroll 3
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+    for (int o = 0; o < O; o++) out[r * os + o] = kd_hsum_avx2(lo[r][o], hi[r][o]);
+}
+
+#define KD_DTILE(R, O)                                                                                         \
+  __attribute__((target("avx2"))) static void kd_dtile_##R##x##O(const float *x, int64_t xs, const float *w,   \
+                                                                   int64_t ws, int64_t n, float *out,          \
+                                                                   int64_t os) {                               \
+    kd_dtile_avx2(R, O, x, xs, w, ws, n, out, os);                                                            \
+  }
+KD_DTILE(3, 2) KD_DTILE(2, 2) KD_DTILE(1, 2) KD_DTILE(3, 1) KD_DTILE(2, 1) KD_DTILE(1, 1)
+typedef void (*kd_dtile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
+static const kd_dtile_fn kd_dtiles[3][2] = {{kd_dtile_1x1, kd_dtile_1x2}, /* [R - 1][O - 1] */
+                                            {kd_dtile_2x1, kd_dtile_2x2},
+                                            {kd_dtile_3x1, kd_dtile_3x2}};
+
+/* out[t * os + o] = dot(x row t (stride xs), w row o (stride ws)) over n <= KD_KC elements: pairs of weight rows
+ * (in L1) against every row triple of x. */
+__attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int64_t xs, const float *w, int64_t ws,
+                                                              float *out, int64_t os, int64_t T, int64_t n,
+                                                              int64_t n_out) {
+  for (int64_t o = 0; o < n_out; o += 2) {
+    int O = n_out - o < 2 ? (int)(n_out - o) : 2;
+    for (int64_t t = 0; t < T; t += 3) {
+      int R = T - t < 3 ? (int)(T - t) : 3;
+      kd_dtiles[R - 1][O - 1](x + t * xs, xs, w + o * ws, ws, n, out + t * os + o, os);
+    }
+  }
+}
+
 /* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
 __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
                                                                   int64_t k0, int64_t k1, int64_t wpg) {
@@ -473,6 +543,10 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", out);
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && kd_use_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
+    kd_linear_direct(x, n_in, w, n_in, out, n_out, T, n_in, n_out);
+    return KD_OK;
+  }
   if (T >= 2 && kd_use_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
     return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
 #endif
@@ -501,6 +575,16 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_use_avx2()) {
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    if (n_in <= KD_KC && !parallel) { /* short rows: two rows dequantized into L1, then the direct tiles */
+      float wb[2 * KD_KC] __attribute__((aligned(64)));
+      for (int64_t o = 0; o < n_out; o += 2) {
+        int O = n_out - o < 2 ? (int)(n_out - o) : 2;
+        for (int i = 0; i < O; i++) kd_dequant_slice_avx2(qp + (o + i) * n_words, scales + (o + i) * n_groups,
+                                                          wb + i * KD_KC, 0, n_in, wpg);
+        kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
+      }
+      return KD_OK;
+    }
     return kd_linear_blocked(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
   }
 #endif
@@ -696,6 +780,13 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
   KD_CHECK_PTR("kd_head_linear_f32", x);
   KD_CHECK_PTR("kd_head_linear_f32", w);
   KD_CHECK_PTR("kd_head_linear_f32", out);
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && n_in <= KD_KC && kd_use_avx2()) { /* the same dots as below, in register tiles over the rows */
+    for (int64_t h = 0; h < H; h++)
+      kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
+    return KD_OK;
+  }
+#endif
   float r[4];
   for (int64_t h = 0; h < H; h++) {
     const float *wh = w + h * n_out * n_in;
