@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from served_engine import alive, kdtree_run, start_served, stop
 
-MAX_TOKENS = 160        # ~0.5 s per request on the tiny model: 32 of them outlast the stop command's start-up
+MAX_TOKENS = 400        # 32 x 400 tokens is several seconds of batched decoding: outlasts the stop command's start-up
 
 
 def _complete(url: str, i: int):
@@ -53,7 +53,7 @@ def test_pipeline_stop_with_32_requests_in_flight_loses_none(tmp_path_factory, k
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and s.status().get("phase") == "ready":
                 st = json.loads(urllib.request.urlopen(s.url + "/status", timeout=10).read())
-                if st["queue_depth"] >= 16:                # most of them accepted and waiting: stop now
+                if st["queue_depth"] + st["in_flight"] >= 16:   # most of them accepted (batched or waiting): stop now
                     break
                 time.sleep(0.01)
             out = {}
