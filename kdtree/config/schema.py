@@ -163,6 +163,7 @@ class ServeConfig:
     max_batch_tokens: int = 512  # rows per step: every running request's verify block, then prefill chunks
     kv_pool_tokens: int = 16384  # latent-cache tokens of all running requests (prompt + max_tokens + tree each); more wait
     request_timeout_s: float = 0.0  # wall-clock limit of a request, queueing included (0 = none)
+    speculate_max_batch: int = 4  # more decoding requests than this step as AR (exact either way); 0 = always speculate
 
 
 @dataclass

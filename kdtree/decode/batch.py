@@ -9,7 +9,8 @@ One step (`step()`):
   reap     cancelled and timed-out requests leave (their latent rows go back to the pool)
   admit    waiting requests join, oldest first, while the pool has room for their reservation
            (prompt + max_new_tokens + tree budget + 1 rows); the rest wait
-  draft    per decoding request: one drafter block forward, its top-k, one tree build (AR: the last token)
+  draft    per decoding request: one drafter block forward, its top-k, one tree build (AR: the last token);
+           above speculate_max_batch decoding requests, speculative requests step as AR (below)
   verify   ONE target forward_batch over every request's block -- its tree (ancestor-only visibility, its
            own positions, its own latent cache) or its next prefill chunk; prefill chunks fill the step up to
            max_batch_tokens rows
@@ -18,6 +19,13 @@ The target's ops are batch-invariant and forward_batch keeps each sequence's att
 request's verify rows are bit-identical to its solo run's (tests/decode/test_batch_scheduler.py); the drafter
 runs per request on the same inputs as solo (the whole prompt's hidden states at once), so even the trees
 and acceptance lengths match. Only target_forwards differs: it counts the batched forwards the request was in.
+
+Speculation off under load (`speculate_max_batch`, vLLM's speculative_disable_by_batch_size): a verify block of
+budget + 1 rows costs about budget + 1 rows of arithmetic, and a batch of many requests already fills the machine,
+so past that many decoding requests a speculative request feeds one row (its bonus token, as AR does) and keeps
+the hidden rows for its drafter; it speculates again, its drafter caught up in one extend, once the batch is back
+under the limit. Greedy or sampled, the committed tokens do not depend on the tree (each one is the target's
+argmax / draw at its position), so they stay identical to the solo run; only the acceptance counts differ.
 """
 from __future__ import annotations
 
@@ -97,6 +105,7 @@ class _State:
     top: Optional[int] = None              # logprobs per token (sampling.logprobs)
     echo: bool = False                     # prompt logprobs too (from the prefill chunks' rows)
     t0: float = 0.0
+    pending_hid: List[Dict[int, np.ndarray]] = field(default_factory=list)  # AR-stepped rows the drafter lacks
 
 
 def forward_batch(model, seqs, hidden_layers=()):
@@ -111,7 +120,8 @@ def forward_batch(model, seqs, hidden_layers=()):
 
 class BatchScheduler:
     def __init__(self, model, drafter, tree, eos_id: Optional[int], max_context: int,
-                 max_batch_tokens: int = 512, pool_tokens: int = 16384, request_timeout_s: float = 0.0):
+                 max_batch_tokens: int = 512, pool_tokens: int = 16384, request_timeout_s: float = 0.0,
+                 speculate_max_batch: int = 0):
         if int(max_batch_tokens) < 1:
             raise ConfigError(f"serve.max_batch_tokens={max_batch_tokens} must be >= 1 row; e.g. 512")
         if int(pool_tokens) < 1:
@@ -122,6 +132,10 @@ class BatchScheduler:
         self.max_batch_tokens = int(max_batch_tokens)
         self.pool_tokens = int(pool_tokens)
         self.request_timeout_s = float(request_timeout_s)
+        if int(speculate_max_batch) < 0:
+            raise ConfigError(f"serve.speculate_max_batch={speculate_max_batch} must be >= 0 (0 = always speculate)")
+        self.speculate_max_batch = int(speculate_max_batch)   # 0 = no limit
+        self.speculating = True                         # the last step's mode (status)
         self._lock = threading.Condition()
         self._waiting: List[BatchRequest] = []
         self._running: List[BatchRequest] = []
@@ -242,13 +256,18 @@ class BatchScheduler:
                     st.dcache = self.drafter.new_cache(len(st.prompt) + int(req.max_new_tokens))
         seqs, plan = [], []                           # plan: (request, kind, rows, extra) in seqs order
         rows_left = self.max_batch_tokens
+        decoding = sum(1 for req in active if self._state[id(req)].prefilled >= len(self._state[id(req)].prompt))
+        self.speculating = speculate = not self.speculate_max_batch or decoding <= self.speculate_max_batch
         for req in active:                            # decoding requests: one block each
             st = self._state[id(req)]
             if st.prefilled < len(st.prompt):
                 continue
             t0 = time.perf_counter()
             start = st.cache.length
-            if st.budget:
+            if st.budget and speculate:
+                if st.pending_hid:                    # rows stepped as AR while speculation was off
+                    parts, st.pending_hid = st.pending_hid, []
+                    self.drafter.extend(st.dcache, {i: np.concatenate([p[i] for p in parts]) for i in parts[0]})
                 dlogits = self.drafter.draft(st.dcache, st.bonus)                    # [B-1, V]
                 req.result.draft_forwards += 1
                 t1 = time.perf_counter()
@@ -262,7 +281,7 @@ class BatchScheduler:
                 plan.append((req, "tree", len(block), (tree, start)))
                 req.result.stage_seconds["draft"] += t1 - t0
                 req.result.stage_seconds["tree_build"] += time.perf_counter() - t1
-            else:
+            else:                                     # AR, or a speculative request while speculation is off
                 seqs.append((np.array([req.result.tokens[-1]], np.int32), np.array([start], np.int32), st.cache, None))
                 plan.append((req, "ar", 1, None))
             rows_left -= plan[-1][2]
@@ -335,7 +354,10 @@ class BatchScheduler:
         res.stage_seconds["verify"] += dt
         if kind == "ar":
             res.acceptance_lengths.append(1)
-            self._commit(req, [draw(0)], logits)
+            token = draw(0)
+            if not self._commit(req, [token], logits) and st.budget:   # the drafter gets this row when it drafts
+                st.bonus = token
+                st.pending_hid.append({i: x.copy() for i, x in hid.items()})
             return
         t0 = time.perf_counter()
         tree, start = extra

@@ -139,7 +139,8 @@ class ServeApp:
         self.worker = BatchWorker(engine, self.max_queue, on_done=self.metrics.generation,
                                   max_batch_tokens=int(knobs.get("max_batch_tokens", 512)),
                                   kv_pool_tokens=int(knobs.get("kv_pool_tokens", 16384)),
-                                  request_timeout_s=float(knobs.get("request_timeout_s", 0.0)))
+                                  request_timeout_s=float(knobs.get("request_timeout_s", 0.0)),
+                                  speculate_max_batch=int(knobs.get("speculate_max_batch", 0)))
 
     def mark_ready(self) -> None:
         if self.worker is None:

@@ -33,13 +33,14 @@ def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
 
 class BatchWorker:
     def __init__(self, engine: Any, max_queue: int = 256, on_done=None, max_batch_tokens: int = 512,
-                 kv_pool_tokens: int = 16384, request_timeout_s: float = 0.0):
+                 kv_pool_tokens: int = 16384, request_timeout_s: float = 0.0, speculate_max_batch: int = 0):
         self.engine = engine
         self.on_done = on_done                     # fn(job) after each finished job (metrics)
         self.max_queue = max(1, int(max_queue))
         self.scheduler = BatchScheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id,
                                         engine.max_context, max_batch_tokens=max_batch_tokens,
-                                        pool_tokens=kv_pool_tokens, request_timeout_s=request_timeout_s)
+                                        pool_tokens=kv_pool_tokens, request_timeout_s=request_timeout_s,
+                                        speculate_max_batch=speculate_max_batch)
         self._accepting = True
         self._lock = threading.Lock()
         self.finished = 0                          # jobs ended with a result (metrics, drain report)

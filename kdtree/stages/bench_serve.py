@@ -157,7 +157,7 @@ def run(ctx, clients: Optional[list] = None, requests: int = 2, max_tokens: int 
            "exact": all(r["exact"] for r in rounds), **short,
            "backend": str(ctx.cfg.backend.name) if "name" in ctx.cfg.backend else "",
            "tree": {k: ctx.cfg.tree[k] for k in ("kind", "width", "depth", "budget")},
-           "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens")}}
+           "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens", "speculate_max_batch")}}
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench_serve.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -94,7 +94,35 @@ def test_under_tensor_parallelism_too(compose_cfg, backend):
         engine.close()
 
 
-def run_under_load(engine, n, pool_tokens=900):
+@pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
+def test_speculation_off_under_load_changes_no_token(compose_cfg, backend):
+    """serve.speculate_max_batch=2: with more than two requests decoding, speculative ones step as AR and their
+    drafters catch up when the batch thins out; every request still gets its solo tokens (stops, cancels, a
+    full pool), and the acceptance counts show both modes really ran."""
+    run_under_load(engine_for(compose_cfg, backend, "fp32"), n=14, speculate_max_batch=2)
+
+
+@pytest.mark.parametrize("backend", ["numpy"] + ([] if CPU_SKIPPED else ["cpu"]))
+def test_a_request_speculates_again_with_its_drafter_caught_up(compose_cfg, backend):
+    """speculate_max_batch=1: a DDTree request steps as AR beside an AR request, then drafts again once that one
+    has finished. Its drafter, caught up with every AR-stepped row in one extend, must draft exactly the trees of
+    a solo run whose prompt already holds those tokens: the same acceptance lengths from there on."""
+    engine = engine_for(compose_cfg, backend, "fp32")
+    ids = engine.tokenizer.encode(TEXT[:40])
+    sched = scheduler(engine, speculate_max_batch=1)
+    a = sched.submit(BatchRequest(ids, 40, tree=TREES["ddtree"]))
+    b = sched.submit(BatchRequest(engine.tokenizer.encode(TEXT[100:120]), 6, tree=TREES["ar"]))
+    while sched.step():
+        pass
+    got = a.result.acceptance_lengths
+    k = next(i for i, n in enumerate(got) if n > 1)      # tokens committed before the first tree step
+    assert b.error is None and k >= 6, got             # a stepped as AR while b decoded
+    solo = engine.generate(list(ids) + a.result.tokens[:k - 1], 40 - (k - 1), tree=TREES["ddtree"])
+    assert a.result.tokens[k - 1:] == solo.tokens
+    assert got[k:] == solo.acceptance_lengths[1:] and max(got[k:]) > 1
+
+
+def run_under_load(engine, n, pool_tokens=900, speculate_max_batch=0):
     rng = np.random.default_rng(18)
     specs = random_specs(engine, rng, n)
     solos = [solo_with_stop(engine, s) for s in specs]
@@ -106,9 +134,9 @@ def run_under_load(engine, n, pool_tokens=900):
     for s in specs[4:7]:                           # three cancelled mid-generation
         s["max_new"], s["cancel"] = 40, s["arrive"] + int(rng.integers(2, 6))
     solos = [solo_with_stop(engine, s) for s in specs]
-    sched = scheduler(engine, pool_tokens=pool_tokens)   # a few long requests at once: the rest wait
+    sched = scheduler(engine, pool_tokens=pool_tokens, speculate_max_batch=speculate_max_batch)  # the rest wait
     reqs = [None] * len(specs)
-    step, max_running, max_waiting = 0, 0, 0
+    step, max_running, max_waiting, modes = 0, 0, 0, set()
     while step < 30 or any(r is not None and not r.done.is_set() for r in reqs):
         for i, s in enumerate(specs):
             if s["arrive"] == step:
@@ -118,6 +146,7 @@ def run_under_load(engine, n, pool_tokens=900):
             if s["cancel"] == step:
                 reqs[i].cancel()
         sched.step()
+        modes.add(sched.speculating)
         snap = sched.snapshot()
         max_running, max_waiting = max(max_running, snap["running"]), max(max_waiting, snap["waiting"])
         step += 1
@@ -130,9 +159,15 @@ def run_under_load(engine, n, pool_tokens=900):
             continue
         assert r.error is None
         assert (r.result.tokens, r.result.finish_reason) == (solo.tokens, solo.finish_reason), s
-        if s["stop"] is None:                      # same drafts and trees as solo: same acceptance lengths
+        if s["stop"] is None and not speculate_max_batch:   # same drafts and trees as solo: same acceptance
             assert r.result.acceptance_lengths == solo.acceptance_lengths
     assert any(s["stop"] and r.result.finish_reason == "stop" for s, r in zip(specs, reqs))
+    if speculate_max_batch:                        # steps in both modes; speculative requests AR-stepped, then
+        assert modes == {True, False}              # speculated again (a tree step accepting > 1 after a 1-step)
+        spec = [(r.result.acceptance_lengths, solo.acceptance_lengths) for s, r, solo in zip(specs, reqs, solos)
+                if s["tree"] is not TREES["ar"] and s["cancel"] is None]
+        assert any(got != want for got, want in spec)
+        assert any(1 in got[1:] and max(got[got.index(1, 1):]) > 1 for got, _ in spec if 1 in got[1:])
     assert sched.pool_used == 0 and sched.running == sched.waiting == 0
 
 
@@ -231,16 +266,26 @@ def test_cancel_and_timeout_end_a_request_at_the_next_step(compose_cfg):
 def test_sampled_requests_batched_equal_their_solo_runs(compose_cfg, backend):
     """Per-request SamplingParams (temperature, top_p/top_k, penalties, seed, logprobs, echo): the same tokens and
     logprobs batched as alone for a seed (uniform(seed, output position) does not depend on the batch)."""
+    engine = engine_for(compose_cfg, backend, "fp32")
+    run_sampled(engine, speculate_max_batch=0)
+
+
+def test_sampled_requests_equal_their_solo_runs_with_speculation_off_under_load(compose_cfg):
+    """The same with serve.speculate_max_batch=2: a token drawn at a position does not depend on whether a tree or
+    an AR step reached it."""
+    run_sampled(engine_for(compose_cfg, "cpu" if not CPU_SKIPPED else "numpy", "fp32"), speculate_max_batch=2)
+
+
+def run_sampled(engine, speculate_max_batch):
     from kdtree.decode.sampling import SamplingParams
 
-    engine = engine_for(compose_cfg, backend, "fp32")
     specs = random_specs(engine, np.random.default_rng(20), 9)
     params = [SamplingParams(temperature=[0.0, 0.7, 1.2][i % 3], top_p=[1.0, 0.9][i % 2], top_k=[0, 20][i % 2],
                              seed=100 + i, frequency_penalty=0.5 if i % 4 == 1 else 0.0,
                              logprobs=2 if i % 3 == 1 else None, echo=i == 4) for i in range(len(specs))]
     specs[4]["max_new"] = 0                        # echo with max_tokens 0 scores the prompt only
     solos = [engine.generate(s["ids"], s["max_new"], tree=s["tree"], sampling=p) for s, p in zip(specs, params)]
-    sched = scheduler(engine)
+    sched = scheduler(engine, speculate_max_batch=speculate_max_batch)
     reqs = {}
     for step in range(400):
         reqs.update({i: sched.submit(BatchRequest(s["ids"], s["max_new"], tree=s["tree"], sampling=p))
