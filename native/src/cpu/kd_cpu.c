@@ -650,6 +650,55 @@ KD_CLONES static void kd_axpy(float *y, float a, const float *x, int64_t n) {
   for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* One query row of kd_mla_attention (AVX2): the scores of the cache prefix (keys 0..n_prefix-1, contiguous) in
+ * direct register tiles (H query heads x 2 keys), the visible block keys one by one, each dot exactly kd_dot's;
+ * softmax as the portable loop; then out[h] = sum_i p[h, i] kv_i[:L] with every element's adds in key order
+ * (a multiply, then an add, as kd_axpy), eight lanes of one head's output at a time. */
+__attribute__((target("avx2"))) static void kd_mla_row_avx2(const float *qt, const float *kv, const int64_t *keys,
+                                                             int64_t n, int64_t n_prefix, float *p, float *ot,
+                                                             int64_t H, int64_t L, int64_t E, float scale) {
+  int64_t np = n_prefix < n ? n_prefix : n;
+  if (np > 0) kd_linear_direct(qt, E, kv, E, p, n, H, E, np); /* p[h * n + i], i < np */
+  for (int64_t i = np; i < n; i++)
+    for (int64_t h = 0; h < H; h++) p[h * n + i] = kd_dot_avx2(qt + h * E, kv + keys[i] * E, E);
+  for (int64_t h = 0; h < H; h++) {
+    float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] * scale;
+    for (int64_t i = 0; i < n; i++)
+      if (ph[i] > m) m = ph[i];
+    for (int64_t i = 0; i < n; i++) {
+      ph[i] = expf(ph[i] - m);
+      sum += ph[i];
+    }
+    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
+  }
+  for (int64_t h = 0; h < H; h++) {
+    const float *ph = p + h * n;
+    float *oh = ot + h * L;
+    int64_t d = 0;
+    for (; d + 32 <= L; d += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0; /* ot starts at +0, as the memset */
+      for (int64_t i = 0; i < n; i++) {
+        const float *kr = kv + keys[i] * E + d;
+        __m256 w = _mm256_set1_ps(ph[i]);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(w, _mm256_loadu_ps(kr)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(w, _mm256_loadu_ps(kr + 8)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(w, _mm256_loadu_ps(kr + 16)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(w, _mm256_loadu_ps(kr + 24)));
+      }
+      _mm256_storeu_ps(oh + d, a0), _mm256_storeu_ps(oh + d + 8, a1);
+      _mm256_storeu_ps(oh + d + 16, a2), _mm256_storeu_ps(oh + d + 24, a3);
+    }
+    for (; d < L; d++) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < n; i++) acc = acc + ph[i] * kv[keys[i] * E + d];
+      oh[d] = acc;
+    }
+  }
+}
+#endif
+
 int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
                      int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream) {
   (void)stream;
@@ -677,6 +726,12 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     float *ot = out + t * H * L;
     memset(ot, 0, sizeof(float) * (size_t)(H * L));
     if (n == 0) continue;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (kd_use_avx2()) { /* the same dots and sums as below, in register tiles */
+      kd_mla_row_avx2(qt, kv, keys, n, n_prefix, p, ot, H, L, E, scale);
+      continue;
+    }
+#endif
     /* key-major loops keep a key row in cache across the heads; each (t, h) still sees exactly the sequence
      * dot -> max -> exp -> sum -> weighted sum in key order, so the result does not depend on H or T */
     for (int64_t i = 0; i < n; i++) {
