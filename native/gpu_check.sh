@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check of the native library, < 5 min on one H200: rebuild libkdtree_cuda.so (sm_90 + compute_90 PTX) here,
-# run the parity suite's gpu cases (tests/native, -m gpu: every op x shape on "cuda" vs numpy, guard regions,
-# batch invariance, tree row == AR step) and the CUDA kernel benchmarks (time + GB/s).
+# GPU check of the native library, < 8 min on one H200: rebuild libkdtree_cuda.so (sm_90 + compute_90 PTX) here,
+# run every gpu-marked test (tests/native: each op x shape on "cuda" vs numpy with guard regions, the CUDA whole
+# forward vs numpy, its batch invariance, graph replay == eager, the drafter; tests/decode: DDTree == AR with
+# backend=cuda), the CUDA kernel benchmarks (INT4 GEMM, MLA verify attention: time + GB/s), and print one table:
+# kernel GB/s against the device's HBM peak, and the tiny model's AR / tree decode-step times.
 #
 #   native/gpu_check.sh                       # from anywhere; PYTHON=... to pick the interpreter
 #   device tool: run(command="native/gpu_check.sh", carry=[".whl"], timeout_s=420)
@@ -32,12 +34,30 @@ n = native.cuda_device_count()
 print(f"libkdtree_cuda.so: ABI {native.load_library('cuda').version}, cuda devices: {n} {native.CUDA_REASON}")
 raise SystemExit(0 if n > 0 else 3)
 PY
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native -rs
+export OUT=${OUT:-/tmp}
+rc=0
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native tests/decode/test_lossless.py -rs || rc=$?
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/bench/test_native_bench.py \
   --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds \
-  --benchmark-json="${OUT:-/tmp}/kd_gpu_bench.json"
-"$PY" - "${OUT:-/tmp}/kd_gpu_bench.json" <<'PY'
-import json, sys
+  --benchmark-json="$OUT/kd_gpu_bench.json"
+"$PY" - "$OUT/kd_gpu_bench.json" "$OUT/kd_gpu_steps.json" <<'PY'
+import json, shutil, subprocess, sys
+# HBM peak of the device (GB/s, vendor figures) by name; another card prints '?'
+PEAK = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "A100-SXM4-80GB": 2039,
+        "RTX PRO 6000": 1792}
+name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                      text=True).stdout.strip().splitlines()[0] if shutil.which("nvidia-smi") else "?"
+peak = next((v for k, v in PEAK.items() if k in name), None)
+print(f"\n{'kernel':48s} {'median us':>10s} {'GB/s':>8s} {'% peak':>7s}   device {name}, peak {peak or '?'} GB/s")
 for b in json.load(open(sys.argv[1]))["benchmarks"]:
-    print(f"{b['name']:50s} median {b['stats']['median'] * 1e6:9.1f} us  {b['extra_info'].get('GB/s', '?')} GB/s")
+    gbs = b["extra_info"].get("GB/s")
+    pct = f"{100 * gbs / peak:6.1f}%" if gbs and peak else "     ?"
+    print(f"{b['name']:48s} {b['stats']['median'] * 1e6:10.1f} {gbs or '?':>8} {pct:>7s}")
+try:
+    steps = json.load(open(sys.argv[2]))
+    print(f"\ntiny model decode step (CUDA forward, graphs; min of 50): AR {steps['ar_step']:.3f} ms, "
+          f"tree verify 33 rows {steps['tree_verify_33']:.3f} ms, graph capture {steps['graph_capture_s']:.3f} s")
+except FileNotFoundError:
+    print("\ntiny model decode step: no times (test_cuda_decode_step_times did not run)")
 PY
+exit $rc

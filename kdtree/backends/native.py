@@ -30,7 +30,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeT
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 2  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 3  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -434,8 +434,10 @@ class NativeOps(Ops):
         self._head_linear = self._c.kd_head_linear_f32
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-        # whole-model forwards in one library call (kd_forward.c); False = the per-op path (same kernels)
-        self.native_forward = self._host and hasattr(self._c, "kd_model_forward")
+        # whole-model forwards in one library call (cpu: kd_forward.c; cuda: kd_forward.cu, on a device only);
+        # False = the per-op path (same kernels). The CUDA build has no drafter forward yet: it drafts per op.
+        self.native_forward = hasattr(self._c, "kd_model_forward") and (self._host or self.lib.device_count > 0)
+        self.native_drafter_forward = self._host and hasattr(self._c, "kd_drafter_create")
 
     def native_target(self, model: Any) -> Optional[Any]:
         """K2Model's weights registered for kd_model_forward (NativeTarget), or None where it does not apply."""
@@ -445,7 +447,7 @@ class NativeOps(Ops):
 
     def native_drafter(self, drafter: Any) -> Optional[Any]:
         """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None."""
-        if not self.native_forward:
+        if not self.native_drafter_forward:
             return None
         return NativeDrafter(drafter, self.lib)
 

@@ -125,8 +125,16 @@ class NativeLatentCache:
             views = []
             for layer in range(t.n_layers):
                 lib.check(lib.c.kd_cache_rows(t.handle, self.slot, layer, p), "kd_cache_rows")
+                if lib.kind == "cuda":   # device rows: a host copy, taken now (not a live view)
+                    rows = np.empty((self.max_len, t.width), np.float32)
+                    lib.check(lib.c.kd_memcpy_d2h(lib.ffi.from_buffer(rows), p[0], rows.nbytes, lib.ffi.NULL),
+                              "kd_memcpy_d2h")
+                    views.append(rows)
+                    continue
                 buf = lib.ffi.buffer(p[0], self.max_len * t.width * 4)
                 views.append(np.frombuffer(buf, np.float32).reshape(self.max_len, t.width))
+            if lib.kind == "cuda":
+                return views
             self._kv = views
         return self._kv
 
@@ -233,6 +241,20 @@ class NativeTarget:
 
     def new_cache(self, max_len: int) -> NativeLatentCache:
         return NativeLatentCache(self, max_len)
+
+    def set_graph_rows(self, rows: Iterable[int]) -> None:
+        """backend=cuda: forwards of exactly these row counts are captured once as CUDA graphs and replayed
+        (1 = an AR step, tree.budget + 1 = a verify); other counts launch eagerly. The CPU build ignores it."""
+        r = np.ascontiguousarray(sorted({int(x) for x in rows}), np.int64)
+        self.lib.check(self.lib.c.kd_model_set_graph_rows(self.handle, self.lib.ffi.from_buffer("int64_t[]", r),
+                                                          r.size), "kd_model_set_graph_rows")
+
+    def graph_stats(self) -> Dict[str, float]:
+        """{graphs, replays, eager, buckets, capture_s}: the CUDA graph counters (zeros on the CPU build)."""
+        st, sec = self.lib.ffi.new("int64_t[4]"), self.lib.ffi.new("double *")
+        self.lib.check(self.lib.c.kd_model_graph_stats(self.handle, st, sec), "kd_model_graph_stats")
+        return {"graphs": int(st[0]), "replays": int(st[1]), "eager": int(st[2]), "buckets": int(st[3]),
+                "capture_s": float(sec[0])}
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: NativeLatentCache,
                 visibility: Optional[np.ndarray] = None, hidden_layers: Iterable[int] = (),

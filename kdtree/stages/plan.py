@@ -33,9 +33,18 @@ from kdtree.quant.int4 import module_is_quantized
 SIDE = "controller"
 PARAMS = {"disk_mb_s": list, "float_dtype": str, "shard_gb": float}
 
-GB, MB, KiB = 1e9, 1e6, 1024
+GB, MB, KiB, MiB, GiB = 1e9, 1e6, 1024, 1024 ** 2, 1024 ** 3
 FLOAT_BYTES = {"fp32": 4, "bf16": 2}
 KV_DTYPE, KV_BYTES = "fp32", 4  # the latent cache is float32 in this engine
+STORED_DTYPE = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "I32": "int32"}   # safetensors dtype -> plan label
+
+# Device memory (backend=cuda): memory.total as nvidia-smi reports it on each card
+DEVICES = {"RTX PRO 6000 (96 GB)": 97887 * MiB, "H200 (141 GB)": 143771 * MiB}
+CUDA_RESERVE_BYTES = 1 * GiB        # CUDA context, cudart, NCCL channel buffers: an estimate (~0.5-1 GiB measured
+                                    # on Hopper by other engines), not a measurement of this one
+GRAPH_KERNELS_PER_LAYER = 24        # launches of one layer of the CUDA forward (norms, projections, rope, attention,
+                                    # routing, grouped experts, all-reduces), an upper estimate
+GRAPH_NODE_BYTES = 4 * KiB          # driver memory per captured kernel node: an estimate
 
 @functools.lru_cache(maxsize=None)   # the plan asks for every tensor several times (k26: 200k tensors)
 def split_axis(tensor: str):
@@ -160,6 +169,78 @@ def _scratch(model, rows: int, tp: int) -> float:
     return rows * per_row * 4
 
 
+def _device_dtype(name: str, dtypes: Dict[str, str], float_label: str) -> Optional[str]:
+    """The dtype a tensor keeps on the device (CUDA forward), None for one that is not uploaded.
+
+    INT4 modules stay packed (int32 words) with their bf16 group scales; weight_shape is host metadata (the
+    descriptor carries n_out/n_in). Every other tensor keeps its stored dtype: BF16 stays BF16 (no float32 copy);
+    kv_b_proj is uploaded as its absorbed halves W_uk/W_uv, the same elements in the same dtype."""
+    part = name.rpartition(".")[2]
+    if part == "weight_shape":
+        return None
+    if part == "weight_packed":
+        return "int4 packed (int32)"
+    if part == "weight_scale":
+        return "int4 scales (bf16)"
+    return dtypes.get(name, float_label)
+
+
+def _graph_bytes(model, buckets: List[int]) -> float:
+    """Driver memory of the CUDA graphs (one per row-count bucket): nodes x an estimate per node. The activations
+    of a replay live in the scratch (shared by every bucket), not in the graph."""
+    nodes = model.num_hidden_layers * GRAPH_KERNELS_PER_LAYER + 8
+    return len(buckets) * nodes * GRAPH_NODE_BYTES
+
+
+def _device_plan(cfg, model, layout, dtypes: Dict[str, str], float_label: str, tp: int, drafter_bytes: float,
+                 kv_per_token: int, drafter_kv_per_token: int, tree_rows: int) -> dict:
+    """Device bytes per rank of backend=cuda: weights by dtype, the latent KV cache of serve.kv_pool_tokens
+    tokens (the scheduler's pool: every running request's prompt + output + tree), the scratch of the largest
+    forward (serve.max_batch_tokens rows), the CUDA graphs of the row buckets, the runtime reserve; and whether it
+    fits each device, with the largest cache that would."""
+    cache_tokens = int(OmegaConf.select(cfg, "serve.kv_pool_tokens", default=16384))
+    max_rows = max(tree_rows, int(OmegaConf.select(cfg, "serve.max_batch_tokens", default=512)))
+    buckets = sorted({1, tree_rows, max_rows})     # decode, one tree verify, a full batch / prefill chunk
+    by_dtype: Dict[str, float] = {}
+    for name, _, nbytes in layout:
+        dt = _device_dtype(name, dtypes, float_label)
+        if dt is not None:
+            by_dtype[dt] = by_dtype.get(dt, 0.0) + (nbytes / tp if split_axis(name) else nbytes)
+    ranks = []
+    for r in range(tp):
+        weights = dict(by_dtype)
+        if r == 0 and drafter_bytes:   # rank 0 drafts: the drafter's weights in their stored dtype
+            weights[f"drafter {float_label}"] = float(drafter_bytes)
+        kv = cache_tokens * (kv_per_token + (drafter_kv_per_token if r == 0 else 0))
+        row = {"rank": r, "weights_by_dtype": weights, "weights_bytes": sum(weights.values()),
+               "kv_cache_tokens": cache_tokens, "kv_cache_bytes": kv,
+               "kv_bytes_per_token": kv_per_token + (drafter_kv_per_token if r == 0 else 0),
+               "scratch_rows": max_rows, "scratch_bytes": _scratch(model, max_rows, tp),
+               "graph_buckets": buckets, "graphs_bytes": _graph_bytes(model, buckets),
+               "reserve_bytes": CUDA_RESERVE_BYTES}
+        row["total_bytes"] = (row["weights_bytes"] + kv + row["scratch_bytes"] + row["graphs_bytes"]
+                              + row["reserve_bytes"])
+        fixed = row["total_bytes"] - kv
+        row["fits"] = {dev: row["total_bytes"] <= cap for dev, cap in DEVICES.items()}
+        # the largest serve.kv_pool_tokens that would fit each device (0 when even the weights do not)
+        row["max_kv_cache_tokens"] = {dev: max(0, int((cap - fixed) // row["kv_bytes_per_token"]))
+                                      for dev, cap in DEVICES.items()}
+        ranks.append(row)
+    worst = max(ranks, key=lambda x: x["total_bytes"])
+    fits = {dev: all(x["fits"][dev] for x in ranks) for dev in DEVICES}
+    advice = {}
+    for dev, ok in fits.items():
+        if ok:
+            continue
+        most = min(x["max_kv_cache_tokens"][dev] for x in ranks)
+        fix = (f"lower serve.kv_pool_tokens to <= {most}" if most > 0
+               else f"the weights alone do not fit (rank {worst['rank']}: {_fmt_bytes(worst['weights_bytes'])})")
+        advice[dev] = (f"rank {worst['rank']} needs {_fmt_bytes(worst['total_bytes'])} > {_fmt_bytes(DEVICES[dev])} "
+                       f"with serve.kv_pool_tokens={cache_tokens}; {fix}, or raise tp (tp={tp})")
+    return {"devices": {dev: cap for dev, cap in DEVICES.items()}, "ranks": ranks, "fits": fits,
+            "does_not_fit": advice, "max_rank_bytes": worst["total_bytes"]}
+
+
 def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_gb: float = 5.0) -> dict:
     model, quant = _plain(cfg.model), _plain(cfg.quant)
     model.drafter = types.SimpleNamespace(**model.drafter)
@@ -180,9 +261,13 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         idx = open_checkpoint(ckpt)
         layout = [(t.name, t.path.name, t.nbytes) for t in idx.tensors.values()]
         n_files, source = len(idx.files), f"checkpoint index {ckpt}"
+        dtypes = {t.name: STORED_DTYPE.get(t.dtype, t.dtype.lower()) for t in idx.tensors.values()}
+        emb = idx.tensors.get("model.embed_tokens.weight")
+        float_label = dtypes[emb.name] if emb is not None else "fp32"
     else:
         layout, n_files = computed_layout(computed_tensors(model, quant, FLOAT_BYTES[float_dtype]), shard_gb * GB)
         source = f"computed layout ({shard_gb:g} GB shards, non-quantized tensors {float_dtype})"
+        dtypes, float_label = {}, float_dtype
     sharded = replicated = 0
     file_bytes: Dict[str, float] = {}  # bytes ONE rank reads from each file
     for name, fname, nbytes in layout:
@@ -229,6 +314,11 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         row["read_total_bytes"] = mem["read_bytes"] + (dmem["read_bytes"] if dmem else 0)
         ranks.append(row)
     node_bytes = sum(r["read_total_bytes"] for r in ranks)  # every rank reads its own slices; rank 0 the drafter
+    device = None
+    if backend == "cuda":
+        device = _device_plan(cfg, model, layout, dtypes, float_label, tp,
+                              ranks[0]["drafter"]["read_bytes"] if ranks[0]["drafter"] else 0,
+                              kv_per_token, drafter_kv_per_token if with_drafter else 0, rows)
     return {
         "model": model.name, "quant": quant.method, "tp": tp, "source": source, "files_total": n_files,
         "backend": backend, "strategy": strategy, "tree": str(tree.kind) if tree is not None else "ar",
@@ -242,7 +332,34 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         "ranks": ranks,
         "node_read_bytes": node_bytes,
         "load_time_s": {f"{r:g}": node_bytes / (r * MB) for r in disk_mb_s},
+        "device": device,
     }
+
+
+def format_device(d: dict) -> List[str]:
+    """The backend=cuda section of the plan: device bytes per rank and the verdict per device."""
+    r0 = d["ranks"][0]
+    dtypes = sorted({k for r in d["ranks"] for k in r["weights_by_dtype"]})
+    lines = [f"  device bytes per rank (backend=cuda): weights as the device keeps them (INT4 packed, BF16 as BF16), "
+             f"latent cache of serve.kv_pool_tokens={r0['kv_cache_tokens']} tokens, scratch of "
+             f"{r0['scratch_rows']} rows, graphs of row buckets {r0['graph_buckets']}",
+             "  " + f"{'rank':>4}  " + "  ".join(f"{t:>19}" for t in dtypes)
+             + f"  {'weights':>9}  {'KV cache':>9}  {'scratch':>9}  {'graphs':>9}  {'reserve':>9}  {'total':>9}"]
+    for r in d["ranks"]:
+        w = r["weights_by_dtype"]
+        lines.append("  " + f"{r['rank']:>4}  " + "  ".join(f"{_fmt_bytes(w[t]) if t in w else '-':>19}" for t in dtypes)
+                     + f"  {_fmt_bytes(r['weights_bytes']):>9}  {_fmt_bytes(r['kv_cache_bytes']):>9}  "
+                       f"{_fmt_bytes(r['scratch_bytes']):>9}  {_fmt_bytes(r['graphs_bytes']):>9}  "
+                       f"{_fmt_bytes(r['reserve_bytes']):>9}  {_fmt_bytes(r['total_bytes']):>9}")
+    lines.append("  graphs and reserve (CUDA context, NCCL buffers) are estimates; the rest is counted tensor by tensor")
+    for dev, cap in d["devices"].items():
+        most = min(r["max_kv_cache_tokens"][dev] for r in d["ranks"])
+        if d["fits"][dev]:
+            lines.append(f"  fits {dev}: largest rank {_fmt_bytes(d['max_rank_bytes'])} of {_fmt_bytes(cap)} with "
+                         f"serve.kv_pool_tokens={r0['kv_cache_tokens']} (up to {most} tokens would fit)")
+        else:
+            lines.append(f"  does NOT fit {dev}: {d['does_not_fit'][dev]}")
+    return lines
 
 
 def format_plan(p: dict) -> str:
@@ -277,9 +394,8 @@ def format_plan(p: dict) -> str:
         + (f" + up to {_fmt_bytes(r0['int4_unpacked_bytes'])} of unpacked INT4 (numpy, $KDTREE_INT4_CACHE_MB caps it)"
            if r0["int4_unpacked_bytes"] else ""),
     ]
-    if p["backend"] == "cuda":
-        lines.append("  backend=cuda: each weight array above is also copied to the device on first use (float32 and "
-                     "INT4 as held on the host); device bytes are not counted separately yet")
+    if p.get("device"):
+        lines += [""] + format_device(p["device"])
     lines += [
         "",
         f"  load time (the node reads {_fmt_bytes(p['node_read_bytes'])} = every rank's slices + the drafter once):",
@@ -295,4 +411,6 @@ def run(ctx, disk_mb_s: list = (2000.0, 240.0), float_dtype: str = "auto", shard
     (Path(ctx.run_dir) / "plan.json").write_text(json.dumps(p, indent=1))
     return {"per_rank_bytes": p["per_rank_bytes"], "files_total": p["files_total"],
             "kv_bytes_per_token": p["kv_cache"]["bytes_per_token"],
-            "resident_after_load_bytes": [r["resident_after_load_bytes"] for r in p["ranks"]]}
+            "resident_after_load_bytes": [r["resident_after_load_bytes"] for r in p["ranks"]],
+            **({"device_bytes_per_rank": [r["total_bytes"] for r in p["device"]["ranks"]],
+                "device_fits": p["device"]["fits"]} if p.get("device") else {})}

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 2   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 3   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -116,7 +116,7 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
 int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
 
-/* ---- whole-model forward (kd_forward.c; the CUDA build returns KD_EINVAL until its own forward exists) --------
+/* ---- whole-model forward (cpu: src/cpu/kd_forward.c; cuda: src/cuda/kd_forward.cu) -------------------------
  * A model is registered once: the caller fills descriptors with pointers into its loaded arrays (which it keeps
  * alive for the model's life; INT4 weights stay packed), kd_model_create copies the descriptors (never the
  * weights). The library owns a pool of latent-cache slots (one per sequence, [n_layers][max_len][L+R] f32) and
@@ -206,6 +206,21 @@ int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n);     /* drop rows [n
 /* keep rows (absolute, ascending, within [start, length)) moved contiguously to start..; length = start + n */
 int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n);
 int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows);   /* layer's f32 [max_len, L+R] */
+
+/* CUDA build (src/cuda/kd_forward.cu): the same calls on HOST arrays (descriptors, forward args and outputs), with
+ * the model on the device: kd_model_create uploads every weight once (f32 tensors whose values are all exact
+ * bfloat16 are kept as BF16 and widened exactly in the kernels; INT4 stays packed, scales BF16 when exact), so the
+ * caller's arrays are not needed after it returns. Cache slots and scratch are device memory; kd_cache_rows gives
+ * a DEVICE pointer (read it with kd_memcpy_d2h). all_reduce gets a pinned host copy of x. The drafter calls fail
+ * with KD_EINVAL there (not ported yet). */
+
+/* CUDA graphs: forwards of exactly rows[i] rows (i < n <= 16) are captured once per output shape (n_out, logits,
+ * argmax, hidden layers) and replayed; other row counts launch eagerly (stderr says so once). Replaces the previous
+ * set and drops captured graphs. No graphs while all_reduce is set. The CPU build accepts and ignores the set. */
+int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n);
+/* stats i64[4]: graphs captured, graph replays, eager forwards, buckets set; *capture_seconds: time spent
+ * capturing (may be NULL). The CPU build reports zeros (no graphs). */
+int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds);
 
 /* DFlash block drafter (kdtree/model/drafter.py): shares the target's embed and lm_head pointers. */
 typedef struct {

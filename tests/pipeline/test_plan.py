@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -106,3 +107,68 @@ def test_plan_bytes_per_rank_equal_what_tp_ranks_read(compose_cfg):
         cfg = compose_cfg("model=k26" if q == "int4_w4a16" else "model=tiny", f"quant={q}", f"tp='{tp}'",
                           "cache_dir=/nonexistent")
         assert make_plan(cfg)["per_rank_bytes"] == bytes_per_rank(cfg.model, cfg.quant, tp, float_bytes=fb)
+
+
+K26_CUDA = ("model=k26", "tp='8'", "quant=int4_w4a16", "backend=cuda", "cache_dir=/nonexistent")
+RTX = "RTX PRO 6000 (96 GB)"
+
+
+def test_k26_tp8_int4_cuda_prints_device_bytes_per_rank_and_fits_the_96gb_card(tmp_path, kdtree_cache):
+    run_dir = tmp_path / "plan"
+    env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "kdtree.run", "pipeline=plan", "model=k26", "tp=8",
+                        "quant=int4_w4a16", "backend=cuda", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "device bytes per rank (backend=cuda)" in out and "serve.kv_pool_tokens=16384" in out
+    assert "int4 packed (int32)" in out and "int4 scales (bf16)" in out and "fp32" not in out.split("device bytes")[1]
+    assert "fits RTX PRO 6000 (96 GB)" in out and "fits H200 (141 GB)" in out and "does NOT fit" not in out
+    d = json.loads((run_dir / "plan.json").read_text())["device"]
+    assert d["fits"] == {RTX: True, "H200 (141 GB)": True}
+    assert len(d["ranks"]) == 8 and d["ranks"][0]["kv_cache_tokens"] == 16384
+
+
+def test_device_weights_by_dtype_are_the_ranks_slices_int4_packed_and_bf16_kept(compose_cfg):
+    """Weights on the device are the bytes the rank reads (minus weight_shape metadata): no float32 copy of BF16,
+    INT4 experts as int32 words (1/8 of their float32 bytes) + bf16 group scales (1/16 byte per weight)."""
+    from kdtree.model.names import target_tensor_shapes
+
+    cfg = compose_cfg(*K26_CUDA)
+    p = make_plan(cfg)
+    r0, r1 = p["device"]["ranks"][0], p["device"]["ranks"][1]
+    for r in (r0, r1):
+        assert sum(r["weights_by_dtype"].values()) == pytest.approx(r["weights_bytes"])
+        assert r["total_bytes"] == pytest.approx(r["weights_bytes"] + r["kv_cache_bytes"] + r["scratch_bytes"]
+                                                 + r["graphs_bytes"] + r["reserve_bytes"])
+    assert set(r1["weights_by_dtype"]) == {"bf16", "int4 packed (int32)", "int4 scales (bf16)"}
+    shapes = target_tensor_shapes(_plain(cfg.model))
+    n_shapes = sum(1 for n in shapes if ".mlp.experts." in n)   # one weight_shape int32 [2] per INT4 module
+    assert r1["weights_bytes"] == pytest.approx(p["per_rank_bytes"] - n_shapes * 8)
+    # rank 0 also holds the drafter (bf16, as read), and its KV cache
+    assert r0["weights_bytes"] - r1["weights_bytes"] == pytest.approx(p["ranks"][0]["drafter"]["read_bytes"])
+    assert r0["kv_cache_bytes"] > r1["kv_cache_bytes"] == 16384 * (512 + 64) * 61 * 4
+    fp32_experts = sum(math.prod(s) * 4 for n, s in shapes.items()
+                       if ".mlp.experts." in n) / 8                      # per rank: experts split over tp=8
+    assert r1["weights_by_dtype"]["int4 packed (int32)"] == pytest.approx(fp32_experts / 8)
+    assert r1["weights_by_dtype"]["int4 scales (bf16)"] == pytest.approx(fp32_experts / 4 / 32 * 2)
+
+
+def test_device_fit_flips_when_the_cache_outgrows_the_card_and_says_the_fix(compose_cfg):
+    most = make_plan(compose_cfg(*K26_CUDA))["device"]["ranks"][0]["max_kv_cache_tokens"][RTX]
+    assert 16384 < most
+    at = make_plan(compose_cfg(*K26_CUDA, f"serve.kv_pool_tokens={most}"))["device"]
+    over = make_plan(compose_cfg(*K26_CUDA, f"serve.kv_pool_tokens={most + 1}"))["device"]
+    assert at["fits"][RTX] and not over["fits"][RTX] and over["fits"]["H200 (141 GB)"]
+    msg = over["does_not_fit"][RTX]
+    assert f"serve.kv_pool_tokens={most + 1}" in msg and f"lower serve.kv_pool_tokens to <= {most}" in msg
+    assert "raise tp (tp=8)" in msg
+    # fewer ranks: the weights alone outgrow the card, and the message says so instead of a cache size
+    tp4 = make_plan(compose_cfg(*[o if o != "tp='8'" else "tp='4'" for o in K26_CUDA]))["device"]
+    assert not tp4["fits"][RTX] and "the weights alone do not fit" in tp4["does_not_fit"][RTX]
+
+
+def test_device_plan_only_for_backend_cuda_and_keeps_fp32_tiny_fp32(compose_cfg):
+    assert make_plan(compose_cfg())["device"] is None
+    d = make_plan(compose_cfg("backend=cuda"))["device"]   # the embedded tiny checkpoint: float32 as stored
+    assert set(d["ranks"][0]["weights_by_dtype"]) <= {"fp32", "drafter fp32"} and all(d["fits"].values())

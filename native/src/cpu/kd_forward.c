@@ -267,6 +267,22 @@ int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
   return KD_OK;
 }
 
+/* no CUDA graphs on the CPU: the bucket set is accepted and ignored, the counts are zeros */
+int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n) {
+  (void)rows;
+  KD_CHECK_PTR("kd_model_set_graph_rows", m);
+  if (n < 0) return kd_fail(KD_EINVAL, "kd_model_set_graph_rows: n=%lld must be >= 0", (long long)n);
+  return KD_OK;
+}
+
+int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
+  KD_CHECK_PTR("kd_model_graph_stats", m);
+  KD_CHECK_PTR("kd_model_graph_stats", stats);
+  for (int i = 0; i < 4; i++) stats[i] = 0;
+  if (capture_seconds) *capture_seconds = 0.0;
+  return KD_OK;
+}
+
 /* x [T, R] rotated in place by interleaved pairs: (x0 c - x1 s, x1 c + x0 s), as k2.rope_apply (x*C + swap(x)*S) */
 static void kd_rope_interleaved(float *x, const float *cs, int64_t half) {
   const float *c = cs, *s = cs + half;

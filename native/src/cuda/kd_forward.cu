@@ -1,0 +1,1296 @@
+/* Whole-model forward of the CUDA build (libkdtree_cuda.so): the K2 target of kdtree.h's kd_model_* ABI with
+ * device-resident weights, latent-cache slots and scratch, one stream of kernels per forward, CUDA graphs per
+ * row-count bucket.
+ *
+ *   make -C native cuda             # builds it into libkdtree_cuda.so (no device needed to compile)
+ *   native/gpu_check.sh             # runs the gpu-marked tests against it (forward parity, invariance, graphs)
+ *
+ * NOT RUN ON A GPU YET: written and compiled without a device (issue #17); gpu_check.sh is the first proof.
+ *
+ * Layout of one forward (the CPU build's kd_forward.c, the same order of operations):
+ *   host: validate, build per-row metadata (token, cache row, prefix, block, visibility offset, YaRN cos/sin in
+ *         float64 rounded once, as the CPU build) into a pinned staging buffer -> ONE H2D copy;
+ *   device: embed -> layers (rms_norm, q_a/q_b/kv_a projections, latent rows written into the sequence's cache
+ *         slot, rope, absorbed q, MLA attention over prefix + visible block rows, absorbed v, o_proj, [all-reduce],
+ *         residual; rms_norm, dense MLP or MoE: router + sigmoid routing with group limit + a counting sort by
+ *         expert + grouped expert kernels + combine, [all-reduce], residual) -> final norm, lm_head, argmax;
+ *   host: D2H of the asked outputs, one synchronize.
+ * Every kernel reads sizes that depend only on the row count N and pointers into fixed buffers (metadata is
+ * data, not launch arguments), so the kernel sequence of a given N is captured once as a CUDA graph and replayed.
+ *
+ * Numerics: every output element is one warp's dot product in kd_cuda.cu's lane order (lane l takes k = 128 i +
+ * 4 l + j; INT4: words l + 32 i, each word's 8 elements in order), norms and attention are kd_cuda.cu's kernels'
+ * arithmetic; a row's bits depend only on its own inputs (batch invariant), whether replayed or launched eagerly.
+ * Weights: float32 tensors whose every value is exactly a bfloat16 (a BF16 checkpoint widened by the loader) are
+ * kept as BF16 on the device and widened exactly in the kernels: same bits as float32 weights, half the bytes.
+ * INT4 stays packed; its scales are kept BF16 when exact (compressed-tensors stores them BF16), else float32.
+ * Tensor parallel: desc.all_reduce is called on a pinned host copy (D2H, callback, H2D); with it set, graphs are
+ * off (a host callback cannot be captured). NCCL on the stream is the next step.
+ * The DFlash drafter (kd_drafter_*) is not ported yet: those entry points fail with a clear message and the
+ * engine drafts through the per-op path. */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kd_common.h"
+
+#define FW_WARPS 8
+#define FW_NORM_THREADS 256
+#define FW_ATT_THREADS 128
+#define FW_ATT_CHUNK 64
+#define FW_ATT_MAX_DIMS 8
+#define FW_MAX_GRAPHS 16
+#define FW_MAX_HIDDEN 16
+
+enum { FW_F32 = 0, FW_BF16 = 1, FW_INT4_BF16 = 2, FW_INT4_F32 = 3 };
+
+typedef struct {
+  const void *w;       /* f32 / bf16 [n_out, n_in], or packed int32 [n_out, ceil(n_in/8)] */
+  const void *scales;  /* int4: bf16 / f32 [n_out, ceil(n_in/group)] */
+  int32_t kind;
+  int64_t n_out, n_in, group;
+} fw_w;
+
+typedef struct {
+  fw_w gate, up, down;
+} fw_mlp;
+
+typedef struct {
+  const float *in_norm, *post_norm, *q_a_norm, *kv_a_norm; /* f32 on the device */
+  fw_w q_a, q_b, kv_a, o, w_uk_t, w_uv;                     /* w_uk_t [H*L, nope], w_uv [H*v, L] */
+  int64_t heads;
+  int32_t is_moe, has_shared;
+  fw_mlp mlp, shared;
+  fw_w router;
+  const float *router_bias;
+  fw_mlp *experts;       /* device array [E] */
+  int64_t inter;         /* largest intermediate of this layer's experts */
+} fw_layer;
+
+typedef struct {
+  float *kv;            /* the slot's device rows [n_layers][max_len][L+R] */
+  int64_t max_len;
+  int64_t dst;          /* this row's cache row (prefix + index in its block) */
+  int64_t prefix;       /* the sequence's cached rows before this forward */
+  int64_t t, T;         /* index in its block, block rows */
+  int64_t vis_off;      /* u64 offset of its block's visibility rows, -1 = causal */
+} fw_row;
+
+typedef struct {
+  float *kv;
+  int64_t max_len, length;
+  int used;
+} fw_slot;
+
+typedef struct {
+  int64_t N, n_out, want_logits, want_argmax, n_hidden, hidden[FW_MAX_HIDDEN];
+  cudaGraphExec_t exec;
+} fw_graph;
+
+struct kd_model {
+  kd_model_desc d;
+  double *inv_freq;
+  fw_layer *layers;
+  const float *embed_f32, *final_norm;  /* device */
+  const __nv_bfloat16 *embed_bf16;
+  fw_w lm_head;
+  char *arena;                          /* every weight, one allocation */
+  size_t arena_bytes, arena_used;
+  fw_slot *slots;
+  int64_t n_slots;
+  int64_t E, q_lora, Hmax, Emax, inter_max, kmax;
+  cudaStream_t stream;
+  /* scratch for up to cap_rows rows (device) and the staging of one forward's metadata (pinned host + device) */
+  int64_t cap_rows, cap_hidden;
+  char *scratch;
+  char *meta_h, *meta_d;
+  size_t meta_bytes;
+  float *host_reduce;                   /* pinned [cap_rows * D] for the all-reduce hook */
+  /* graphs */
+  int64_t graph_rows[FW_MAX_GRAPHS], n_graph_rows;
+  fw_graph graphs[FW_MAX_GRAPHS];
+  int64_t n_graphs, replays, eager, said_eager;
+  double capture_s;
+};
+
+/* ---- helpers ------------------------------------------------------------------------------------------ */
+static int fw_err(cudaError_t e, const char *what) {
+  return e == cudaSuccess ? KD_OK : kd_fail(KD_ECUDA, "kd_model_forward: %s: %s", what, cudaGetErrorString(e));
+}
+
+#define FW_TRY(expr)     \
+  do {                   \
+    int rc_ = (expr);    \
+    if (rc_) return rc_; \
+  } while (0)
+
+static int fw_launched(const char *what) { return fw_err(cudaGetLastError(), what); }
+
+static size_t fw_align(size_t n) { return (n + 255) & ~(size_t)255; }
+
+static unsigned fw_blocks(int64_t n) {
+  int64_t b = (n + 255) / 256;
+  return (unsigned)(b < 1 ? 1 : b < 65536 ? b : 65536);
+}
+
+__device__ __forceinline__ float fw_warp_sum(float v) {
+  for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float fw_ld(const float *p) { return *p; }
+__device__ __forceinline__ float fw_ld(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+
+/* one warp: sum_k w[o, k] x[k] in kd_cuda.cu's lane order for the weight's kind */
+template <typename Wt>
+__device__ __forceinline__ float fw_dot_dense(const Wt *wr, const float *xr, int64_t n_in, int lane) {
+  float acc = 0.0f;
+  for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128)
+    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += fw_ld(wr + k0 + j) * xr[k0 + j];
+  return fw_warp_sum(acc);
+}
+
+template <typename St>
+__device__ __forceinline__ float fw_dot_int4(const uint32_t *wr, const St *sr, const float *xr, int64_t n_in,
+                                             int64_t wpg, int lane) {
+  int64_t n_words = (n_in + 7) / 8;
+  float acc = 0.0f;
+  for (int64_t w = lane; w < n_words; w += 32) {
+    uint32_t u = wr[w];
+    float s = fw_ld(sr + w / wpg);
+    for (int j = 0; j < 8 && 8 * w + j < n_in; j++) acc += kd_int4_weight(u, j, s) * xr[8 * w + j];
+  }
+  return fw_warp_sum(acc);
+}
+
+__device__ __forceinline__ float fw_dot(const fw_w &w, int64_t o, const float *xr, int lane) {
+  switch (w.kind) {
+    case FW_F32:
+      return fw_dot_dense((const float *)w.w + o * w.n_in, xr, w.n_in, lane);
+    case FW_BF16:
+      return fw_dot_dense((const __nv_bfloat16 *)w.w + o * w.n_in, xr, w.n_in, lane);
+    default: {
+      int64_t n_words = (w.n_in + 7) / 8, n_groups = (w.n_in + w.group - 1) / w.group;
+      const uint32_t *wr = (const uint32_t *)w.w + o * n_words;
+      if (w.kind == FW_INT4_BF16)
+        return fw_dot_int4(wr, (const __nv_bfloat16 *)w.scales + o * n_groups, xr, w.n_in, w.group / 8, lane);
+      return fw_dot_int4(wr, (const float *)w.scales + o * n_groups, xr, w.n_in, w.group / 8, lane);
+    }
+  }
+}
+
+/* ---- kernels ------------------------------------------------------------------------------------------ */
+/* out[t * os + o] = w[o, :] . x[t * xs, :]; grid (ceil(n_out / FW_WARPS), T) */
+__global__ void fw_linear_kernel(fw_w w, const float *__restrict__ x, int64_t xs, float *__restrict__ out,
+                                 int64_t os) {
+  int lane = threadIdx.x & 31;
+  int64_t o = (int64_t)blockIdx.x * FW_WARPS + (threadIdx.x >> 5), t = blockIdx.y;
+  if (o >= w.n_out) return;
+  float acc = fw_dot(w, o, x + t * xs, lane);
+  if (lane == 0) out[t * os + o] = acc;
+}
+
+/* per-head linear (absorbed MLA): out[t, h, o] = w[h * n_out + o, :] . x[t, h, :]; w viewed [H * n_out, n_in];
+ * grid (ceil(n_out / FW_WARPS), T * H) */
+__global__ void fw_head_linear_kernel(fw_w w, int64_t n_out, const float *__restrict__ x, int64_t xs_t,
+                                      int64_t xs_h, float *__restrict__ out, int64_t os_t, int64_t os_h, int64_t H) {
+  int lane = threadIdx.x & 31;
+  int64_t o = (int64_t)blockIdx.x * FW_WARPS + (threadIdx.x >> 5), th = blockIdx.y;
+  if (o >= n_out) return;
+  int64_t t = th / H, h = th % H;
+  float acc = fw_dot(w, h * n_out + o, x + t * xs_t + h * xs_h, lane);
+  if (lane == 0) out[t * os_t + h * os_h + o] = acc;
+}
+
+/* h[r] = embed[tokens[r]] */
+template <typename Et>
+__global__ void fw_embed_kernel(const Et *__restrict__ embed, const int32_t *__restrict__ tokens,
+                                float *__restrict__ h, int64_t N, int64_t D) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < N * D; i += (int64_t)gridDim.x * blockDim.x)
+    h[i] = fw_ld(embed + (int64_t)tokens[i / D] * D + i % D);
+}
+
+__global__ void fw_add_kernel(float *__restrict__ h, const float *__restrict__ t, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    h[i] = h[i] + t[i];
+}
+
+/* (x0 c - x1 s, x1 c + x0 s) per interleaved pair, as kd_forward.c's kd_rope_interleaved */
+__device__ __forceinline__ void fw_rope_pair(const float *src, float *dst, const float *cs, int64_t half,
+                                             int64_t i) {
+  float x0 = src[2 * i], x1 = src[2 * i + 1], c = cs[i], s = cs[half + i];
+  dst[2 * i] = x0 * c + x1 * -s;
+  dst[2 * i + 1] = x1 * c + x0 * s;
+}
+
+/* new latent rows: cache[dst] = [rms_norm(kva[:L]) * w, rope(kva[L:])]; one block per row (kd_rms_norm's tree) */
+__global__ void fw_cache_write_kernel(const float *__restrict__ kva, const float *__restrict__ norm_w,
+                                      const fw_row *__restrict__ rows, const float *__restrict__ cs, int64_t layer,
+                                      int64_t L, int64_t R, float eps) {
+  __shared__ float part[FW_NORM_THREADS];
+  const int64_t r = blockIdx.x, E = L + R;
+  const fw_row m = rows[r];
+  const float *src = kva + r * E;
+  float *dst = m.kv + (layer * m.max_len + m.dst) * E;
+  float acc = 0.0f;
+  for (int64_t d = threadIdx.x; d < L; d += FW_NORM_THREADS) acc += src[d] * src[d];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int s = FW_NORM_THREADS / 2; s >= 1; s >>= 1) {
+    if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    __syncthreads();
+  }
+  float inv = kd_rms_inv(part[0], L, eps);
+  for (int64_t d = threadIdx.x; d < L; d += FW_NORM_THREADS) dst[d] = src[d] * inv * norm_w[d];
+  for (int64_t i = threadIdx.x; i < R / 2; i += FW_NORM_THREADS) fw_rope_pair(src + L, dst + L, cs + r * R, R / 2, i);
+}
+
+/* qf[r, h, L:] = rope(q[r, h, nope:]); grid N * H */
+__global__ void fw_q_rope_kernel(const float *__restrict__ q, float *__restrict__ qf, const float *__restrict__ cs,
+                                 int64_t H, int64_t nope, int64_t L, int64_t R) {
+  const int64_t r = blockIdx.x / H, h = blockIdx.x % H;
+  for (int64_t i = threadIdx.x; i < R / 2; i += blockDim.x)
+    fw_rope_pair(q + (r * H + h) * (nope + R) + nope, qf + (r * H + h) * (L + R) + L, cs + r * R, R / 2, i);
+}
+
+/* Word w of a block-row's visibility, bits past key T-1 cleared (kd_cuda.cu's kd_vis_word) */
+__device__ __forceinline__ uint64_t fw_vis_word(const uint64_t *row, int64_t w, int64_t T) {
+  const int64_t words = (T + 63) / 64;
+  uint64_t bits = row[w];
+  if (w == words - 1 && (T & 63)) bits &= ((uint64_t)1 << (T & 63)) - 1;
+  return bits;
+}
+
+/* Tree-verify MLA attention of kd_cuda.cu (kd_mla_attention_kernel), one block per (row, head), its sequence's
+ * cache slot and block read from the row's metadata: the same chunks of the visible key list, the same rounding. */
+__global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *__restrict__ rows,
+                                    const uint64_t *__restrict__ vis_all, float *__restrict__ out, int64_t layer,
+                                    int64_t H, int64_t L, int64_t R, float scale) {
+  __shared__ int64_t keypos[FW_ATT_CHUNK];
+  __shared__ float e[FW_ATT_CHUNK];
+  __shared__ float stat[3];
+  const int64_t r = blockIdx.x / H, h = blockIdx.x % H, E = L + R;
+  const fw_row m = rows[r];
+  const int64_t T = m.T, t = m.t, P = m.prefix, words = (T + 63) / 64;
+  const float *kv = m.kv + layer * m.max_len * E;
+  const uint64_t *vis = m.vis_off >= 0 ? vis_all + m.vis_off + t * words : NULL;
+  const float *qh = q + (r * H + h) * E;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
+  int64_t nblock = 0;
+  if (vis) {
+    for (int64_t w = 0; w < words; w++) nblock += __popcll(fw_vis_word(vis, w, T));
+  } else {
+    nblock = t + 1;
+  }
+  const int64_t n = P + nblock;
+  float acc[FW_ATT_MAX_DIMS];
+  for (int i = 0; i < FW_ATT_MAX_DIMS; i++) acc[i] = 0.0f;
+  if (tid == 0) {
+    stat[0] = -INFINITY;
+    stat[1] = 0.0f;
+  }
+  int64_t cur_word = 0;
+  uint64_t cur_bits = vis ? fw_vis_word(vis, 0, T) : 0;
+  int64_t causal_next = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += FW_ATT_CHUNK) {
+    const int cm = (int)(n - c0 < FW_ATT_CHUNK ? n - c0 : FW_ATT_CHUNK);
+    if (tid == 0) {
+      for (int i = 0; i < cm; i++) {
+        int64_t v = c0 + i;
+        if (v < P) {
+          keypos[i] = v;
+        } else if (!vis) {
+          keypos[i] = P + causal_next++;
+        } else {
+          while (cur_bits == 0) cur_bits = fw_vis_word(vis, ++cur_word, T);
+          keypos[i] = P + cur_word * 64 + __ffsll((long long)cur_bits) - 1;
+          cur_bits &= cur_bits - 1;
+        }
+      }
+    }
+    __syncthreads();
+    for (int i = warp; i < cm; i += nwarps) {
+      const float *kr = kv + keypos[i] * E;
+      float s = 0.0f;
+      for (int64_t d = lane; d < E; d += 32) s += qh[d] * kr[d];
+      s = fw_warp_sum(s);
+      if (lane == 0) e[i] = s * scale;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float mx = stat[0];
+      for (int i = 0; i < cm; i++) mx = fmaxf(mx, e[i]);
+      float alpha = expf(stat[0] - mx);
+      float sum = stat[1] * alpha;
+      for (int i = 0; i < cm; i++) {
+        e[i] = expf(e[i] - mx);
+        sum += e[i];
+      }
+      stat[0] = mx;
+      stat[1] = sum;
+      stat[2] = alpha;
+    }
+    __syncthreads();
+    const float alpha = stat[2];
+    for (int k = 0; k < FW_ATT_MAX_DIMS; k++) {
+      int64_t d = tid + (int64_t)k * FW_ATT_THREADS;
+      if (d >= L) break;
+      float a = acc[k] * alpha;
+      for (int i = 0; i < cm; i++) a += e[i] * kv[keypos[i] * E + d];
+      acc[k] = a;
+    }
+    __syncthreads();
+  }
+  __syncthreads();
+  float *o = out + (r * H + h) * L;
+  const float total = stat[1];
+  for (int k = 0; k < FW_ATT_MAX_DIMS; k++) {
+    int64_t d = tid + (int64_t)k * FW_ATT_THREADS;
+    if (d >= L) break;
+    o[d] = n ? acc[k] / total : 0.0f;
+  }
+}
+
+/* index of the first maximum among entries not yet taken (kd_forward.c's kd_pick_max) */
+__device__ int64_t fw_pick_max(const float *v, unsigned char *taken, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; i++)
+    if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+  if (best >= 0) taken[best] = 1;
+  return best;
+}
+
+/* numpy's float32 pairwise sum of a short row (kd_forward.c's kd_np_sum) */
+__device__ float fw_np_sum(const float *a, int64_t n) {
+  if (n < 8) {
+    float r = 0.0f;
+    for (int64_t i = 0; i < n; i++) r += a[i];
+    return r;
+  }
+  float p[8];
+  for (int j = 0; j < 8; j++) p[j] = a[j];
+  int64_t i = 8;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) p[j] += a[i + j];
+  float res = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+  for (; i < n; i++) res += a[i];
+  return res;
+}
+
+/* routing of one row per thread (kd_forward.c's kd_route, the same operations): s = sigmoid(logits), choice =
+ * s + bias, group limit (sum of each group's best two, keep topk_group groups, others 0.0), top-k in choice
+ * order, weights = s of the chosen (normalised if asked) x routed_scale. rl [N, E] in: logits, out: s. */
+__global__ void fw_route_kernel(float *__restrict__ rl, const float *__restrict__ bias, float *__restrict__ work,
+                                unsigned char *__restrict__ taken_all, int32_t *__restrict__ ex,
+                                float *__restrict__ ew, int64_t N, int64_t E, int64_t G, int64_t topk_group,
+                                int64_t k, int32_t norm, float routed_scale) {
+  int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= N) return;
+  float *s = rl + r * E, *choice = work + r * (E + G), *gscore = choice + E;
+  unsigned char *taken = taken_all + r * (E > G ? E : G);
+  for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e]));
+  for (int64_t e = 0; e < E; e++) choice[e] = s[e] + bias[e];
+  if (G > 1) {
+    int64_t per = E / G, top = per < 2 ? per : 2;
+    for (int64_t g = 0; g < G; g++) {
+      for (int64_t j = 0; j < per; j++) taken[j] = 0;
+      float acc = 0.0f;
+      for (int64_t j = 0; j < top; j++) acc += choice[g * per + fw_pick_max(choice + g * per, taken, per)];
+      gscore[g] = acc;
+    }
+    for (int64_t g = 0; g < G; g++) taken[g] = 0;
+    for (int64_t j = 0; j < topk_group; j++) fw_pick_max(gscore, taken, G);
+    for (int64_t g = 0; g < G; g++)
+      if (!taken[g])
+        for (int64_t j = 0; j < per; j++) choice[g * per + j] = 0.0f;
+  }
+  for (int64_t e = 0; e < E; e++) taken[e] = 0;
+  int32_t *xr = ex + r * k;
+  float *wr = ew + r * k;
+  for (int64_t j = 0; j < k; j++) {
+    xr[j] = (int32_t)fw_pick_max(choice, taken, E);
+    wr[j] = s[xr[j]];
+  }
+  if (norm) {
+    float den = fw_np_sum(wr, k) + 1e-20f;
+    for (int64_t j = 0; j < k; j++) wr[j] = wr[j] / den;
+  }
+  for (int64_t j = 0; j < k; j++) wr[j] = wr[j] * routed_scale;
+}
+
+/* counting sort of the N*k routing slots by expert, slot order kept: start[E+1], src[p] (row of sorted slot p),
+ * pos[i] (sorted place of slot i). One thread: S and E are small (S = rows x top_k); a parallel scan is later. */
+__global__ void fw_sort_kernel(const int32_t *__restrict__ ex, int32_t *__restrict__ start, int32_t *__restrict__ src,
+                               int32_t *__restrict__ pos, int64_t S, int64_t E, int64_t k) {
+  if (blockIdx.x || threadIdx.x) return;
+  for (int64_t e = 0; e <= E; e++) start[e] = 0;
+  for (int64_t i = 0; i < S; i++) start[ex[i] + 1]++;
+  for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+  for (int64_t i = 0; i < S; i++) {
+    int32_t p = start[ex[i]]++;
+    pos[i] = p;
+    src[p] = (int32_t)(i / k);
+  }
+  for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];
+  start[0] = 0;
+}
+
+__global__ void fw_gather_kernel(const float *__restrict__ x, const int32_t *__restrict__ src,
+                                 float *__restrict__ dst, int64_t n, int64_t D) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * D; i += (int64_t)gridDim.x * blockDim.x)
+    dst[i] = x[(int64_t)src[i / D] * D + i % D];
+}
+
+/* Grouped experts: block (output tile, expert e) runs e's weight rows over the sorted rows start[e]..start[e+1]-1
+ * (the weight tile is read once from DRAM for all of them). which: 0 = gate and up (xs -> g, u), 1 = down (g -> ys).
+ * Grid sizes depend only on E and the widths, never on the routing, so the launch is graph-capturable. */
+__global__ void fw_experts_kernel(const fw_mlp *__restrict__ experts, const int32_t *__restrict__ start,
+                                  const float *__restrict__ xin, int64_t xs, float *__restrict__ o1,
+                                  float *__restrict__ o2, int64_t os, int which) {
+  const int64_t e = blockIdx.y;
+  const int32_t p0 = start[e], p1 = start[e + 1];
+  if (p0 == p1) return;
+  int lane = threadIdx.x & 31;
+  int64_t o = (int64_t)blockIdx.x * FW_WARPS + (threadIdx.x >> 5);
+  const fw_mlp &m = experts[e];
+  if (which == 0) {
+    if (o >= m.gate.n_out) return;
+    for (int32_t p = p0; p < p1; p++) {
+      float g = fw_dot(m.gate, o, xin + p * xs, lane), u = fw_dot(m.up, o, xin + p * xs, lane);
+      if (lane == 0) o1[p * os + o] = g, o2[p * os + o] = u;
+    }
+  } else {
+    if (o >= m.down.n_out) return;
+    for (int32_t p = p0; p < p1; p++) {
+      float y = fw_dot(m.down, o, xin + p * xs, lane);
+      if (lane == 0) o1[p * os + o] = y;
+    }
+  }
+}
+
+/* out[t, d] = (((0 + w[t,0] y[pos[t,0], d]) + w[t,1] y[pos[t,1], d]) + ...) + shared[t, d] (kd_moe_combine) */
+__global__ void fw_combine_kernel(const float *__restrict__ ys, const int32_t *__restrict__ pos,
+                                  const float *__restrict__ w, const float *__restrict__ shared,
+                                  float *__restrict__ out, int64_t T, int64_t D, int64_t k) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < T * D; i += (int64_t)gridDim.x * blockDim.x) {
+    int64_t t = i / D, d = i % D;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; j++) acc = acc + w[t * k + j] * ys[(int64_t)pos[t * k + j] * D + d];
+    if (shared) acc = acc + shared[i];
+    out[i] = acc;
+  }
+}
+
+__global__ void fw_gather_rows_kernel(const float *__restrict__ h, const int64_t *__restrict__ rows,
+                                      float *__restrict__ out, int64_t n, int64_t D) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n * D; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = h[rows[i / D] * D + i % D];
+}
+
+/* argmax per row, ties -> lowest id (kd_forward.c: the first strictly greater value wins) */
+__global__ void fw_argmax_kernel(const float *__restrict__ lg, int32_t *__restrict__ am, int64_t V) {
+  __shared__ float bv[256];
+  __shared__ int64_t bi[256];
+  const float *row = lg + blockIdx.x * V;
+  float best = -INFINITY;
+  int64_t idx = -1;
+  for (int64_t v = threadIdx.x; v < V; v += 256)
+    if (idx < 0 || row[v] > best) best = row[v], idx = v;
+  bv[threadIdx.x] = best;
+  bi[threadIdx.x] = idx;
+  __syncthreads();
+  for (int s = 128; s >= 1; s >>= 1) {
+    if (threadIdx.x < s) {
+      float ov = bv[threadIdx.x + s];
+      int64_t oi = bi[threadIdx.x + s];
+      if (oi >= 0 && (bi[threadIdx.x] < 0 || ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])))
+        bv[threadIdx.x] = ov, bi[threadIdx.x] = oi;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) am[blockIdx.x] = (int32_t)(bi[0] < 0 ? 0 : bi[0]);
+}
+
+/* kd_cache_keep on the device: per layer (block), rows[i] -> start + i in ascending order (never over a row to move) */
+__global__ void fw_keep_kernel(float *__restrict__ kv, int64_t max_len, int64_t E, const int64_t *__restrict__ rows,
+                               int64_t start, int64_t n) {
+  float *base = kv + blockIdx.x * max_len * E;
+  for (int64_t i = 0; i < n; i++) {
+    if (rows[i] != start + i)
+      for (int64_t d = threadIdx.x; d < E; d += blockDim.x) base[(start + i) * E + d] = base[rows[i] * E + d];
+    __syncthreads();
+  }
+}
+
+/* ---- weight upload: every tensor into one device arena (pass 0 sizes it, pass 1 copies) ---------------- */
+typedef struct {
+  kd_model *m;
+  int pass;
+  size_t need;
+  int rc;
+} fw_up;
+
+static int fw_bf16_exact(const float *a, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t b;
+    memcpy(&b, a + i, 4);
+    if (b & 0xffffu) return 0;
+  }
+  return 1;
+}
+
+static void *fw_put(fw_up *u, const void *src, size_t bytes) {
+  if (u->rc) return NULL;
+  if (u->pass == 0) {
+    u->need += fw_align(bytes);
+    return NULL;
+  }
+  kd_model *m = u->m;
+  void *dst = m->arena + m->arena_used;
+  m->arena_used += fw_align(bytes);
+  cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  if (e != cudaSuccess) u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+  return dst;
+}
+
+/* f32 host array -> device, as BF16 when every value is one (exact) and allow_bf16, else as f32 */
+static const void *fw_put_f32(fw_up *u, const float *src, int64_t n, int allow_bf16, int *is_bf16) {
+  *is_bf16 = allow_bf16 && fw_bf16_exact(src, n);
+  if (!*is_bf16) return fw_put(u, src, sizeof(float) * (size_t)n);
+  if (u->pass == 0) return fw_put(u, src, 2 * (size_t)n);
+  uint16_t *tmp = (uint16_t *)malloc(2 * (size_t)n + 2);
+  if (!tmp) {
+    u->rc = kd_fail(KD_ENOMEM, "kd_model_create: out of host memory (%lld values)", (long long)n);
+    return NULL;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t b;
+    memcpy(&b, src + i, 4);
+    tmp[i] = (uint16_t)(b >> 16);
+  }
+  const void *d = fw_put(u, tmp, 2 * (size_t)n);
+  free(tmp);
+  return d;
+}
+
+static const float *fw_vec(fw_up *u, const float *src, int64_t n) { return (const float *)fw_put(u, src, 4 * (size_t)n); }
+
+static int fw_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
+  if (w->n_out != n_out || w->n_in != n_in) return 0;
+  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
+  return w->f32 != NULL;
+}
+
+static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
+  dw->n_out = hw->n_out, dw->n_in = hw->n_in, dw->group = hw->group;
+  int bf;
+  if (hw->packed) {
+    dw->w = fw_put(u, hw->packed, sizeof(int32_t) * (size_t)(hw->n_out * ((hw->n_in + 7) / 8)));
+    dw->scales = fw_put_f32(u, hw->scales, hw->n_out * ((hw->n_in + hw->group - 1) / hw->group), 1, &bf);
+    dw->kind = bf ? FW_INT4_BF16 : FW_INT4_F32;
+  } else {
+    dw->w = fw_put_f32(u, hw->f32, hw->n_out * hw->n_in, 1, &bf);
+    dw->kind = bf ? FW_BF16 : FW_F32;
+  }
+}
+
+static void fw_dense(fw_up *u, const float *src, int64_t n_out, int64_t n_in, fw_w *dw) {
+  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0};
+  fw_weight(u, &hw, dw);
+}
+
+static void fw_mlp_up(fw_up *u, const kd_mlp *h, fw_mlp *d) {
+  fw_weight(u, &h->gate, &d->gate);
+  fw_weight(u, &h->up, &d->up);
+  fw_weight(u, &h->down, &d->down);
+}
+
+static int fw_mlp_ok(const kd_mlp *p, int64_t D) {
+  int64_t I = p->gate.n_out;
+  return I > 0 && fw_weight_ok(&p->gate, I, D) && fw_weight_ok(&p->up, I, D) && fw_weight_ok(&p->down, D, I);
+}
+
+/* one pass over the descriptor: pass 0 validates and sizes, pass 1 uploads (expert tables last, per layer) */
+static int fw_upload(kd_model *m, fw_up *u) {
+  const kd_model_desc *d = &m->d;
+  int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim, V = d->vocab;
+  int bf;
+  const void *emb = fw_put_f32(u, d->embed, V * D, 1, &bf);
+  m->embed_f32 = bf ? NULL : (const float *)emb;
+  m->embed_bf16 = bf ? (const __nv_bfloat16 *)emb : NULL;
+  m->final_norm = fw_vec(u, d->final_norm, D);
+  fw_weight(u, &d->lm_head, &m->lm_head);
+  for (int64_t i = 0; i < d->n_layers && !u->rc; i++) {
+    const kd_layer *ly = &d->layers[i];
+    fw_layer *fl = &m->layers[i];
+    int64_t H = ly->heads, ql = ly->q_a.n_out;
+    if (u->pass == 0) {
+      int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm && ly->w_uk_t &&
+               ly->w_uv && fw_weight_ok(&ly->q_a, ql, D) && fw_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
+               fw_weight_ok(&ly->kv_a, L + R, D) && fw_weight_ok(&ly->o, D, H * d->v_head);
+      if (ok && ly->is_moe) {
+        ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
+             ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
+             d->topk_group <= d->n_group;
+        for (int64_t e = 0; ok && e < d->n_experts; e++) ok = fw_mlp_ok(&ly->experts[e], D);
+        if (ok && ly->has_shared) ok = fw_mlp_ok(&ly->shared, D);
+      } else if (ok) {
+        ok = fw_mlp_ok(&ly->mlp, D);
+      }
+      if (!ok)
+        return kd_fail(KD_EINVAL, "kd_model_create: layer %lld has a missing weight or one whose shape disagrees "
+                                  "with the model sizes", (long long)i);
+      if (ql > m->q_lora) m->q_lora = ql;
+      if (H > m->Hmax) m->Hmax = H;
+    }
+    fl->heads = H, fl->is_moe = ly->is_moe, fl->has_shared = ly->has_shared;
+    fl->in_norm = fw_vec(u, ly->in_norm, D), fl->post_norm = fw_vec(u, ly->post_norm, D);
+    fl->q_a_norm = fw_vec(u, ly->q_a_norm, ql), fl->kv_a_norm = fw_vec(u, ly->kv_a_norm, L);
+    fw_weight(u, &ly->q_a, &fl->q_a);
+    fw_weight(u, &ly->q_b, &fl->q_b);
+    fw_weight(u, &ly->kv_a, &fl->kv_a);
+    fw_weight(u, &ly->o, &fl->o);
+    fw_dense(u, ly->w_uk_t, H * L, d->nope, &fl->w_uk_t);
+    fw_dense(u, ly->w_uv, H * d->v_head, L, &fl->w_uv);
+    if (!ly->is_moe) {
+      fw_mlp_up(u, &ly->mlp, &fl->mlp);
+      if (ly->mlp.gate.n_out > m->inter_max) m->inter_max = ly->mlp.gate.n_out;
+      continue;
+    }
+    fw_dense(u, ly->router, d->n_experts, D, &fl->router);
+    fl->router_bias = fw_vec(u, ly->router_bias, d->n_experts);
+    if (ly->has_shared) {
+      fw_mlp_up(u, &ly->shared, &fl->shared);
+      if (ly->shared.gate.n_out > m->inter_max) m->inter_max = ly->shared.gate.n_out;
+    }
+    fw_mlp *table = (fw_mlp *)calloc((size_t)d->n_experts, sizeof(fw_mlp));
+    if (!table) return kd_fail(KD_ENOMEM, "kd_model_create: out of host memory");
+    fl->inter = 0;
+    for (int64_t e = 0; e < d->n_experts; e++) {
+      fw_mlp_up(u, &ly->experts[e], &table[e]);
+      if (ly->experts[e].gate.n_out > fl->inter) fl->inter = ly->experts[e].gate.n_out;
+    }
+    if (fl->inter > m->inter_max) m->inter_max = fl->inter;
+    fl->experts = (fw_mlp *)fw_put(u, table, sizeof(fw_mlp) * (size_t)d->n_experts);
+    free(table);
+    m->Emax = d->n_experts, m->kmax = d->top_k;
+  }
+  return u->rc;
+}
+
+static void fw_drop_graphs(kd_model *m) {
+  for (int64_t i = 0; i < m->n_graphs; i++) cudaGraphExecDestroy(m->graphs[i].exec);
+  m->n_graphs = 0;
+}
+
+static void fw_free_scratch(kd_model *m) {
+  fw_drop_graphs(m);
+  if (m->scratch) cudaFree(m->scratch);
+  if (m->meta_d) cudaFree(m->meta_d);
+  if (m->meta_h) cudaFreeHost(m->meta_h);
+  if (m->host_reduce) cudaFreeHost(m->host_reduce);
+  m->scratch = m->meta_d = m->meta_h = NULL;
+  m->host_reduce = NULL;
+  m->cap_rows = m->cap_hidden = 0;
+}
+
+extern "C" int kd_model_destroy(kd_model *m) {
+  if (!m) return KD_OK;
+  if (m->stream) cudaStreamSynchronize(m->stream);
+  fw_free_scratch(m);
+  for (int64_t s = 0; s < m->n_slots; s++)
+    if (m->slots[s].kv) cudaFree(m->slots[s].kv);
+  free(m->slots);
+  if (m->arena) cudaFree(m->arena);
+  if (m->stream) cudaStreamDestroy(m->stream);
+  free(m->layers);
+  free(m->inv_freq);
+  free(m);
+  return KD_OK;
+}
+
+extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_create", desc);
+  KD_CHECK_PTR("kd_model_create", out);
+  *out = NULL;
+  if (kd_device_count() <= 0) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", kd_last_error()); /* kd_fail writes the buffer kd_last_error reads */
+    return kd_fail(KD_ENODEV, "kd_model_create: no CUDA device (%s); use backend=cpu", why);
+  }
+  const kd_model_desc *d = desc;
+  int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim;
+  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || L <= 0 || R <= 0 || R % 2 || d->nope <= 0 || d->v_head <= 0)
+    return kd_fail(KD_EINVAL, "kd_model_create: bad sizes (D=%lld V=%lld layers=%lld L=%lld R=%lld)",
+                   (long long)D, (long long)d->vocab, (long long)d->n_layers, (long long)L, (long long)R);
+  if (L > FW_ATT_THREADS * FW_ATT_MAX_DIMS)
+    return kd_fail(KD_EINVAL, "kd_model_create: kv_lora_rank=%lld > %d supported by the CUDA attention kernel",
+                   (long long)L, FW_ATT_THREADS * FW_ATT_MAX_DIMS);
+  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !fw_weight_ok(&d->lm_head, d->vocab, D))
+    return kd_fail(KD_EINVAL, "kd_model_create: embed, final_norm, lm_head [V, D], layers and inv_freq are required");
+  kd_model *m = (kd_model *)calloc(1, sizeof(kd_model));
+  if (!m) return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
+  m->d = *d;
+  m->d.layers = NULL; /* the caller's arrays are read during create only: the device holds the weights */
+  m->d.embed = NULL;
+  m->E = L + R;
+  m->layers = (fw_layer *)calloc((size_t)d->n_layers, sizeof(fw_layer));
+  m->inv_freq = (double *)malloc(sizeof(double) * (size_t)(R / 2));
+  if (!m->layers || !m->inv_freq) {
+    kd_model_destroy(m);
+    return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
+  }
+  memcpy(m->inv_freq, d->inv_freq, sizeof(double) * (size_t)(R / 2));
+  m->d.inv_freq = m->inv_freq;
+  cudaError_t e = cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    kd_model_destroy(m);
+    return kd_fail(KD_ECUDA, "kd_model_create: cudaStreamCreate: %s", cudaGetErrorString(e));
+  }
+  kd_model_desc full = *d; /* uploads read the caller's descriptor */
+  kd_model_desc keep = m->d;
+  m->d = full;
+  fw_up u = {m, 0, 0, 0};
+  int rc = fw_upload(m, &u);
+  if (!rc) {
+    e = cudaMalloc((void **)&m->arena, u.need ? u.need : 1);
+    if (e != cudaSuccess) {
+      m->d = keep;
+      kd_model_destroy(m);
+      return kd_fail(KD_ENOMEM, "kd_model_create: cudaMalloc(%zu bytes of weights): %s; raise tp or use a larger "
+                                "device", u.need, cudaGetErrorString(e));
+    }
+    m->arena_bytes = u.need;
+    u.pass = 1;
+    rc = fw_upload(m, &u);
+  }
+  m->d = keep;
+  if (rc) {
+    kd_model_destroy(m);
+    return rc;
+  }
+  *out = m;
+  return KD_OK;
+}
+
+/* ---- scratch and metadata of up to cap_rows rows ------------------------------------------------------ */
+typedef struct {
+  float *h, *x, *t, *qa, *q, *kva, *qf, *olat, *o, *rl, *work, *ew, *xs, *ys, *g, *u, *sh, *fo, *lg, *hid;
+  int32_t *ex, *start, *src, *pos, *am;
+  unsigned char *taken;
+  /* metadata (device; the same offsets in the pinned staging) */
+  int32_t *tokens;
+  fw_row *rows;
+  float *cs;
+  uint64_t *vis;
+  int64_t *out_rows;
+} fw_bufs;
+
+static size_t fw_take(size_t *off, size_t bytes) {
+  size_t at = *off;
+  *off += fw_align(bytes);
+  return at;
+}
+
+/* offsets of every buffer for N rows; base = NULL sizes only */
+static void fw_layout(const kd_model *m, int64_t N, int64_t n_hidden, char *sbase, char *mbase, fw_bufs *b,
+                      size_t *s_bytes, size_t *m_bytes) {
+  const kd_model_desc *d = &m->d;
+  int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, H = m->Hmax, Ex = m->Emax, k = m->kmax;
+  int64_t G = d->n_group > 0 ? d->n_group : 1, S = N * k, I = m->inter_max, V = d->vocab;
+  size_t o = 0;
+#define FW_F(name, n) b->name = (float *)(sbase + fw_take(&o, sizeof(float) * (size_t)(n)))
+#define FW_I(name, n) b->name = (int32_t *)(sbase + fw_take(&o, sizeof(int32_t) * (size_t)(n)))
+  FW_F(h, N * D); FW_F(x, N * D); FW_F(t, N * D); FW_F(qa, N * m->q_lora); FW_F(q, N * H * (d->nope + R));
+  FW_F(kva, N * E); FW_F(qf, N * H * E); FW_F(olat, N * H * L); FW_F(o, N * H * d->v_head);
+  FW_F(rl, N * Ex); FW_F(work, N * (Ex + G)); FW_F(ew, S); FW_F(xs, S * D); FW_F(ys, S * D);
+  FW_F(g, (S + N) * I); FW_F(u, (S + N) * I); FW_F(sh, N * D); FW_F(fo, N * D); FW_F(lg, N * V);
+  FW_F(hid, N * (n_hidden ? n_hidden : 1) * D);
+  FW_I(ex, S); FW_I(start, Ex + 1); FW_I(src, S); FW_I(pos, S); FW_I(am, N);
+  b->taken = (unsigned char *)(sbase + fw_take(&o, (size_t)(N * (Ex > G ? Ex : G) + 1)));
+#undef FW_F
+#undef FW_I
+  *s_bytes = o;
+  o = 0;
+  b->tokens = (int32_t *)(mbase + fw_take(&o, sizeof(int32_t) * (size_t)N));
+  b->rows = (fw_row *)(mbase + fw_take(&o, sizeof(fw_row) * (size_t)N));
+  b->cs = (float *)(mbase + fw_take(&o, sizeof(float) * (size_t)(N * R)));
+  b->vis = (uint64_t *)(mbase + fw_take(&o, sizeof(uint64_t) * (size_t)(N * ((N + 63) / 64))));
+  b->out_rows = (int64_t *)(mbase + fw_take(&o, sizeof(int64_t) * (size_t)N));
+  *m_bytes = o;
+}
+
+/* grow-only: a larger forward reallocates and drops the graphs (they hold the old addresses) */
+static int fw_reserve(kd_model *m, int64_t N, int64_t n_hidden) {
+  if (N <= m->cap_rows && n_hidden <= m->cap_hidden) return KD_OK;
+  int64_t rows = N > m->cap_rows ? N : m->cap_rows, hid = n_hidden > m->cap_hidden ? n_hidden : m->cap_hidden;
+  cudaStreamSynchronize(m->stream);
+  fw_free_scratch(m);
+  fw_bufs b;
+  size_t sb, mb;
+  fw_layout(m, rows, hid, NULL, NULL, &b, &sb, &mb);
+  cudaError_t e = cudaMalloc((void **)&m->scratch, sb);
+  if (e == cudaSuccess) e = cudaMalloc((void **)&m->meta_d, mb);
+  if (e == cudaSuccess) e = cudaMallocHost((void **)&m->meta_h, mb);
+  if (e == cudaSuccess) e = cudaMallocHost((void **)&m->host_reduce, sizeof(float) * (size_t)(rows * m->d.hidden));
+  if (e != cudaSuccess) {
+    fw_free_scratch(m);
+    return kd_fail(KD_ENOMEM, "kd_model_forward: scratch of %lld rows (%zu bytes): %s; lower serve.max_batch_tokens",
+                   (long long)rows, sb + mb, cudaGetErrorString(e));
+  }
+  m->cap_rows = rows, m->cap_hidden = hid, m->meta_bytes = mb;
+  return KD_OK;
+}
+
+/* ---- the kernel sequence of one forward (eager or under capture) --------------------------------------- */
+static int fw_lin(kd_model *m, const fw_w *w, const float *x, float *out, int64_t T) {
+  if (T == 0) return KD_OK;
+  dim3 grid((unsigned)((w->n_out + FW_WARPS - 1) / FW_WARPS), (unsigned)T);
+  fw_linear_kernel<<<grid, 32 * FW_WARPS, 0, m->stream>>>(*w, x, w->n_in, out, w->n_out);
+  return fw_launched("linear");
+}
+
+static int fw_mlp_rows(kd_model *m, const fw_mlp *p, const float *x, float *y, int64_t n, float *g, float *u) {
+  int64_t I = p->gate.n_out;
+  FW_TRY(fw_lin(m, &p->gate, x, g, n));
+  FW_TRY(fw_lin(m, &p->up, x, u, n));
+  FW_TRY(kd_silu_mul(g, u, g, n, I, m->stream));
+  return fw_lin(m, &p->down, g, y, n);
+}
+
+static int fw_reduce(kd_model *m, float *x, int64_t n) {
+  if (!m->d.all_reduce) return KD_OK;
+  cudaError_t e = cudaMemcpyAsync(m->host_reduce, x, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, m->stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(m->stream);
+  FW_TRY(fw_err(e, "all-reduce staging"));
+  if (m->d.all_reduce(m->host_reduce, n, m->d.all_reduce_ctx))
+    return kd_fail(KD_EINVAL, "kd_model_forward: the tensor-parallel all-reduce failed (see the rank's log)");
+  return fw_err(cudaMemcpyAsync(x, m->host_reduce, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, m->stream),
+                "all-reduce staging");
+}
+
+static int fw_moe(kd_model *m, const fw_layer *ly, const fw_bufs *b, const float *x, float *out, int64_t N) {
+  const kd_model_desc *d = &m->d;
+  int64_t D = d->hidden, E = d->n_experts, k = d->top_k, S = N * k, I = m->inter_max, G = d->n_group;
+  cudaStream_t st = m->stream;
+  FW_TRY(fw_lin(m, &ly->router, x, b->rl, N));
+  fw_route_kernel<<<(unsigned)((N + 127) / 128), 128, 0, st>>>(b->rl, ly->router_bias, b->work, b->taken, b->ex,
+                                                               b->ew, N, E, G, d->topk_group, k, d->norm_topk_prob,
+                                                               d->routed_scale);
+  FW_TRY(fw_launched("routing"));
+  fw_sort_kernel<<<1, 1, 0, st>>>(b->ex, b->start, b->src, b->pos, S, E, k);
+  FW_TRY(fw_launched("expert sort"));
+  fw_gather_kernel<<<fw_blocks(S * D), 256, 0, st>>>(x, b->src, b->xs, S, D);
+  FW_TRY(fw_launched("expert gather"));
+  dim3 gu((unsigned)((ly->inter + FW_WARPS - 1) / FW_WARPS), (unsigned)E);
+  fw_experts_kernel<<<gu, 32 * FW_WARPS, 0, st>>>(ly->experts, b->start, b->xs, D, b->g, b->u, I, 0);
+  FW_TRY(fw_launched("experts gate/up"));
+  FW_TRY(kd_silu_mul(b->g, b->u, b->g, S, I, st));
+  dim3 dn((unsigned)((D + FW_WARPS - 1) / FW_WARPS), (unsigned)E);
+  fw_experts_kernel<<<dn, 32 * FW_WARPS, 0, st>>>(ly->experts, b->start, b->g, I, b->ys, NULL, D, 1);
+  FW_TRY(fw_launched("experts down"));
+  if (ly->has_shared) FW_TRY(fw_mlp_rows(m, &ly->shared, x, b->sh, N, b->g + S * I, b->u + S * I));
+  fw_combine_kernel<<<fw_blocks(N * D), 256, 0, st>>>(b->ys, b->pos, b->ew, ly->has_shared ? b->sh : NULL, out, N, D,
+                                                      k);
+  return fw_launched("expert combine");
+}
+
+static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, int want_out, int want_argmax,
+                     int64_t n_hidden, const int64_t *hidden_layers) {
+  const kd_model_desc *d = &m->d;
+  int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, nope = d->nope, V = d->vocab;
+  cudaStream_t st = m->stream;
+  if (m->embed_bf16)
+    fw_embed_kernel<<<fw_blocks(N * D), 256, 0, st>>>(m->embed_bf16, b->tokens, b->h, N, D);
+  else
+    fw_embed_kernel<<<fw_blocks(N * D), 256, 0, st>>>(m->embed_f32, b->tokens, b->h, N, D);
+  FW_TRY(fw_launched("embed"));
+  for (int64_t li = 0; li < d->n_layers; li++) {
+    const fw_layer *ly = &m->layers[li];
+    int64_t H = ly->heads, qw = nope + R;
+    /* attention: h = h + o_proj(absorbed MLA(norm(h))) */
+    FW_TRY(kd_rms_norm(b->h, ly->in_norm, b->x, N, D, d->eps, st));
+    FW_TRY(fw_lin(m, &ly->q_a, b->x, b->qa, N));
+    FW_TRY(kd_rms_norm(b->qa, ly->q_a_norm, b->qa, N, ly->q_a.n_out, d->eps, st));
+    FW_TRY(fw_lin(m, &ly->q_b, b->qa, b->q, N));                      /* q: [N, H, nope+R] */
+    FW_TRY(fw_lin(m, &ly->kv_a, b->x, b->kva, N));                    /* kv_a: [N, L+R] */
+    fw_cache_write_kernel<<<(unsigned)N, FW_NORM_THREADS, 0, st>>>(b->kva, ly->kv_a_norm, b->rows, b->cs, li, L, R,
+                                                                    d->eps);
+    FW_TRY(fw_launched("latent cache write"));
+    fw_q_rope_kernel<<<(unsigned)(N * H), 64, 0, st>>>(b->q, b->qf, b->cs, H, nope, L, R);
+    FW_TRY(fw_launched("q rope"));
+    dim3 gk((unsigned)((L + FW_WARPS - 1) / FW_WARPS), (unsigned)(N * H)); /* qf[:, :, :L] = W_uk[h]^T q_nope[h] */
+    fw_head_linear_kernel<<<gk, 32 * FW_WARPS, 0, st>>>(ly->w_uk_t, L, b->q, H * qw, qw, b->qf, H * E, E, H);
+    FW_TRY(fw_launched("absorbed q"));
+    fw_attention_kernel<<<(unsigned)(N * H), FW_ATT_THREADS, 0, st>>>(b->qf, b->rows, b->vis, b->olat, li, H, L, R,
+                                                                       d->attn_scale);
+    FW_TRY(fw_launched("MLA attention"));
+    dim3 gv((unsigned)((d->v_head + FW_WARPS - 1) / FW_WARPS), (unsigned)(N * H));
+    fw_head_linear_kernel<<<gv, 32 * FW_WARPS, 0, st>>>(ly->w_uv, d->v_head, b->olat, H * L, L, b->o, H * d->v_head,
+                                                         d->v_head, H);
+    FW_TRY(fw_launched("absorbed v"));
+    FW_TRY(fw_lin(m, &ly->o, b->o, b->t, N));
+    FW_TRY(fw_reduce(m, b->t, N * D));
+    fw_add_kernel<<<fw_blocks(N * D), 256, 0, st>>>(b->h, b->t, N * D);
+    FW_TRY(fw_launched("residual"));
+    /* MLP / MoE: h = h + mlp(norm(h)) */
+    FW_TRY(kd_rms_norm(b->h, ly->post_norm, b->x, N, D, d->eps, st));
+    if (ly->is_moe)
+      FW_TRY(fw_moe(m, ly, b, b->x, b->t, N));
+    else
+      FW_TRY(fw_mlp_rows(m, &ly->mlp, b->x, b->t, N, b->g, b->u));
+    FW_TRY(fw_reduce(m, b->t, N * D));
+    fw_add_kernel<<<fw_blocks(N * D), 256, 0, st>>>(b->h, b->t, N * D);
+    FW_TRY(fw_launched("residual"));
+    for (int64_t j = 0; j < n_hidden; j++)
+      if (hidden_layers[j] == li)
+        FW_TRY(fw_err(cudaMemcpy2DAsync(b->hid + j * D, sizeof(float) * (size_t)(n_hidden * D), b->h,
+                                        sizeof(float) * (size_t)D, sizeof(float) * (size_t)D, (size_t)N,
+                                        cudaMemcpyDeviceToDevice, st), "hidden copy"));
+  }
+  if (n_out == 0 || !want_out) return KD_OK;
+  /* final norm + lm_head of the asked rows only (row-wise: the same bits as over all rows) */
+  fw_gather_rows_kernel<<<fw_blocks(n_out * D), 256, 0, st>>>(b->h, b->out_rows, b->x, n_out, D);
+  FW_TRY(fw_launched("output rows"));
+  FW_TRY(kd_rms_norm(b->x, m->final_norm, b->fo, n_out, D, d->eps, st));
+  FW_TRY(fw_lin(m, &m->lm_head, b->fo, b->lg, n_out));
+  if (want_argmax) {
+    fw_argmax_kernel<<<(unsigned)n_out, 256, 0, st>>>(b->lg, b->am, V);
+    FW_TRY(fw_launched("argmax"));
+  }
+  return KD_OK;
+}
+
+/* ---- cache slots --------------------------------------------------------------------------------------- */
+static fw_slot *fw_slot_get(kd_model *m, int64_t slot, const char *fn) {
+  if (!m || slot < 0 || slot >= m->n_slots || !m->slots[slot].used) {
+    kd_fail(KD_EINVAL, "%s: cache slot %lld is not allocated", fn, (long long)slot);
+    return NULL;
+  }
+  return &m->slots[slot];
+}
+
+extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_cache_alloc", m);
+  KD_CHECK_PTR("kd_cache_alloc", slot);
+  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
+  int64_t s = 0;
+  while (s < m->n_slots && m->slots[s].used) s++;
+  if (s == m->n_slots) {
+    fw_slot *grown = (fw_slot *)realloc(m->slots, sizeof(fw_slot) * (size_t)(m->n_slots + 1));
+    if (!grown) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory");
+    m->slots = grown;
+    memset(&m->slots[m->n_slots++], 0, sizeof(fw_slot));
+  }
+  size_t bytes = sizeof(float) * (size_t)(m->d.n_layers * max_len * m->E);
+  float *kv = NULL;
+  cudaError_t e = cudaMalloc((void **)&kv, bytes);
+  if (e != cudaSuccess)
+    return kd_fail(KD_ENOMEM, "kd_cache_alloc: %zu bytes of device memory for a latent cache of %lld rows: %s; "
+                              "lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
+                   bytes, (long long)max_len, cudaGetErrorString(e));
+  m->slots[s] = (fw_slot){kv, max_len, 0, 1};
+  *slot = s;
+  return KD_OK;
+}
+
+extern "C" int kd_cache_free(kd_model *m, int64_t slot) {
+  kd_clear_error();
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_free");
+  if (!c) return KD_EINVAL;
+  cudaStreamSynchronize(m->stream); /* no forward still reads it */
+  cudaFree(c->kv);
+  memset(c, 0, sizeof *c);
+  return KD_OK;
+}
+
+extern "C" int kd_cache_length(kd_model *m, int64_t slot, int64_t *length) {
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_length");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_cache_length", length);
+  *length = c->length;
+  return KD_OK;
+}
+
+extern "C" int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n) {
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_truncate");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || n > c->length)
+    return kd_fail(KD_EINVAL, "kd_cache_truncate(%lld) outside [0, %lld]", (long long)n, (long long)c->length);
+  c->length = n;
+  return KD_OK;
+}
+
+extern "C" int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n) {
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_keep");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || start < 0 || start + n > c->length || (n && !rows))
+    return kd_fail(KD_EINVAL, "kd_cache_keep: start=%lld n=%lld outside the cache's %lld rows", (long long)start,
+                   (long long)n, (long long)c->length);
+  for (int64_t i = 0; i < n; i++)
+    if (rows[i] < start || rows[i] >= c->length || (i && rows[i] <= rows[i - 1]))
+      return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend within [%lld, %lld)", (long long)start,
+                     (long long)c->length);
+  int moved = 0;
+  for (int64_t i = 0; i < n; i++) moved |= rows[i] != start + i;
+  if (moved) {
+    FW_TRY(fw_reserve(m, n > 1 ? n : 1, 0)); /* the rows travel in the out_rows staging */
+    memcpy(m->meta_h, rows, sizeof(int64_t) * (size_t)n);
+    int64_t *rows_d = (int64_t *)m->meta_d;
+    cudaError_t e = cudaMemcpyAsync(rows_d, m->meta_h, sizeof(int64_t) * (size_t)n, cudaMemcpyHostToDevice,
+                                    m->stream);
+    FW_TRY(fw_err(e, "kd_cache_keep"));
+    fw_keep_kernel<<<(unsigned)m->d.n_layers, 256, 0, m->stream>>>(c->kv, c->max_len, m->E, rows_d, start, n);
+    FW_TRY(fw_launched("kd_cache_keep"));
+    FW_TRY(fw_err(cudaStreamSynchronize(m->stream), "kd_cache_keep")); /* the staging is reused by the next call */
+  }
+  c->length = start + n;
+  return KD_OK;
+}
+
+/* CUDA build: a DEVICE pointer to the layer's rows f32 [max_len, L+R] (copy with kd_memcpy_d2h to read them) */
+extern "C" int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_rows");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_cache_rows", rows);
+  if (layer < 0 || layer >= m->d.n_layers)
+    return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
+  FW_TRY(fw_err(cudaStreamSynchronize(m->stream), "kd_cache_rows")); /* rows written by a forward are complete */
+  *rows = c->kv + layer * c->max_len * m->E;
+  return KD_OK;
+}
+
+/* ---- graphs ------------------------------------------------------------------------------------------ */
+extern "C" int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_set_graph_rows", m);
+  if (n < 0 || n > FW_MAX_GRAPHS || (n && !rows))
+    return kd_fail(KD_EINVAL, "kd_model_set_graph_rows: n=%lld buckets; give 0..%d row counts", (long long)n,
+                   FW_MAX_GRAPHS);
+  for (int64_t i = 0; i < n; i++)
+    if (rows[i] <= 0)
+      return kd_fail(KD_EINVAL, "kd_model_set_graph_rows: rows[%lld]=%lld must be >= 1", (long long)i,
+                     (long long)rows[i]);
+  cudaStreamSynchronize(m->stream);
+  fw_drop_graphs(m);
+  memcpy(m->graph_rows, rows, sizeof(int64_t) * (size_t)n);
+  m->n_graph_rows = n;
+  return KD_OK;
+}
+
+extern "C" int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
+  KD_CHECK_PTR("kd_model_graph_stats", m);
+  KD_CHECK_PTR("kd_model_graph_stats", stats);
+  stats[0] = m->n_graphs, stats[1] = m->replays, stats[2] = m->eager, stats[3] = m->n_graph_rows;
+  if (capture_seconds) *capture_seconds = m->capture_s;
+  return KD_OK;
+}
+
+static double fw_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- the forward ------------------------------------------------------------------------------------- */
+static int fw_check(kd_model *m, const kd_forward_args *a) {
+  const kd_model_desc *d = &m->d;
+  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
+                              "are required", (long long)a->n_rows, (long long)a->n_seqs);
+  if (a->n_rows > 65535)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld > 65535 rows per call on CUDA; split the batch "
+                              "(serve.max_batch_tokens)", (long long)a->n_rows);
+  if (a->row_start[0] != 0 || a->row_start[a->n_seqs] != a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: row_start must run from 0 to n_rows=%lld", (long long)a->n_rows);
+  for (int64_t s = 0; s < a->n_seqs; s++) {
+    fw_slot *c = fw_slot_get(m, a->slots[s], "kd_model_forward");
+    if (!c) return KD_EINVAL;
+    int64_t T = a->row_start[s + 1] - a->row_start[s];
+    if (T <= 0) return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s, (long long)T);
+    if (c->length + T > c->max_len)
+      return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld of %lld rows cannot hold %lld + %lld tokens",
+                     (long long)a->slots[s], (long long)c->max_len, (long long)c->length, (long long)T);
+    for (int64_t r = 0; r < s; r++)
+      if (a->slots[r] == a->slots[s])
+        return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld appears twice", (long long)a->slots[s]);
+  }
+  for (int64_t i = 0; i < a->n_rows; i++)
+    if (a->tokens[i] < 0 || a->tokens[i] >= d->vocab || a->positions[i] < 0)
+      return kd_fail(KD_EINVAL, "kd_model_forward: row %lld has token %d (vocab %lld) at position %d", (long long)i,
+                     a->tokens[i], (long long)d->vocab, a->positions[i]);
+  if (a->n_out < 0 || a->n_out > a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_out=%lld out of range", (long long)a->n_out);
+  for (int64_t i = 0; a->out_rows && i < a->n_out; i++)
+    if (a->out_rows[i] < 0 || a->out_rows[i] >= a->n_rows)
+      return kd_fail(KD_EINVAL, "kd_model_forward: out_rows[%lld]=%lld outside [0, %lld)", (long long)i,
+                     (long long)a->out_rows[i], (long long)a->n_rows);
+  if (a->n_hidden < 0 || a->n_hidden > FW_MAX_HIDDEN || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden (at most %d layers "
+                              "on CUDA)", (long long)a->n_hidden, FW_MAX_HIDDEN);
+  return KD_OK;
+}
+
+/* the forward's metadata into the pinned staging: tokens, per-row cache/block/visibility, cos/sin, out rows */
+static void fw_stage(kd_model *m, const kd_forward_args *a, fw_bufs *hb) {
+  const kd_model_desc *d = &m->d;
+  int64_t N = a->n_rows, R = d->rope_dim, half = R / 2, vis_off = 0;
+  memcpy(hb->tokens, a->tokens, sizeof(int32_t) * (size_t)N);
+  const uint64_t *vis = a->visibility;
+  for (int64_t s = 0; s < a->n_seqs; s++) {
+    fw_slot *c = &m->slots[a->slots[s]];
+    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0, words = (T + 63) / 64;
+    for (int64_t t = 0; t < T; t++) {
+      fw_row *row = &hb->rows[r0 + t];
+      row->kv = c->kv, row->max_len = c->max_len, row->dst = c->length + t, row->prefix = c->length;
+      row->t = t, row->T = T, row->vis_off = vis ? vis_off : -1;
+    }
+    if (vis) {
+      memcpy(hb->vis + vis_off, vis, sizeof(uint64_t) * (size_t)(T * words));
+      vis += T * words;
+      vis_off += T * words;
+    }
+  }
+  for (int64_t r = 0; r < N; r++) /* YaRN cos/sin (float64, rounded once), as the CPU build */
+    for (int64_t i = 0; i < half; i++) {
+      double ang = (double)a->positions[r] * m->inv_freq[i];
+      hb->cs[r * R + i] = (float)(cos(ang) * d->rope_mscale);
+      hb->cs[r * R + half + i] = (float)(sin(ang) * d->rope_mscale);
+    }
+  for (int64_t i = 0; i < a->n_out; i++) hb->out_rows[i] = a->out_rows ? a->out_rows[i] : i;
+}
+
+static fw_graph *fw_find_graph(kd_model *m, const fw_graph *key) {
+  for (int64_t i = 0; i < m->n_graphs; i++) {
+    fw_graph *g = &m->graphs[i];
+    if (g->N == key->N && g->n_out == key->n_out && g->want_logits == key->want_logits &&
+        g->want_argmax == key->want_argmax && g->n_hidden == key->n_hidden &&
+        !memcmp(g->hidden, key->hidden, sizeof(int64_t) * (size_t)key->n_hidden))
+      return g;
+  }
+  return NULL;
+}
+
+static int fw_graph_bucket(const kd_model *m, int64_t N) {
+  if (m->d.all_reduce) return 0; /* a host callback cannot be captured (NCCL on the stream can: later) */
+  for (int64_t i = 0; i < m->n_graph_rows; i++)
+    if (m->graph_rows[i] == N) return 1;
+  return 0;
+}
+
+static int fw_run(kd_model *m, const fw_bufs *b, const kd_forward_args *a, const fw_graph *key) {
+  int want_out = (a->logits || a->argmax) ? 1 : 0;
+  if (!fw_graph_bucket(m, a->n_rows)) {
+    if (!m->said_eager && m->n_graph_rows) {
+      fprintf(stderr, "kdtree cuda: a forward of %lld rows is outside the graph buckets; launched eagerly (said once)\n",
+              (long long)a->n_rows);
+      m->said_eager = 1;
+    }
+    m->eager++;
+    return fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+  }
+  fw_graph *g = fw_find_graph(m, key);
+  if (!g) {
+    if (m->n_graphs == FW_MAX_GRAPHS) { /* more output shapes than slots: eager, never an error */
+      m->eager++;
+      return fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+    }
+    double t0 = fw_now();
+    FW_TRY(fw_err(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal), "graph capture"));
+    int rc = fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(m->stream, &graph);
+    if (rc || e != cudaSuccess) {
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      return rc ? rc : fw_err(e, "graph capture");
+    }
+    fw_graph ng = *key;
+    e = cudaGraphInstantiate(&ng.exec, graph, 0);
+    cudaGraphDestroy(graph);
+    FW_TRY(fw_err(e, "graph instantiate"));
+    m->graphs[m->n_graphs] = ng;
+    g = &m->graphs[m->n_graphs++];
+    m->capture_s += fw_now() - t0;
+  } else {
+    m->replays++;
+  }
+  return fw_err(cudaGraphLaunch(g->exec, m->stream), "graph launch");
+}
+
+extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_forward", m);
+  KD_CHECK_PTR("kd_model_forward", a);
+  FW_TRY(fw_check(m, a));
+  const kd_model_desc *d = &m->d;
+  int64_t N = a->n_rows, D = d->hidden, V = d->vocab, n_out = a->n_out;
+  FW_TRY(fw_reserve(m, N, a->n_hidden));
+  fw_bufs hb, db;
+  size_t sb, mb;
+  fw_layout(m, m->cap_rows, m->cap_hidden, m->scratch, m->meta_h, &hb, &sb, &mb);
+  fw_layout(m, m->cap_rows, m->cap_hidden, m->scratch, m->meta_d, &db, &sb, &mb);
+  fw_stage(m, a, &hb);
+  FW_TRY(fw_err(cudaMemcpyAsync(m->meta_d, m->meta_h, m->meta_bytes, cudaMemcpyHostToDevice, m->stream),
+                "metadata upload"));
+  fw_graph key;
+  memset(&key, 0, sizeof key);
+  key.N = N, key.n_out = n_out, key.want_logits = a->logits != NULL, key.want_argmax = a->argmax != NULL;
+  key.n_hidden = a->n_hidden;
+  if (a->n_hidden) memcpy(key.hidden, a->hidden_layers, sizeof(int64_t) * (size_t)a->n_hidden);
+  int rc = fw_run(m, &db, a, &key);
+  cudaError_t e = cudaSuccess;
+  if (!rc && n_out && a->logits)
+    e = cudaMemcpyAsync(a->logits, db.lg, sizeof(float) * (size_t)(n_out * V), cudaMemcpyDeviceToHost, m->stream);
+  if (!rc && e == cudaSuccess && n_out && a->argmax)
+    e = cudaMemcpyAsync(a->argmax, db.am, sizeof(int32_t) * (size_t)n_out, cudaMemcpyDeviceToHost, m->stream);
+  if (!rc && e == cudaSuccess && a->n_hidden)
+    e = cudaMemcpyAsync(a->hidden, db.hid, sizeof(float) * (size_t)(N * a->n_hidden * D), cudaMemcpyDeviceToHost,
+                        m->stream);
+  cudaError_t se = cudaStreamSynchronize(m->stream); /* the staging is reused by the next forward */
+  if (rc) return rc;
+  FW_TRY(fw_err(e != cudaSuccess ? e : se, "outputs"));
+  for (int64_t s = 0; s < a->n_seqs; s++) m->slots[a->slots[s]].length += a->row_start[s + 1] - a->row_start[s];
+  return KD_OK;
+}
+
+/* ---- the DFlash drafter: not ported to CUDA yet (the engine drafts through the per-op path) -------------- */
+#define FW_NO_DRAFTER(fn) \
+  kd_fail(KD_EINVAL, "%s: the DFlash drafter forward is not in the CUDA build yet; the engine drafts per op", fn)
+
+extern "C" int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
+  (void)desc;
+  if (out) *out = NULL;
+  return FW_NO_DRAFTER("kd_drafter_create");
+}
+extern "C" int kd_drafter_destroy(kd_drafter *dr) { return dr ? FW_NO_DRAFTER("kd_drafter_destroy") : KD_OK; }
+extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *slot) {
+  (void)dr, (void)max_len, (void)slot;
+  return FW_NO_DRAFTER("kd_drafter_cache_alloc");
+}
+extern "C" int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
+  (void)dr, (void)slot;
+  return FW_NO_DRAFTER("kd_drafter_cache_free");
+}
+extern "C" int kd_drafter_cache_length(kd_drafter *dr, int64_t slot, int64_t *length) {
+  (void)dr, (void)slot, (void)length;
+  return FW_NO_DRAFTER("kd_drafter_cache_length");
+}
+extern "C" int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
+  (void)dr, (void)slot, (void)n;
+  return FW_NO_DRAFTER("kd_drafter_cache_truncate");
+}
+extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
+                                 const float *feats) {
+  (void)dr, (void)n_seqs, (void)slots, (void)row_start, (void)feats;
+  return FW_NO_DRAFTER("kd_drafter_extend");
+}
+extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus,
+                                float *logits) {
+  (void)dr, (void)n_seqs, (void)slots, (void)bonus, (void)logits;
+  return FW_NO_DRAFTER("kd_drafter_draft");
+}
