@@ -73,19 +73,22 @@ static void kd_heap_push(kd_heap_node *h, int64_t *n, kd_heap_node v) {
   h[i] = v;
 }
 
-static kd_heap_node kd_heap_pop(kd_heap_node *h, int64_t *n) {
-  kd_heap_node top = h[0], last = h[--(*n)];
+/* h[0] := v, sifted down among the n nodes (a pop + push in one pass). Counters are unique, so the order is
+ * total and the pop sequence depends only on the set of nodes, never on how the heap got there. */
+static void kd_heap_replace_top(kd_heap_node *h, int64_t n, kd_heap_node v) {
   int64_t i = 0;
   for (;;) {
     int64_t c = 2 * i + 1;
-    if (c >= *n) break;
-    if (c + 1 < *n && kd_heap_before(&h[c + 1], &h[c])) c++;
-    if (!kd_heap_before(&h[c], &last)) break;
+    if (c >= n) break;
+    if (c + 1 < n && kd_heap_before(&h[c + 1], &h[c])) c++;
+    if (!kd_heap_before(&h[c], &v)) break;
     h[i] = h[c];
     i = c;
   }
-  if (*n > 0) h[i] = last;
-  return top;
+  h[i] = v;
+}
+static void kd_heap_pop(kd_heap_node *h, int64_t *n) {
+  if (--(*n) > 0) kd_heap_replace_top(h, *n, h[*n]);
 }
 
 int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
@@ -107,37 +110,38 @@ int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_
   }
   if (!logp || !ids || !tokens || !parents || !depths)
     return kd_fail(KD_EINVAL, "kd_tree_build: NULL input or output pointer");
-  /* every pop pushes at most 2 and removes 1: the heap never holds more than budget + 1 nodes */
-  kd_heap_node *heap = (kd_heap_node *)malloc(sizeof(kd_heap_node) * (size_t)(budget + 2));
-  double *score = (double *)malloc(sizeof(double) * (size_t)budget);
-  if (!heap || !score) {
-    free(heap);
-    free(score);
-    return kd_fail(KD_ENOMEM, "kd_tree_build: out of memory (budget=%lld)", (long long)budget);
-  }
+  /* every pop pushes at most 2 and removes 1: the heap never holds more than budget + 1 nodes; a decode
+   * round's budget (<= ~500) lives on the stack, no allocation per call */
+  kd_heap_node local[512];
+  kd_heap_node *heap = budget + 2 <= 512 ? local : (kd_heap_node *)malloc(sizeof(kd_heap_node) * (size_t)(budget + 2));
+  if (!heap) return kd_fail(KD_ENOMEM, "kd_tree_build: out of memory (budget=%lld)", (long long)budget);
   int64_t hn = 0, counter = 0, n = 0;
   kd_heap_node first = {(double)logp[0], 0.0, counter++, 1, 0, -1};
   kd_heap_push(heap, &hn, first);
   while (n < budget && hn > 0) {
-    kd_heap_node v = kd_heap_pop(heap, &hn);
+    kd_heap_node v = heap[0]; /* the best node: popped below, or replaced by its sibling / first child */
     int64_t i = n++;
     tokens[i] = ids[(int64_t)(v.depth - 1) * width + v.rank];
     parents[i] = v.parent;
     depths[i] = v.depth;
-    score[i] = v.score;
-    if (v.rank + 1 < width) {
-      kd_heap_node s = {v.base + (double)logp[(int64_t)(v.depth - 1) * width + v.rank + 1], v.base, counter++,
-                        v.depth, v.rank + 1, v.parent};
-      kd_heap_push(heap, &hn, s);
-    }
-    if (v.depth < n_depth) {
-      kd_heap_node c = {v.score + (double)logp[(int64_t)v.depth * width], v.score, counter++, v.depth + 1, 0,
-                        (int32_t)i};
-      kd_heap_push(heap, &hn, c);
+    int has_sibling = v.rank + 1 < width, has_child = v.depth < n_depth;
+    kd_heap_node s, c;
+    if (has_sibling) /* pushed before the child: the lower counter */
+      s = (kd_heap_node){v.base + (double)logp[(int64_t)(v.depth - 1) * width + v.rank + 1], v.base, counter++,
+                         v.depth, v.rank + 1, v.parent};
+    if (has_child)
+      c = (kd_heap_node){v.score + (double)logp[(int64_t)v.depth * width], v.score, counter++, v.depth + 1, 0,
+                         (int32_t)i};
+    if (has_sibling) {
+      kd_heap_replace_top(heap, hn, s);
+      if (has_child) kd_heap_push(heap, &hn, c);
+    } else if (has_child) {
+      kd_heap_replace_top(heap, hn, c);
+    } else {
+      kd_heap_pop(heap, &hn);
     }
   }
-  free(heap);
-  free(score);
+  if (heap != local) free(heap);
   *n_nodes = n;
   if (visibility) {
     int64_t words = (n + 1 + 63) / 64;
