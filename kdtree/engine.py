@@ -122,6 +122,22 @@ class Engine:
             report.extra["tp_bytes_read_per_rank"] = list(model.bytes_read_per_rank)
         return cls(cfg, tokenizer, model, drafter, ckpt, report)
 
+    def graph_rows(self, rows: Sequence[int]) -> bool:
+        """backend=cuda with the native forward: target forwards of exactly these row counts are captured as CUDA
+        graphs on first use and replayed after (kd_model_set_graph_rows); False (nothing to capture) elsewhere."""
+        nat = getattr(self.model, "_native", None)
+        if nat is None or getattr(nat.lib, "kind", "") != "cuda" or not hasattr(nat, "set_graph_rows"):
+            return False
+        nat.set_graph_rows(rows)
+        return True
+
+    def graph_stats(self) -> dict:
+        """{graphs, replays, eager, buckets, capture_s} of the native forward (zeros where nothing is captured)."""
+        nat = getattr(self.model, "_native", None)
+        if nat is None or not hasattr(nat, "graph_stats"):
+            return {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
+        return nat.graph_stats()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (tp > 1); a no-op for tp=1. Idempotent."""
         close = getattr(self.model, "close", None)

@@ -4,9 +4,11 @@ status.json (`warmup_seconds`) and events.jsonl.
 
 Shapes: prefill at a few prompt lengths (engine.generate); one target forward over every verify block size
 1..tree.budget+1 (root + nodes; engine.model.forward on a short cached prefix, rolled back with
-LatentCache.truncate); one short generation (drafter + tree build + accept, or the AR step). CUDA graph
-capture belongs here for backend=cuda (engine.capture_graphs, when the engine has it); the numpy/cpu
-backends have nothing to capture.
+LatentCache.truncate); one short generation (drafter + tree build + accept, or the AR step). backend=cuda with
+the native forward: the AR step (1 row) and the verify block (tree.budget + 1 rows) are the CUDA-graph buckets
+(engine.graph_rows), captured by those shapes' first forwards and replayed after; warm-up reports how many graphs
+and the capture seconds. Other row counts (prefill chunks, batched steps) launch eagerly. The numpy/cpu backends
+have nothing to capture.
 """
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ def run(ctx) -> dict:
     if engine is None:
         raise PipelineError("stage warmup: no engine in this process; put `{stage: load, on: host}` before warmup")
     shapes = warmup_shapes(ctx.cfg, engine)
+    has_tree = getattr(engine, "drafter", None) is not None and ctx.cfg.tree.kind != "ar"
+    buckets = sorted({1, int(ctx.cfg.tree.budget) + 1 if has_tree else 1})
+    capture = ctx.cfg.backend.name == "cuda" and hasattr(engine, "graph_rows") and engine.graph_rows(buckets)
     base = list(engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ")) or [0]
     seconds = {}
     verify = None
@@ -86,11 +91,10 @@ def run(ctx) -> dict:
         ctx.emit("warmup_verify", sizes=f"1..{len(vs)}", seconds=round(sum(vs.values()), 4),
                  slowest=max(vs, key=vs.get))
     graphs = "skipped"
-    if ctx.cfg.backend.name == "cuda" and hasattr(engine, "capture_graphs"):
-        t0 = time.perf_counter()
-        engine.capture_graphs()
-        seconds["cuda_graphs"] = round(time.perf_counter() - t0, 4)
-        graphs = "captured"
+    if capture:
+        st = engine.graph_stats()
+        seconds["cuda_graphs"] = round(st["capture_s"], 4)
+        graphs = f"{st['graphs']} captured (rows {','.join(map(str, buckets))})"
     total = round(time.perf_counter() - t_all, 4)
     if ctx.status is not None:
         ctx.status.update(warmup_seconds=dict(seconds), warmup_total_s=total)

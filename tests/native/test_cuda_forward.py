@@ -143,3 +143,17 @@ def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
     with open(os.path.join(out, "kd_gpu_steps.json"), "w") as f:
         json.dump(times, f)
     print(f"\ntiny decode steps (min of 50, ms): {times}")
+
+
+def test_warmup_buckets_are_captured_and_replayed(compose_cfg):
+    """engine.graph_rows([1, budget + 1]) (what the warmup stage sets): the AR step and the verify block are
+    captured once each, every later forward of those sizes replays, and a generation's tokens equal AR's."""
+    from kdtree.engine import AR_TREE, Engine
+    engine = Engine.from_config(compose_cfg("backend=cuda", "tree=ddtree", "tree.budget=8", "load.progress=false"))
+    assert engine.graph_rows([1, 9])
+    ids = engine.tokenizer.encode("def __init__(self, ")
+    tree = engine.generate(ids, 32)
+    ar = engine.generate(ids, 32, tree=AR_TREE)
+    st = engine.graph_stats()
+    assert tree.tokens == ar.tokens
+    assert st["graphs"] >= 2 and st["replays"] >= 30 and st["capture_s"] > 0, st   # per output shape: >= 2
