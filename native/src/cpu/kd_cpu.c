@@ -292,46 +292,57 @@ static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3
 
 /* Direct tiles for short rows (n_in <= KD_KC, the tiny model's and the drafter's matrices; T >= 2): an
  * [R rows x O outputs] tile computes whole dots in registers, from +0, and writes their kd_hsum -- no partial
- * buffer, no copies, weights read in place. Each dot is still exactly kd_dot_avx2's (lanes k % 16, the same
- * tail, the same pairwise combine), so the result never depends on T or on which tile a row falls in.
- * 3 x 2 = 12 accumulators + 2 weight vectors + 1 x vector: the whole tile stays in the 16 ymm registers. */
+ * buffer, no copies, weights read in place. Each dot is still exactly kd_dot_avx2's: lanes 0..7 (elements
+ * k % 16 < 8) and lanes 8..15 are independent sums, so the tile runs them as two passes over k (first the low
+ * eight lanes of every dot, then the high eight), each lane adding its products in ascending k, the tail as
+ * KD_TAIL_AVX2, and combines them by kd_hsum_avx2(lo, hi). One accumulator per dot and pass: a 3 x 3 tile is
+ * 9 accumulators + 3 weight vectors + 1 x vector + 1 product (no spill; a 4 x 3 tile spills an accumulator), and
+ * 6 loads per 72 multiply-adds. */
 __attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
     const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *out,
     int64_t os) {
-  __m256 lo[3][2], hi[3][2];
-#pragma GCC unroll 3
-  for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-    for (int o = 0; o < O; o++) lo[r][o] = hi[r][o] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + KD_LANES <= n; k += KD_LANES) {
-    __m256 wv[2];
-#pragma GCC unroll 2
-    for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * ws + k);
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++) {
-      __m256 xv = _mm256_loadu_ps(x + r * xs + k);
-#pragma GCC unroll 2
-      for (int o = 0; o < O; o++) lo[r][o] = _mm256_add_ps(lo[r][o], _mm256_mul_ps(wv[o], xv));
-    }
-#pragma GCC unroll 2
-    for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * ws + k + 8);
-#pragma GCC unroll 3
-    for (int r = 0; r < R; r++) {
-      __m256 xv = _mm256_loadu_ps(x + r * xs + k + 8);
-#pragma GCC unroll 2
-      for (int o = 0; o < O; o++) hi[r][o] = _mm256_add_ps(hi[r][o], _mm256_mul_ps(wv[o], xv));
-    }
-  }
-  if (k < n)
+  __m256 a[3][3], lo[3][3];
+  for (int p = 0; p < 2; p++) {
+    const int64_t off = 8 * p;
 #pragma GCC unroll 3
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-      for (int o = 0; o < O; o++) KD_TAIL_AVX2(lo[r][o], hi[r][o], w + o * ws, x + r * xs, k, n);
 #pragma GCC unroll 3
-  for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-    for (int o = 0; o < O; o++) out[r * os + o] = kd_hsum_avx2(lo[r][o], hi[r][o]);
+      for (int o = 0; o < O; o++) a[r][o] = _mm256_setzero_ps();
+    int64_t kb = 0;
+    for (; kb + KD_LANES <= n; kb += KD_LANES) {
+      __m256 wv[3];
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_ps(w + o * ws + kb + off);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; r++) {
+        __m256 xv = _mm256_loadu_ps(x + r * xs + kb + off);
+#pragma GCC unroll 3
+        for (int o = 0; o < O; o++) a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wv[o], xv));
+      }
+    }
+    int64_t rem = n - kb - off; /* this pass's elements of the n % 16 tail */
+    if (rem > 0) {
+      __m256i m = rem >= 8 ? _mm256_set1_epi32(-1) : kd_mask_avx2(rem);
+      __m256 wv[3];
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) wv[o] = _mm256_maskload_ps(w + o * ws + kb + off, m);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; r++) {
+        __m256 xv = _mm256_maskload_ps(x + r * xs + kb + off, m);
+#pragma GCC unroll 3
+        for (int o = 0; o < O; o++) a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wv[o], xv));
+      }
+    }
+#pragma GCC unroll 3
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 3
+      for (int o = 0; o < O; o++) {
+        if (p == 0)
+          lo[r][o] = a[r][o];
+        else
+          out[r * os + o] = kd_hsum_avx2(lo[r][o], a[r][o]);
+      }
+  }
 }
 
 #define KD_DTILE(R, O)                                                                                         \
@@ -340,19 +351,21 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
                                                                    int64_t os) {                               \
     kd_dtile_avx2(R, O, x, xs, w, ws, n, out, os);                                                            \
   }
-KD_DTILE(3, 2) KD_DTILE(2, 2) KD_DTILE(1, 2) KD_DTILE(3, 1) KD_DTILE(2, 1) KD_DTILE(1, 1)
+KD_DTILE(3, 3) KD_DTILE(2, 3) KD_DTILE(1, 3)
+KD_DTILE(3, 2) KD_DTILE(2, 2) KD_DTILE(1, 2)
+KD_DTILE(3, 1) KD_DTILE(2, 1) KD_DTILE(1, 1)
 typedef void (*kd_dtile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
-static const kd_dtile_fn kd_dtiles[3][2] = {{kd_dtile_1x1, kd_dtile_1x2}, /* [R - 1][O - 1] */
-                                            {kd_dtile_2x1, kd_dtile_2x2},
-                                            {kd_dtile_3x1, kd_dtile_3x2}};
+static const kd_dtile_fn kd_dtiles[3][3] = {{kd_dtile_1x1, kd_dtile_1x2, kd_dtile_1x3}, /* [R - 1][O - 1] */
+                                            {kd_dtile_2x1, kd_dtile_2x2, kd_dtile_2x3},
+                                            {kd_dtile_3x1, kd_dtile_3x2, kd_dtile_3x3}};
 
-/* out[t * os + o] = dot(x row t (stride xs), w row o (stride ws)) over n <= KD_KC elements: pairs of weight rows
- * (in L1) against every row triple of x. */
+/* out[t * os + o] = dot(x row t (stride xs), w row o (stride ws)) over n <= KD_KC elements: triples of weight
+ * rows (in L1) against every three rows of x. */
 __attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int64_t xs, const float *w, int64_t ws,
                                                               float *out, int64_t os, int64_t T, int64_t n,
                                                               int64_t n_out) {
-  for (int64_t o = 0; o < n_out; o += 2) {
-    int O = n_out - o < 2 ? (int)(n_out - o) : 2;
+  for (int64_t o = 0; o < n_out; o += 3) {
+    int O = n_out - o < 3 ? (int)(n_out - o) : 3;
     for (int64_t t = 0; t < T; t += 3) {
       int R = T - t < 3 ? (int)(T - t) : 3;
       kd_dtiles[R - 1][O - 1](x + t * xs, xs, w + o * ws, ws, n, out + t * os + o, os);
@@ -575,10 +588,10 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_use_avx2()) {
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
-    if (n_in <= KD_KC && !parallel) { /* short rows: two rows dequantized into L1, then the direct tiles */
-      float wb[2 * KD_KC] __attribute__((aligned(64)));
-      for (int64_t o = 0; o < n_out; o += 2) {
-        int O = n_out - o < 2 ? (int)(n_out - o) : 2;
+    if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
+      float wb[3 * KD_KC] __attribute__((aligned(64)));
+      for (int64_t o = 0; o < n_out; o += 3) {
+        int O = n_out - o < 3 ? (int)(n_out - o) : 3;
         for (int i = 0; i < O; i++) kd_dequant_slice_avx2(qp + (o + i) * n_words, scales + (o + i) * n_groups,
                                                           wb + i * KD_KC, 0, n_in, wpg);
         kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
