@@ -35,8 +35,9 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -268,9 +269,10 @@ class ServeApp:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
                 fut = loop.create_future()
                 q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
-                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=_LoopSink(loop, q) if stream else None)
+                box = _Mailbox.of(loop)
+                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=_LoopSink(box, q) if stream else None)
                 job.sampling = sampling.for_sample(i) if sampling is not None else None
-                job.notify = _notifier(loop, fut)
+                job.notify = _notifier(box, fut)
                 job.future, job.aqueue = fut, q
                 jobs.append(self.worker.submit(job))
         except QueueFull:
@@ -311,25 +313,56 @@ def _seed(sampling: Optional[SamplingParams]) -> Optional[int]:
     return None if sampling is None or sampling.greedy else int(sampling.seed)
 
 
+class _Mailbox:
+    """The engine thread's way into the event loop, one wake-up per burst: a batch step commits tokens for every
+    running request, and a call_soon_threadsafe each would write the loop's self-pipe once per request and
+    step. put() queues the callback and wakes the loop only when the box was empty; the loop runs everything
+    queued since, in order (a job's last tokens before its end). One box per loop."""
+    _boxes: "weakref.WeakKeyDictionary[Any, _Mailbox]"
+
+    def __init__(self, loop):
+        self.loop, self._lock, self._items = loop, threading.Lock(), []
+
+    @classmethod
+    def of(cls, loop) -> "_Mailbox":
+        box = cls._boxes.get(loop)
+        if box is None:
+            box = cls._boxes[loop] = cls(loop)
+        return box
+
+    def put(self, fn: Callable[..., Any], *args: Any) -> None:
+        with self._lock:
+            wake = not self._items
+            self._items.append((fn, args))
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._run)
+            except RuntimeError:             # the loop is closed: the server is gone, nobody reads any more
+                pass
+
+    def _run(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for fn, args in items:
+            fn(*args)
+
+
+_Mailbox._boxes = weakref.WeakKeyDictionary()
+
+
 class _LoopSink:
     """The worker thread's side of a streamed job: token lists (then None) into an asyncio.Queue of the loop."""
 
-    def __init__(self, loop, q: asyncio.Queue):
-        self.loop, self.q = loop, q
+    def __init__(self, box: _Mailbox, q: asyncio.Queue):
+        self.box, self.q = box, q
 
     def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
-        except RuntimeError:                 # the loop is closed: the server is gone, nobody reads any more
-            pass
+        self.box.put(self.q.put_nowait, item)
 
 
-def _notifier(loop, fut):
+def _notifier(box: _Mailbox, fut):
     def done():
-        try:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-        except RuntimeError:
-            pass
+        box.put(lambda: fut.done() or fut.set_result(None))
     return done
 
 
