@@ -23,3 +23,8 @@ class HostError(KdtreeError):
 
 class NativeError(KdtreeError):
     """The native library reported an error (its message is carried verbatim)."""
+
+
+class CachePoolBusy(NativeError):
+    """The reserved latent-cache pool has no free range of the rows asked for right now (others hold it); the
+    request can run once running sequences finish."""

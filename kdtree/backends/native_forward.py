@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kdtree.errors import ConfigError, NativeError
+from kdtree.errors import CachePoolBusy, ConfigError, NativeError
 from kdtree.tree import causal_visibility
 
 _F32 = np.dtype(np.float32)
@@ -84,6 +84,9 @@ class _Registry:
         self.weight(dst.down, m.down, f"{name}.down_proj")
 
 
+KD_ENOMEM = -4   # kdtree.h: allocation failed (here: the reserved pool has no free range now)
+
+
 def _free_slot(owner, free, slot: int) -> None:
     free(owner.handle, slot)
 
@@ -103,12 +106,21 @@ class NativeLatentCache:
         self.target, self.max_len = target, int(max_len)
         lib = target.lib
         p = lib.ffi.new("int64_t *")
-        lib.check(lib.c.kd_cache_alloc(target.handle, self.max_len, p), "kd_cache_alloc")
+        rc = lib.c.kd_cache_alloc(target.handle, self.max_len, p)
+        if rc == KD_ENOMEM and target.pool_rows:          # the reserved pool is full for now, not the machine
+            raise CachePoolBusy(f"kd_cache_alloc ({lib.kind}): {lib.last_error()}")
+        lib.check(rc, "kd_cache_alloc")
         self.slot = int(p[0])
         self._len = lib.ffi.new("int64_t *")
         self._kv: Optional[List[np.ndarray]] = None
         # the finalizer holds the target, so the model is never destroyed before its cache slots are freed
-        weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
+        self._finalizer = weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
+
+    def release(self) -> None:
+        """Give the slot's rows back now (a finished request), not when the object is collected. Idempotent;
+        the cache is unusable afterwards."""
+        self._kv = None
+        self._finalizer()
 
     @property
     def length(self) -> int:
@@ -241,6 +253,14 @@ class NativeTarget:
 
     def new_cache(self, max_len: int) -> NativeLatentCache:
         return NativeLatentCache(self, max_len)
+
+    pool_rows = 0   # rows of the reserved latent-cache pool (0: one allocation per cache)
+
+    def reserve(self, rows: int) -> None:
+        """One latent-cache arena of `rows` rows that every later cache is a row range of (kd_model_reserve);
+        new_cache raises CachePoolBusy when no range is free. 0 = one allocation per cache again."""
+        self.lib.check(self.lib.c.kd_model_reserve(self.handle, int(rows)), "kd_model_reserve")
+        self.pool_rows = int(rows)
 
     def set_graph_rows(self, rows: Iterable[int]) -> None:
         """backend=cuda: forwards of exactly these row counts are captured once as CUDA graphs and replayed

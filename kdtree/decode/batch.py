@@ -8,7 +8,9 @@
 One step (`step()`):
   reap     cancelled and timed-out requests leave (their latent rows go back to the pool)
   admit    waiting requests join, oldest first, while the pool has room for their reservation
-           (prompt + max_new_tokens + tree budget + 1 rows); the rest wait
+           (prompt + max_new_tokens + tree budget + 1 rows); the rest wait. backend=cpu|cuda: the rows are a
+           range of ONE latent-cache arena reserved at start (pool_tokens rows); a request whose range is not
+           free yet (the arena is fragmented) waits for running ones to finish
   draft    per decoding request: one drafter block forward, its top-k, one tree build (AR: the last token);
            above speculate_max_batch decoding requests, speculative requests step as AR (below)
   verify   ONE target forward_batch over every request's block -- its tree (ancestor-only visibility, its
@@ -39,7 +41,7 @@ import numpy as np
 from kdtree.decode.ddtree import tree_shape
 from kdtree.decode.result import GenerationResult, commit_tokens
 from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
-from kdtree.errors import ConfigError, KdtreeError
+from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
 from kdtree.tree import Tree, draft_topk
 
 
@@ -145,6 +147,8 @@ class BatchScheduler:
         self.last_batch_size = 0                        # sequences in the last step's forward
         self.last_batch_rows = 0                        # rows in the last step's forward
         self.finished = 0
+        reserve = getattr(model, "reserve_cache_pool", None)        # one arena for every request's latent rows
+        self.pooled = bool(reserve(self.pool_tokens)) if reserve is not None else False
 
     # -- any thread -----------------------------------------------------------------------------------
     def shape_of(self, req: BatchRequest):
@@ -240,20 +244,21 @@ class BatchScheduler:
             for req in list(self._waiting) + list(self._running):
                 self._reap(req, now)
             while self._waiting and self.pool_used + self._state[id(self._waiting[0])].need <= self.pool_tokens:
-                req = self._waiting.pop(0)
-                self.pool_used += self._state[id(req)].need
+                req, st = self._waiting[0], self._state[id(self._waiting[0])]
+                try:
+                    st.cache = self.model.new_cache(st.need)      # its rows of the arena (or its own array)
+                except CachePoolBusy:                             # fragmented: wait for a range to free up
+                    break
+                self._waiting.pop(0)
+                st.t0 = time.perf_counter()
+                if st.budget:
+                    st.dcache = self.drafter.new_cache(len(st.prompt) + int(req.max_new_tokens))
+                self.pool_used += st.need
                 req.admitted_at = now
                 self._running.append(req)
             active = list(self._running)
         if not active:
             return False
-        for req in active:
-            st = self._state[id(req)]
-            if st.cache is None:
-                st.t0 = time.perf_counter()
-                st.cache = self.model.new_cache(st.need)
-                if st.budget:
-                    st.dcache = self.drafter.new_cache(len(st.prompt) + int(req.max_new_tokens))
         seqs, plan = [], []                           # plan: (request, kind, rows, extra) in seqs order
         rows_left = self.max_batch_tokens
         decoding = sum(1 for req in active if self._state[id(req)].prefilled >= len(self._state[id(req)].prompt))
@@ -421,7 +426,9 @@ class BatchScheduler:
             self.pool_used -= st.need
         elif req in self._waiting:
             self._waiting.remove(req)
-        st.cache = st.dcache = None               # latent rows back to the pool (native slots freed on collection)
+        if st.cache is not None and hasattr(st.cache, "release"):
+            st.cache.release()                    # its rows of the arena are free for the next admission now
+        st.cache = st.dcache = None
         req.error = error
         req.finished_at = time.monotonic()
         req.result.seconds = req.finished_at - req.submitted_at

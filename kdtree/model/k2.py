@@ -213,6 +213,16 @@ class K2Model:
         """Residual stream f32[T, D] -> logits f32[T, V] (final norm, then lm_head)."""
         return self.lm_head(self.final_norm(h))
 
+    def reserve_cache_pool(self, rows: int) -> bool:
+        """backend=cpu|cuda: one latent-cache arena of `rows` rows that every later new_cache is carved from (a
+        full pool raises CachePoolBusy). A pool at least that large is kept as it is. False where caches are
+        separate numpy arrays (the numpy reference: the serving scheduler's pool is then accounting only)."""
+        if self._native is None or not hasattr(self._native, "reserve"):
+            return False
+        if self._native.pool_rows < int(rows):
+            self._native.reserve(int(rows))
+        return True
+
     def new_cache(self, max_len: int) -> LatentCache:
         if max_len > self.cfg.max_position_embeddings:
             raise ConfigError(f"context of {max_len} tokens exceeds max_position_embeddings="

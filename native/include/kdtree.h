@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 3   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 4   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -206,6 +206,10 @@ int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n);     /* drop rows [n
 /* keep rows (absolute, ascending, within [start, length)) moved contiguously to start..; length = start + n */
 int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n);
 int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows);   /* layer's f32 [max_len, L+R] */
+/* One latent-cache arena of `rows` rows for all later kd_cache_alloc calls (each slot a free row range, first
+ * fit; KD_ENOMEM when no range is free now); 0 = one allocation per slot again. Fails while a slot uses the
+ * current pool. The serving scheduler reserves serve.kv_pool_tokens once. */
+int kd_model_reserve(kd_model *m, int64_t rows);
 
 /* CUDA build (src/cuda/kd_forward.cu): the same calls on HOST arrays (descriptors, forward args and outputs), with
  * the model on the device: kd_model_create uploads every weight once (f32 tensors whose values are all exact

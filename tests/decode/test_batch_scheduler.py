@@ -299,3 +299,32 @@ def run_sampled(engine, speculate_max_batch):
         assert (r.result.tokens, r.result.seed, r.result.logprobs) == (solo.tokens, solo.seed, solo.logprobs)
         assert r.result.prompt_logprobs == solo.prompt_logprobs
 
+
+
+@pytest.mark.skipif(CPU_SKIPPED, reason="the native latent-cache arena needs the CPU library")
+def test_a_fragmented_cache_arena_makes_a_request_wait_not_fail(compose_cfg):
+    """backend=cpu: every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (20)
+    and C (40) fill 100; A and C finish first, leaving 80 rows free in two ranges of 40: D (50 rows) fits the
+    accounting but no range, so it waits (not an error) until B finishes, then runs to its solo tokens."""
+    engine = engine_for(compose_cfg, "cpu", "fp32")
+    sched = scheduler(engine, pool_tokens=100)
+    assert sched.pooled and engine.model._native.pool_rows >= 100
+    enc = engine.tokenizer.encode
+    ar = TREES["ar"]
+    a = sched.submit(BatchRequest(enc(TEXT[:30]), 10, tree=ar))
+    b = sched.submit(BatchRequest(enc(TEXT[40:44]), 16, tree=ar))
+    c = sched.submit(BatchRequest(enc(TEXT[50:80]), 10, tree=ar))
+    while not (a.done.is_set() and c.done.is_set()):
+        sched.step()
+    assert not b.done.is_set() and sched.pool_used == 20
+    d = sched.submit(BatchRequest(enc(TEXT[90:100]), 40, tree=ar))
+    sched.step()
+    assert sched.snapshot()["waiting"] == 1 and not d.admitted_at     # 20 + 50 <= 100, but no free range of 50
+    while not b.done.is_set():
+        sched.step()
+    while sched.step():
+        pass
+    assert d.admitted_at >= b.finished_at and d.error is None
+    assert d.result.tokens == engine.generate(enc(TEXT[90:100]), 40, tree=ar).tokens
+    assert [r.result.tokens for r in (a, b, c)] == [engine.generate(enc(t), n, tree=ar).tokens
+                                                    for t, n in ((TEXT[:30], 10), (TEXT[40:44], 16), (TEXT[50:80], 10))]

@@ -227,3 +227,27 @@ def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
     (r_out, _), (n_out, _) = _steps(ref), _steps(nat)
     for step, ((rl, _), (nl, _)) in enumerate(zip(r_out, n_out)):
         np.testing.assert_allclose(nl, rl, **TOL, err_msg=f"logits of step {step}")
+
+
+def test_pooled_caches_are_ranges_of_one_arena_with_the_same_bits(tiny_cfg, tiny_weights):
+    """reserve_cache_pool: caches become row ranges of one arena (first fit, freed ranges reused); a full arena
+    is CachePoolBusy naming the pool, not a crash; forwards over pooled caches give the unpooled bits."""
+    from kdtree.errors import CachePoolBusy
+    _, plain = _models(tiny_cfg, tiny_weights)
+    _, pooled = _models(tiny_cfg, tiny_weights)
+    assert pooled.reserve_cache_pool(160) and pooled._native.pool_rows == 160
+    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 160      # a larger arena is kept
+    a, b = pooled.new_cache(64), pooled.new_cache(32)
+    base = a.kv[0].ctypes.data
+    assert b.kv[0].ctypes.data == base + 64 * a.kv[0].strides[0]                    # right after a's range
+    with pytest.raises(CachePoolBusy, match=r"pool of 160 rows has no free range of 100 rows"):
+        pooled.new_cache(100)
+    a.release()
+    c = pooled.new_cache(50)                                                          # a's freed range, first fit
+    assert c.kv[0].ctypes.data == base
+    b.release(), c.release()
+    (p_out, p_cache), (u_out, u_cache) = _steps(pooled), _steps(plain)
+    for (pl, ph), (ul, uh) in zip(p_out, u_out):
+        assert np.array_equal(pl, ul) and all(np.array_equal(ph[k], uh[k]) for k in uh)
+    n = u_cache.length
+    assert p_cache.length == n and all(np.array_equal(p[:n], u[:n]) for p, u in zip(p_cache.kv, u_cache.kv))

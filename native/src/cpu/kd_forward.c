@@ -76,9 +76,11 @@ static int64_t kd_pick_max(const float *v, unsigned char *taken, int64_t n) {
 
 /* ---- the target model ------------------------------------------------------------------------------------ */
 typedef struct {
-  float *kv; /* [n_layers][max_len][L+R] */
+  float *kv; /* layer l's rows at kv + l * stride: [max_len][L+R] each */
   int64_t max_len, length;
   int used;
+  int64_t off, stride; /* pooled: first row in the pool and the pool's layer stride; else 0, max_len * (L+R) */
+  int pooled;
 } kd_slot;
 
 struct kd_model {
@@ -88,6 +90,8 @@ struct kd_model {
   double *inv_freq;
   kd_slot *slots;
   int64_t n_slots;
+  float *pool; /* kd_model_reserve: [n_layers][pool_rows][L+R], slots are row ranges of it */
+  int64_t pool_rows;
   int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
   kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, gs;
 };
@@ -99,8 +103,10 @@ int kd_model_destroy(kd_model *m) {
   free(m->experts);
   free(m->layers);
   free(m->inv_freq);
-  for (int64_t s = 0; s < m->n_slots; s++) free(m->slots[s].kv);
+  for (int64_t s = 0; s < m->n_slots; s++)
+    if (!m->slots[s].pooled) free(m->slots[s].kv);
   free(m->slots);
+  free(m->pool);
   kd_buf *bufs[] = {&m->h, &m->x, &m->t, &m->qa, &m->q, &m->kva, &m->qf, &m->olat, &m->o, &m->cs, &m->rl, &m->ex,
                     &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->gs};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
@@ -203,11 +209,52 @@ int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
     m->slots = grown;
     memset(&m->slots[m->n_slots++], 0, sizeof(kd_slot));
   }
+  if (m->pool) { /* first fit among the gaps between the pooled slots in use */
+    int64_t at = 0;
+    for (int moved = 1; moved;) {
+      moved = 0;
+      for (int64_t i = 0; i < m->n_slots; i++) {
+        const kd_slot *o = &m->slots[i];
+        if (o->used && o->pooled && o->off < at + max_len && at < o->off + o->max_len) {
+          at = o->off + o->max_len; /* overlaps [at, at + max_len): try just past it */
+          moved = 1;
+        }
+      }
+    }
+    if (at + max_len > m->pool_rows)
+      return kd_fail(KD_ENOMEM, "kd_cache_alloc: the latent-cache pool of %lld rows has no free range of %lld rows "
+                                "now; wait for running sequences to finish (or reserve a larger pool)",
+                     (long long)m->pool_rows, (long long)max_len);
+    m->slots[s] = (kd_slot){m->pool + at * m->E, max_len, 0, 1, at, m->pool_rows * m->E, 1};
+    *slot = s;
+    return KD_OK;
+  }
   size_t n = (size_t)(m->d.n_layers * max_len * m->E);
   float *kv = (float *)calloc(n, sizeof(float));
   if (!kv) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory (%zu floats)", n);
-  m->slots[s] = (kd_slot){kv, max_len, 0, 1};
+  m->slots[s] = (kd_slot){kv, max_len, 0, 1, 0, max_len * m->E, 0};
   *slot = s;
+  return KD_OK;
+}
+
+int kd_model_reserve(kd_model *m, int64_t rows) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_reserve", m);
+  if (rows < 0) return kd_fail(KD_EINVAL, "kd_model_reserve: rows=%lld must be >= 0", (long long)rows);
+  for (int64_t i = 0; i < m->n_slots; i++)
+    if (m->slots[i].used && m->slots[i].pooled)
+      return kd_fail(KD_EINVAL, "kd_model_reserve: cache slot %lld still uses the current pool; free it first",
+                     (long long)i);
+  free(m->pool);
+  m->pool = NULL;
+  m->pool_rows = 0;
+  if (rows == 0) return KD_OK; /* back to one allocation per slot */
+  size_t n = (size_t)(m->d.n_layers * rows * m->E);
+  m->pool = (float *)calloc(n, sizeof(float));
+  if (!m->pool)
+    return kd_fail(KD_ENOMEM, "kd_model_reserve: out of memory for a latent-cache pool of %lld rows (%zu bytes); "
+                              "lower serve.kv_pool_tokens", (long long)rows, n * sizeof(float));
+  m->pool_rows = rows;
   return KD_OK;
 }
 
@@ -215,7 +262,7 @@ int kd_cache_free(kd_model *m, int64_t slot) {
   kd_clear_error();
   kd_slot *c = kd_slot_get(m, slot, "kd_cache_free");
   if (!c) return KD_EINVAL;
-  free(c->kv);
+  if (!c->pooled) free(c->kv); /* a pooled slot's rows simply become free */
   memset(c, 0, sizeof *c);
   return KD_OK;
 }
@@ -249,7 +296,7 @@ int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows,
                      (long long)c->length);
   /* ascending rows >= start: row i moves down to start + i <= rows[i], never over a row still to move */
   for (int64_t l = 0; l < m->d.n_layers; l++) {
-    float *kv = c->kv + l * c->max_len * m->E;
+    float *kv = c->kv + l * c->stride;
     for (int64_t i = 0; i < n; i++)
       if (rows[i] != start + i) memmove(kv + (start + i) * m->E, kv + rows[i] * m->E, sizeof(float) * (size_t)m->E);
   }
@@ -263,7 +310,7 @@ int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
   KD_CHECK_PTR("kd_cache_rows", rows);
   if (layer < 0 || layer >= m->d.n_layers)
     return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
-  *rows = c->kv + layer * c->max_len * m->E;
+  *rows = c->kv + layer * c->stride;
   return KD_OK;
 }
 
@@ -469,7 +516,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
     KD_TRY(kd_lin(&ly->kv_a, x, kva, N));                                /* kv_a: [N, L+R] */
     for (int64_t s = 0; s < a->n_seqs; s++) { /* new latent rows [norm(c), rope(k_pe)] at the cache's end */
       kd_slot *c = &m->slots[a->slots[s]];
-      float *kv = c->kv + li * c->max_len * E;
+      float *kv = c->kv + li * c->stride;
       for (int64_t r = a->row_start[s], j = c->length; r < a->row_start[s + 1]; r++, j++) {
         KD_TRY(kd_rms_norm(kva + r * E, ly->kv_a_norm, kv + j * E, 1, L, d->eps, NULL));
         memcpy(kv + j * E + L, kva + r * E + L, sizeof(float) * (size_t)R);
@@ -488,7 +535,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
     for (int64_t s = 0; s < a->n_seqs; s++) { /* each sequence over its own cache: block-diagonal visibility */
       kd_slot *c = &m->slots[a->slots[s]];
       int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
-      KD_TRY(kd_mla_attention(qf + r0 * H * E, c->kv + li * c->max_len * E, vis, olat + r0 * H * L, T, H, L, R,
+      KD_TRY(kd_mla_attention(qf + r0 * H * E, c->kv + li * c->stride, vis, olat + r0 * H * L, T, H, L, R,
                               c->length, d->attn_scale, NULL));
       if (vis) vis += T * ((T + 63) / 64);
     }
