@@ -20,7 +20,7 @@ from tests.native_lib import needs_cpu_library
 
 pytestmark = needs_cpu_library
 
-SIZES = [(1, 5), (7, 9), (16, 4), (40, 13), (96, 21), (130, 6), (256, 33)]   # (n_in, n_out)
+SIZES = [(1, 5), (7, 9), (16, 4), (40, 13), (96, 21), (130, 6), (256, 33), (600, 7), (1030, 5)]   # (n_in, n_out); > 512: k-blocked
 
 
 def _weights(rng, n_in, n_out):
