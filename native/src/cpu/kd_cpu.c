@@ -663,6 +663,20 @@ KD_CLONES static void kd_axpy(float *y, float a, const float *x, int64_t n) {
   for (int64_t d = 0; d < n; d++) y[d] += a * x[d];
 }
 
+/* softmax of each of the H rows of p [H, n] in place: max, exp(x - max) summed in key order, divide */
+static void kd_softmax_rows(float *p, int64_t H, int64_t n) {
+  for (int64_t h = 0; h < H; h++) {
+    float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+      if (ph[i] > m) m = ph[i];
+    for (int64_t i = 0; i < n; i++) {
+      ph[i] = expf(ph[i] - m);
+      sum += ph[i];
+    }
+    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
+  }
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 /* One query row of kd_mla_attention (AVX2): the scores of the cache prefix (keys 0..n_prefix-1, contiguous) in
  * direct register tiles (H query heads x 2 keys), the visible block keys one by one, each dot exactly kd_dot's;
@@ -675,17 +689,8 @@ __attribute__((target("avx2"))) static void kd_mla_row_avx2(const float *qt, con
   if (np > 0) kd_linear_direct(qt, E, kv, E, p, n, H, E, np); /* p[h * n + i], i < np */
   for (int64_t i = np; i < n; i++)
     for (int64_t h = 0; h < H; h++) p[h * n + i] = kd_dot_avx2(qt + h * E, kv + keys[i] * E, E);
-  for (int64_t h = 0; h < H; h++) {
-    float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
-    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] * scale;
-    for (int64_t i = 0; i < n; i++)
-      if (ph[i] > m) m = ph[i];
-    for (int64_t i = 0; i < n; i++) {
-      ph[i] = expf(ph[i] - m);
-      sum += ph[i];
-    }
-    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
-  }
+  for (int64_t i = 0; i < H * n; i++) p[i] = p[i] * scale;
+  kd_softmax_rows(p, H, n);
   for (int64_t h = 0; h < H; h++) {
     const float *ph = p + h * n;
     float *oh = ot + h * L;
@@ -757,16 +762,7 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
       }
       for (; h < H; h++) p[h * n + i] = kd_dot(qt + h * E, kr, E) * scale;
     }
-    for (int64_t h = 0; h < H; h++) {
-      float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
-      for (int64_t i = 0; i < n; i++)
-        if (ph[i] > m) m = ph[i];
-      for (int64_t i = 0; i < n; i++) {
-        ph[i] = expf(ph[i] - m);
-        sum += ph[i];
-      }
-      for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
-    }
+    kd_softmax_rows(p, H, n);
     for (int64_t i = 0; i < n; i++)
       for (int64_t h = 0; h < H; h++) kd_axpy(ot + h * L, p[h * n + i], kv + keys[i] * E, L);
   }
