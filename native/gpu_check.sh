@@ -8,18 +8,24 @@
 #   native/gpu_check.sh                       # from anywhere; PYTHON=... to pick the interpreter
 #   device tool: run(command="native/gpu_check.sh", carry=[".whl"], timeout_s=420)
 #
-# The device image's python3 has numpy/pytest/pytest-benchmark but no cffi: put cffi + pycparser wheels in .whl/
-# (see /work/.library/device/README.md) and carry it; they are installed into /tmp/kd_site for this run only.
+# The device image's python3 (3.12) has numpy/pytest/pytest-benchmark/pyyaml/tiktoken but not cffi, pycparser,
+# omegaconf, hydra-core or antlr4-python3-runtime (4.9.3, sdist only on PyPI: build its wheel with `pip wheel`):
+# put those five wheels in .whl/ and carry it; they are installed into /tmp/kd_site for this run only.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 -d .whl cffi==2.1.1 pycparser==3.12 hydra-core==1.3.8 omegaconf==2.3.1
+#   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
 # Results: stdout, and $OUT/kd_gpu_bench.json (pytest-benchmark JSON) when $OUT is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
-if ! "$PY" -c "import cffi" 2>/dev/null; then
+NEED="import cffi, pycparser, omegaconf, hydra, antlr4"
+if ! "$PY" -c "$NEED" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kd_site .whl/*.whl
     export PYTHONPATH=/tmp/kd_site${PYTHONPATH:+:$PYTHONPATH}
-  else
-    echo "gpu_check: $PY cannot import cffi; pip install cffi, or carry cffi/pycparser wheels in .whl/" >&2
+  fi
+  if ! "$PY" -c "$NEED"; then
+    echo "gpu_check: $PY cannot import cffi/pycparser/omegaconf/hydra/antlr4; carry their wheels in .whl/ (above)" >&2
     exit 2
   fi
 fi
@@ -37,9 +43,10 @@ PY
 export OUT=${OUT:-/tmp}
 rc=0
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native tests/decode/test_lossless.py -rs || rc=$?
+# a failing benchmark must not hide the table or the test status: its rc is reported, the script goes on
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/bench/test_native_bench.py \
   --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds \
-  --benchmark-json="$OUT/kd_gpu_bench.json"
+  --benchmark-json="$OUT/kd_gpu_bench.json" || { echo "gpu_check: benchmarks exited $?" >&2; rc=${rc:-0}; [ "$rc" -ne 0 ] || rc=4; }
 "$PY" - "$OUT/kd_gpu_bench.json" "$OUT/kd_gpu_steps.json" <<'PY'
 import json, shutil, subprocess, sys
 # HBM peak of the device (GB/s, vendor figures) by name; another card prints '?'
@@ -49,7 +56,12 @@ name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"
                       text=True).stdout.strip().splitlines()[0] if shutil.which("nvidia-smi") else "?"
 peak = next((v for k, v in PEAK.items() if k in name), None)
 print(f"\n{'kernel':48s} {'median us':>10s} {'GB/s':>8s} {'% peak':>7s}   device {name}, peak {peak or '?'} GB/s")
-for b in json.load(open(sys.argv[1]))["benchmarks"]:
+try:
+    benches = json.load(open(sys.argv[1]))["benchmarks"]
+except (FileNotFoundError, json.JSONDecodeError, KeyError):
+    benches = []
+    print("(no benchmark results)")
+for b in benches:
     gbs = b["extra_info"].get("GB/s")
     pct = f"{100 * gbs / peak:6.1f}%" if gbs and peak else "     ?"
     print(f"{b['name']:48s} {b['stats']['median'] * 1e6:10.1f} {gbs or '?':>8} {pct:>7s}")

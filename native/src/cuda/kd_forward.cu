@@ -76,7 +76,9 @@ typedef struct {
   int64_t dst;          /* this row's cache row (prefix + index in its block) */
   int64_t prefix;       /* the sequence's cached rows before this forward */
   int64_t t, T;         /* index in its block, block rows */
-  int64_t vis_off;      /* u64 offset of its block's visibility rows, -1 = causal */
+  const uint64_t *vis;  /* device: its block's visibility rows [T, ceil(T/64)], NULL = causal. A pointer in the
+                           metadata (data, not a launch argument): the visibility buffer may grow between a
+                           graph's capture and its replay */
 } fw_row;
 
 typedef struct {
@@ -102,13 +104,18 @@ struct kd_model {
   fw_slot *slots;
   int64_t n_slots;
   int64_t E, q_lora, Hmax, Emax, inter_max, kmax;
+  int64_t gu_cols;                      /* g/u scratch floats per row: max(dense I, top_k * expert I + shared I) */
   cudaStream_t stream;
   /* scratch for up to cap_rows rows (device) and the staging of one forward's metadata (pinned host + device) */
   int64_t cap_rows, cap_hidden;
   char *scratch;
   char *meta_h, *meta_d;
   size_t meta_bytes;
-  float *host_reduce;                   /* pinned [cap_rows * D] for the all-reduce hook */
+  /* the visibility rows of one forward (pinned host + device), grow-only apart from the rest: fw_row.vis points
+   * into it, so growing it never invalidates a captured graph */
+  uint64_t *vis_h, *vis_d;
+  int64_t cap_vis;                      /* words */
+  float *host_reduce;                   /* pinned [cap_rows * D] for the all-reduce hook (only with one) */
   /* graphs */
   int64_t graph_rows[FW_MAX_GRAPHS], n_graph_rows;
   fw_graph graphs[FW_MAX_GRAPHS];
@@ -117,9 +124,12 @@ struct kd_model {
 };
 
 /* ---- helpers ------------------------------------------------------------------------------------------ */
-static int fw_err(cudaError_t e, const char *what) {
-  return e == cudaSuccess ? KD_OK : kd_fail(KD_ECUDA, "kd_model_forward: %s: %s", what, cudaGetErrorString(e));
+static int fw_err_in(const char *fn, cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return KD_OK;
+  cudaGetLastError(); /* clear a non-sticky error so the next call starts clean */
+  return kd_fail(KD_ECUDA, "%s: %s: %s", fn, what, cudaGetErrorString(e));
 }
+static int fw_err(cudaError_t e, const char *what) { return fw_err_in("kd_model_forward", e, what); }
 
 #define FW_TRY(expr)     \
   do {                   \
@@ -193,11 +203,11 @@ __global__ void fw_linear_kernel(fw_w w, const float *__restrict__ x, int64_t xs
 }
 
 /* per-head linear (absorbed MLA): out[t, h, o] = w[h * n_out + o, :] . x[t, h, :]; w viewed [H * n_out, n_in];
- * grid (ceil(n_out / FW_WARPS), T * H) */
+ * grid (T * H, ceil(n_out / FW_WARPS)): T * H exceeds grid.y's 65535 for K2 (64 heads) from 1024 rows on */
 __global__ void fw_head_linear_kernel(fw_w w, int64_t n_out, const float *__restrict__ x, int64_t xs_t,
                                       int64_t xs_h, float *__restrict__ out, int64_t os_t, int64_t os_h, int64_t H) {
   int lane = threadIdx.x & 31;
-  int64_t o = (int64_t)blockIdx.x * FW_WARPS + (threadIdx.x >> 5), th = blockIdx.y;
+  int64_t o = (int64_t)blockIdx.y * FW_WARPS + (threadIdx.x >> 5), th = blockIdx.x;
   if (o >= n_out) return;
   int64_t t = th / H, h = th % H;
   float acc = fw_dot(w, h * n_out + o, x + t * xs_t + h * xs_h, lane);
@@ -266,8 +276,8 @@ __device__ __forceinline__ uint64_t fw_vis_word(const uint64_t *row, int64_t w, 
 /* Tree-verify MLA attention of kd_cuda.cu (kd_mla_attention_kernel), one block per (row, head), its sequence's
  * cache slot and block read from the row's metadata: the same chunks of the visible key list, the same rounding. */
 __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *__restrict__ rows,
-                                    const uint64_t *__restrict__ vis_all, float *__restrict__ out, int64_t layer,
-                                    int64_t H, int64_t L, int64_t R, float scale) {
+                                    float *__restrict__ out, int64_t layer, int64_t H, int64_t L, int64_t R,
+                                    float scale) {
   __shared__ int64_t keypos[FW_ATT_CHUNK];
   __shared__ float e[FW_ATT_CHUNK];
   __shared__ float stat[3];
@@ -275,7 +285,7 @@ __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *_
   const fw_row m = rows[r];
   const int64_t T = m.T, t = m.t, P = m.prefix, words = (T + 63) / 64;
   const float *kv = m.kv + layer * m.max_len * E;
-  const uint64_t *vis = m.vis_off >= 0 ? vis_all + m.vis_off + t * words : NULL;
+  const uint64_t *vis = m.vis ? m.vis + t * words : NULL;
   const float *qh = q + (r * H + h) * E;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
   int64_t nblock = 0;
@@ -657,6 +667,7 @@ static int fw_upload(kd_model *m, fw_up *u) {
     if (!ly->is_moe) {
       fw_mlp_up(u, &ly->mlp, &fl->mlp);
       if (ly->mlp.gate.n_out > m->inter_max) m->inter_max = ly->mlp.gate.n_out;
+      if (ly->mlp.gate.n_out > m->gu_cols) m->gu_cols = ly->mlp.gate.n_out;
       continue;
     }
     fw_dense(u, ly->router, d->n_experts, D, &fl->router);
@@ -673,6 +684,10 @@ static int fw_upload(kd_model *m, fw_up *u) {
       if (ly->experts[e].gate.n_out > fl->inter) fl->inter = ly->experts[e].gate.n_out;
     }
     if (fl->inter > m->inter_max) m->inter_max = fl->inter;
+    { /* the MoE's g/u rows: S = N * top_k expert rows of width fl->inter, then N shared rows */
+      int64_t cols = d->top_k * fl->inter + (ly->has_shared ? ly->shared.gate.n_out : 0);
+      if (cols > m->gu_cols) m->gu_cols = cols;
+    }
     fl->experts = (fw_mlp *)fw_put(u, table, sizeof(fw_mlp) * (size_t)d->n_experts);
     free(table);
     m->Emax = d->n_experts, m->kmax = d->top_k;
@@ -696,10 +711,18 @@ static void fw_free_scratch(kd_model *m) {
   m->cap_rows = m->cap_hidden = 0;
 }
 
+static void fw_free_vis(kd_model *m) {
+  if (m->vis_d) cudaFree(m->vis_d);
+  if (m->vis_h) cudaFreeHost(m->vis_h);
+  m->vis_d = m->vis_h = NULL;
+  m->cap_vis = 0;
+}
+
 extern "C" int kd_model_destroy(kd_model *m) {
   if (!m) return KD_OK;
   if (m->stream) cudaStreamSynchronize(m->stream);
   fw_free_scratch(m);
+  fw_free_vis(m);
   for (int64_t s = 0; s < m->n_slots; s++)
     if (m->slots[s].kv) cudaFree(m->slots[s].kv);
   free(m->slots);
@@ -785,7 +808,6 @@ typedef struct {
   int32_t *tokens;
   fw_row *rows;
   float *cs;
-  uint64_t *vis;
   int64_t *out_rows;
 } fw_bufs;
 
@@ -800,14 +822,14 @@ static void fw_layout(const kd_model *m, int64_t N, int64_t n_hidden, char *sbas
                       size_t *s_bytes, size_t *m_bytes) {
   const kd_model_desc *d = &m->d;
   int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, H = m->Hmax, Ex = m->Emax, k = m->kmax;
-  int64_t G = d->n_group > 0 ? d->n_group : 1, S = N * k, I = m->inter_max, V = d->vocab;
+  int64_t G = d->n_group > 0 ? d->n_group : 1, S = N * k, V = d->vocab;
   size_t o = 0;
 #define FW_F(name, n) b->name = (float *)(sbase + fw_take(&o, sizeof(float) * (size_t)(n)))
 #define FW_I(name, n) b->name = (int32_t *)(sbase + fw_take(&o, sizeof(int32_t) * (size_t)(n)))
   FW_F(h, N * D); FW_F(x, N * D); FW_F(t, N * D); FW_F(qa, N * m->q_lora); FW_F(q, N * H * (d->nope + R));
   FW_F(kva, N * E); FW_F(qf, N * H * E); FW_F(olat, N * H * L); FW_F(o, N * H * d->v_head);
   FW_F(rl, N * Ex); FW_F(work, N * (Ex + G)); FW_F(ew, S); FW_F(xs, S * D); FW_F(ys, S * D);
-  FW_F(g, (S + N) * I); FW_F(u, (S + N) * I); FW_F(sh, N * D); FW_F(fo, N * D); FW_F(lg, N * V);
+  FW_F(g, N * m->gu_cols); FW_F(u, N * m->gu_cols); FW_F(sh, N * D); FW_F(fo, N * D); FW_F(lg, N * V);
   FW_F(hid, N * (n_hidden ? n_hidden : 1) * D);
   FW_I(ex, S); FW_I(start, Ex + 1); FW_I(src, S); FW_I(pos, S); FW_I(am, N);
   b->taken = (unsigned char *)(sbase + fw_take(&o, (size_t)(N * (Ex > G ? Ex : G) + 1)));
@@ -818,7 +840,6 @@ static void fw_layout(const kd_model *m, int64_t N, int64_t n_hidden, char *sbas
   b->tokens = (int32_t *)(mbase + fw_take(&o, sizeof(int32_t) * (size_t)N));
   b->rows = (fw_row *)(mbase + fw_take(&o, sizeof(fw_row) * (size_t)N));
   b->cs = (float *)(mbase + fw_take(&o, sizeof(float) * (size_t)(N * R)));
-  b->vis = (uint64_t *)(mbase + fw_take(&o, sizeof(uint64_t) * (size_t)(N * ((N + 63) / 64))));
   b->out_rows = (int64_t *)(mbase + fw_take(&o, sizeof(int64_t) * (size_t)N));
   *m_bytes = o;
 }
@@ -835,13 +856,32 @@ static int fw_reserve(kd_model *m, int64_t N, int64_t n_hidden) {
   cudaError_t e = cudaMalloc((void **)&m->scratch, sb);
   if (e == cudaSuccess) e = cudaMalloc((void **)&m->meta_d, mb);
   if (e == cudaSuccess) e = cudaMallocHost((void **)&m->meta_h, mb);
-  if (e == cudaSuccess) e = cudaMallocHost((void **)&m->host_reduce, sizeof(float) * (size_t)(rows * m->d.hidden));
+  if (e == cudaSuccess && m->d.all_reduce)
+    e = cudaMallocHost((void **)&m->host_reduce, sizeof(float) * (size_t)(rows * m->d.hidden));
   if (e != cudaSuccess) {
     fw_free_scratch(m);
+    cudaGetLastError();
     return kd_fail(KD_ENOMEM, "kd_model_forward: scratch of %lld rows (%zu bytes): %s; lower serve.max_batch_tokens",
                    (long long)rows, sb + mb, cudaGetErrorString(e));
   }
   m->cap_rows = rows, m->cap_hidden = hid, m->meta_bytes = mb;
+  return KD_OK;
+}
+
+/* grow-only visibility staging of `words` u64 (never invalidates a graph: rows point into it through metadata) */
+static int fw_reserve_vis(kd_model *m, int64_t words) {
+  if (words <= m->cap_vis) return KD_OK;
+  cudaStreamSynchronize(m->stream);
+  fw_free_vis(m);
+  cudaError_t e = cudaMalloc((void **)&m->vis_d, sizeof(uint64_t) * (size_t)words);
+  if (e == cudaSuccess) e = cudaMallocHost((void **)&m->vis_h, sizeof(uint64_t) * (size_t)words);
+  if (e != cudaSuccess) {
+    fw_free_vis(m);
+    cudaGetLastError();
+    return kd_fail(KD_ENOMEM, "kd_model_forward: visibility staging of %lld words: %s", (long long)words,
+                   cudaGetErrorString(e));
+  }
+  m->cap_vis = words;
   return KD_OK;
 }
 
@@ -874,7 +914,8 @@ static int fw_reduce(kd_model *m, float *x, int64_t n) {
 
 static int fw_moe(kd_model *m, const fw_layer *ly, const fw_bufs *b, const float *x, float *out, int64_t N) {
   const kd_model_desc *d = &m->d;
-  int64_t D = d->hidden, E = d->n_experts, k = d->top_k, S = N * k, I = m->inter_max, G = d->n_group;
+  /* g/u: S expert rows of this layer's width I, then the shared expert's N rows (m->gu_cols per forward row) */
+  int64_t D = d->hidden, E = d->n_experts, k = d->top_k, S = N * k, I = ly->inter, G = d->n_group;
   cudaStream_t st = m->stream;
   FW_TRY(fw_lin(m, &ly->router, x, b->rl, N));
   fw_route_kernel<<<(unsigned)((N + 127) / 128), 128, 0, st>>>(b->rl, ly->router_bias, b->work, b->taken, b->ex,
@@ -922,13 +963,13 @@ static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, in
     FW_TRY(fw_launched("latent cache write"));
     fw_q_rope_kernel<<<(unsigned)(N * H), 64, 0, st>>>(b->q, b->qf, b->cs, H, nope, L, R);
     FW_TRY(fw_launched("q rope"));
-    dim3 gk((unsigned)((L + FW_WARPS - 1) / FW_WARPS), (unsigned)(N * H)); /* qf[:, :, :L] = W_uk[h]^T q_nope[h] */
+    dim3 gk((unsigned)(N * H), (unsigned)((L + FW_WARPS - 1) / FW_WARPS)); /* qf[:, :, :L] = W_uk[h]^T q_nope[h] */
     fw_head_linear_kernel<<<gk, 32 * FW_WARPS, 0, st>>>(ly->w_uk_t, L, b->q, H * qw, qw, b->qf, H * E, E, H);
     FW_TRY(fw_launched("absorbed q"));
-    fw_attention_kernel<<<(unsigned)(N * H), FW_ATT_THREADS, 0, st>>>(b->qf, b->rows, b->vis, b->olat, li, H, L, R,
+    fw_attention_kernel<<<(unsigned)(N * H), FW_ATT_THREADS, 0, st>>>(b->qf, b->rows, b->olat, li, H, L, R,
                                                                        d->attn_scale);
     FW_TRY(fw_launched("MLA attention"));
-    dim3 gv((unsigned)((d->v_head + FW_WARPS - 1) / FW_WARPS), (unsigned)(N * H));
+    dim3 gv((unsigned)(N * H), (unsigned)((d->v_head + FW_WARPS - 1) / FW_WARPS));
     fw_head_linear_kernel<<<gv, 32 * FW_WARPS, 0, st>>>(ly->w_uv, d->v_head, b->olat, H * L, L, b->o, H * d->v_head,
                                                          d->v_head, H);
     FW_TRY(fw_launched("absorbed v"));
@@ -1043,10 +1084,11 @@ extern "C" int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int
     int64_t *rows_d = (int64_t *)m->meta_d;
     cudaError_t e = cudaMemcpyAsync(rows_d, m->meta_h, sizeof(int64_t) * (size_t)n, cudaMemcpyHostToDevice,
                                     m->stream);
-    FW_TRY(fw_err(e, "kd_cache_keep"));
+    FW_TRY(fw_err_in("kd_cache_keep", e, "rows upload"));
     fw_keep_kernel<<<(unsigned)m->d.n_layers, 256, 0, m->stream>>>(c->kv, c->max_len, m->E, rows_d, start, n);
-    FW_TRY(fw_launched("kd_cache_keep"));
-    FW_TRY(fw_err(cudaStreamSynchronize(m->stream), "kd_cache_keep")); /* the staging is reused by the next call */
+    FW_TRY(fw_err_in("kd_cache_keep", cudaGetLastError(), "row move kernel"));
+    /* the staging is reused by the next call */
+    FW_TRY(fw_err_in("kd_cache_keep", cudaStreamSynchronize(m->stream), "synchronize"));
   }
   c->length = start + n;
   return KD_OK;
@@ -1059,7 +1101,8 @@ extern "C" int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **r
   KD_CHECK_PTR("kd_cache_rows", rows);
   if (layer < 0 || layer >= m->d.n_layers)
     return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
-  FW_TRY(fw_err(cudaStreamSynchronize(m->stream), "kd_cache_rows")); /* rows written by a forward are complete */
+  /* rows written by a forward are complete */
+  FW_TRY(fw_err_in("kd_cache_rows", cudaStreamSynchronize(m->stream), "synchronize"));
   *rows = c->kv + layer * c->max_len * m->E;
   return KD_OK;
 }
@@ -1077,8 +1120,26 @@ extern "C" int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t
                      (long long)rows[i]);
   cudaStreamSynchronize(m->stream);
   fw_drop_graphs(m);
-  memcpy(m->graph_rows, rows, sizeof(int64_t) * (size_t)n);
+  if (n) memcpy(m->graph_rows, rows, sizeof(int64_t) * (size_t)n);
   m->n_graph_rows = n;
+  /* scratch for the largest bucket now: a later growth of the scratch (a bigger forward than any before) moves
+   * every buffer and drops the graphs captured so far, so a verify block larger than the prefill would
+   * otherwise re-capture the AR step's graph */
+  int64_t big = 0;
+  for (int64_t i = 0; i < n; i++)
+    if (rows[i] > big) big = rows[i];
+  if (big > 65535)
+    return kd_fail(KD_EINVAL, "kd_model_set_graph_rows: bucket of %lld rows > 65535 rows per forward on CUDA",
+                   (long long)big);
+  if (big) {
+    int rc = fw_reserve(m, big, m->cap_hidden);
+    if (!rc) rc = fw_reserve_vis(m, big * ((big + 63) / 64));
+    if (rc) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", kd_last_error()); /* kd_fail writes the buffer kd_last_error reads */
+      return kd_fail(rc, "kd_model_set_graph_rows: %s", why);
+    }
+  }
   return KD_OK;
 }
 
@@ -1138,7 +1199,7 @@ static int fw_check(kd_model *m, const kd_forward_args *a) {
 /* the forward's metadata into the pinned staging: tokens, per-row cache/block/visibility, cos/sin, out rows */
 static void fw_stage(kd_model *m, const kd_forward_args *a, fw_bufs *hb) {
   const kd_model_desc *d = &m->d;
-  int64_t N = a->n_rows, R = d->rope_dim, half = R / 2, vis_off = 0;
+  int64_t N = a->n_rows, R = d->rope_dim, half = R / 2, vis_off = 0; /* vis: into m->vis_h, rows point to vis_d */
   memcpy(hb->tokens, a->tokens, sizeof(int32_t) * (size_t)N);
   const uint64_t *vis = a->visibility;
   for (int64_t s = 0; s < a->n_seqs; s++) {
@@ -1147,10 +1208,10 @@ static void fw_stage(kd_model *m, const kd_forward_args *a, fw_bufs *hb) {
     for (int64_t t = 0; t < T; t++) {
       fw_row *row = &hb->rows[r0 + t];
       row->kv = c->kv, row->max_len = c->max_len, row->dst = c->length + t, row->prefix = c->length;
-      row->t = t, row->T = T, row->vis_off = vis ? vis_off : -1;
+      row->t = t, row->T = T, row->vis = vis ? m->vis_d + vis_off : NULL;
     }
     if (vis) {
-      memcpy(hb->vis + vis_off, vis, sizeof(uint64_t) * (size_t)(T * words));
+      memcpy(m->vis_h + vis_off, vis, sizeof(uint64_t) * (size_t)(T * words));
       vis += T * words;
       vis_off += T * words;
     }
@@ -1229,14 +1290,32 @@ extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   FW_TRY(fw_check(m, a));
   const kd_model_desc *d = &m->d;
   int64_t N = a->n_rows, D = d->hidden, V = d->vocab, n_out = a->n_out;
+  int64_t vis_words = 0;
+  for (int64_t s = 0; a->visibility && s < a->n_seqs; s++) {
+    int64_t T = a->row_start[s + 1] - a->row_start[s];
+    vis_words += T * ((T + 63) / 64);
+  }
   FW_TRY(fw_reserve(m, N, a->n_hidden));
+  FW_TRY(fw_reserve_vis(m, vis_words));
   fw_bufs hb, db;
   size_t sb, mb;
   fw_layout(m, m->cap_rows, m->cap_hidden, m->scratch, m->meta_h, &hb, &sb, &mb);
   fw_layout(m, m->cap_rows, m->cap_hidden, m->scratch, m->meta_d, &db, &sb, &mb);
   fw_stage(m, a, &hb);
-  FW_TRY(fw_err(cudaMemcpyAsync(m->meta_d, m->meta_h, m->meta_bytes, cudaMemcpyHostToDevice, m->stream),
-                "metadata upload"));
+  /* this forward's part of each metadata array only (the staging is sized for cap_rows, which only grows) */
+  struct {
+    void *dst;
+    const void *src;
+    size_t bytes;
+  } up[] = {{db.tokens, hb.tokens, sizeof(int32_t) * (size_t)N},
+            {db.rows, hb.rows, sizeof(fw_row) * (size_t)N},
+            {db.cs, hb.cs, sizeof(float) * (size_t)(N * d->rope_dim)},
+            {db.out_rows, hb.out_rows, sizeof(int64_t) * (size_t)n_out},
+            {m->vis_d, m->vis_h, sizeof(uint64_t) * (size_t)vis_words}};
+  for (size_t i = 0; i < sizeof up / sizeof up[0]; i++)
+    if (up[i].bytes)
+      FW_TRY(fw_err(cudaMemcpyAsync(up[i].dst, up[i].src, up[i].bytes, cudaMemcpyHostToDevice, m->stream),
+                    "metadata upload"));
   fw_graph key;
   memset(&key, 0, sizeof key);
   key.N = N, key.n_out = n_out, key.want_logits = a->logits != NULL, key.want_argmax = a->argmax != NULL;
