@@ -15,7 +15,7 @@ import numpy as np
 
 from kdtree.backends.base import Ops
 from kdtree.model.names import is_moe_layer
-from kdtree.errors import CheckpointError, ConfigError
+from kdtree.errors import CheckpointError, ConfigError, NativeError
 from kdtree.model.rope import RotaryTable, softmax_scale
 
 
@@ -215,12 +215,25 @@ class K2Model:
 
     def reserve_cache_pool(self, rows: int) -> bool:
         """backend=cpu|cuda: one latent-cache arena of `rows` rows that every later new_cache is carved from (a
-        full pool raises CachePoolBusy). A pool at least that large is kept as it is. False where caches are
-        separate numpy arrays (the numpy reference: the serving scheduler's pool is then accounting only)."""
+        full pool raises CachePoolBusy). False where caches are separate numpy arrays (the numpy reference: the
+        serving scheduler's pool is then accounting only). An arena still holding caches cannot be replaced: dropped
+        caches are collected first; if some are alive, a larger arena is kept (the scheduler's accounting is
+        exact either way) and a smaller one is an error naming the fix."""
         if self._native is None or not hasattr(self._native, "reserve"):
             return False
-        if self._native.pool_rows < int(rows):
-            self._native.reserve(int(rows))
+        rows = int(rows)
+        if self._native.pool_rows == rows:
+            return True
+        try:
+            self._native.reserve(rows)
+        except NativeError:
+            import gc
+            gc.collect()                                  # caches of finished generations not yet collected
+            try:
+                self._native.reserve(rows)
+            except NativeError:
+                if self._native.pool_rows < rows:
+                    raise
         return True
 
     def new_cache(self, max_len: int) -> LatentCache:

@@ -235,9 +235,10 @@ def test_pooled_caches_are_ranges_of_one_arena_with_the_same_bits(tiny_cfg, tiny
     from kdtree.errors import CachePoolBusy
     _, plain = _models(tiny_cfg, tiny_weights)
     _, pooled = _models(tiny_cfg, tiny_weights)
-    assert pooled.reserve_cache_pool(160) and pooled._native.pool_rows == 160
-    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 160      # a larger arena is kept
+    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 100
+    assert pooled.reserve_cache_pool(160) and pooled._native.pool_rows == 160      # no cache in it: replaced
     a, b = pooled.new_cache(64), pooled.new_cache(32)
+    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 160      # in use: the larger one is kept
     base = a.kv[0].ctypes.data
     assert b.kv[0].ctypes.data == base + 64 * a.kv[0].strides[0]                    # right after a's range
     with pytest.raises(CachePoolBusy, match=r"pool of 160 rows has no free range of 100 rows"):

@@ -82,9 +82,11 @@ typedef struct {
 } fw_row;
 
 typedef struct {
-  float *kv;
+  float *kv;            /* [n_layers][max_len][L+R]: its own allocation, or rows [off, off + max_len) of the pool */
   int64_t max_len, length;
   int used;
+  int64_t off;          /* pooled: first pool row (a pool row = n_layers * (L+R) floats) */
+  int pooled;
 } fw_slot;
 
 typedef struct {
@@ -103,6 +105,8 @@ struct kd_model {
   size_t arena_bytes, arena_used;
   fw_slot *slots;
   int64_t n_slots;
+  float *pool;          /* kd_model_reserve: pool_rows x n_layers x (L+R) floats, slots carved as row ranges */
+  int64_t pool_rows;
   int64_t E, q_lora, Hmax, Emax, inter_max, kmax;
   int64_t gu_cols;                      /* g/u scratch floats per row: max(dense I, top_k * expert I + shared I) */
   cudaStream_t stream;
@@ -724,7 +728,8 @@ extern "C" int kd_model_destroy(kd_model *m) {
   fw_free_scratch(m);
   fw_free_vis(m);
   for (int64_t s = 0; s < m->n_slots; s++)
-    if (m->slots[s].kv) cudaFree(m->slots[s].kv);
+    if (m->slots[s].kv && !m->slots[s].pooled) cudaFree(m->slots[s].kv);
+  if (m->pool) cudaFree(m->pool);
   free(m->slots);
   if (m->arena) cudaFree(m->arena);
   if (m->stream) cudaStreamDestroy(m->stream);
@@ -1027,6 +1032,27 @@ extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
     m->slots = grown;
     memset(&m->slots[m->n_slots++], 0, sizeof(fw_slot));
   }
+  if (m->pool) { /* first fit among the gaps between the pooled slots in use; a slot keeps the per-slot layout */
+    int64_t at = 0;
+    for (int moved = 1; moved;) {
+      moved = 0;
+      for (int64_t i = 0; i < m->n_slots; i++) {
+        const fw_slot *o = &m->slots[i];
+        if (o->used && o->pooled && o->off < at + max_len && at < o->off + o->max_len) {
+          at = o->off + o->max_len;
+          moved = 1;
+        }
+      }
+    }
+    if (at + max_len > m->pool_rows)
+      return kd_fail(KD_ENOMEM, "kd_cache_alloc: the latent-cache pool of %lld rows has no free range of %lld rows "
+                                "now; wait for running sequences to finish (or reserve a larger pool)",
+                     (long long)m->pool_rows, (long long)max_len);
+    fw_slot ps = {m->pool + at * m->d.n_layers * m->E, max_len, 0, 1, at, 1};
+    m->slots[s] = ps;
+    *slot = s;
+    return KD_OK;
+  }
   size_t bytes = sizeof(float) * (size_t)(m->d.n_layers * max_len * m->E);
   float *kv = NULL;
   cudaError_t e = cudaMalloc((void **)&kv, bytes);
@@ -1034,7 +1060,8 @@ extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
     return kd_fail(KD_ENOMEM, "kd_cache_alloc: %zu bytes of device memory for a latent cache of %lld rows: %s; "
                               "lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
                    bytes, (long long)max_len, cudaGetErrorString(e));
-  m->slots[s] = (fw_slot){kv, max_len, 0, 1};
+  fw_slot own = {kv, max_len, 0, 1, 0, 0};
+  m->slots[s] = own;
   *slot = s;
   return KD_OK;
 }
@@ -1044,7 +1071,7 @@ extern "C" int kd_cache_free(kd_model *m, int64_t slot) {
   fw_slot *c = fw_slot_get(m, slot, "kd_cache_free");
   if (!c) return KD_EINVAL;
   cudaStreamSynchronize(m->stream); /* no forward still reads it */
-  cudaFree(c->kv);
+  if (!c->pooled) cudaFree(c->kv); /* a pooled slot's rows simply become free */
   memset(c, 0, sizeof *c);
   return KD_OK;
 }
@@ -1091,6 +1118,34 @@ extern "C" int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int
     FW_TRY(fw_err_in("kd_cache_keep", cudaStreamSynchronize(m->stream), "synchronize"));
   }
   c->length = start + n;
+  return KD_OK;
+}
+
+/* One device arena of `rows` latent-cache rows (the serving pool, reserved once at start so the fit is checked
+ * before serving and no request pays a cudaMalloc); slots are row ranges of it. */
+extern "C" int kd_model_reserve(kd_model *m, int64_t rows) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_reserve", m);
+  if (rows < 0) return kd_fail(KD_EINVAL, "kd_model_reserve: rows=%lld must be >= 0", (long long)rows);
+  for (int64_t i = 0; i < m->n_slots; i++)
+    if (m->slots[i].used && m->slots[i].pooled)
+      return kd_fail(KD_EINVAL, "kd_model_reserve: cache slot %lld still uses the current pool; free it first",
+                     (long long)i);
+  cudaStreamSynchronize(m->stream);
+  if (m->pool) cudaFree(m->pool);
+  m->pool = NULL;
+  m->pool_rows = 0;
+  if (rows == 0) return KD_OK;
+  size_t bytes = sizeof(float) * (size_t)(rows * m->d.n_layers * m->E);
+  cudaError_t e = cudaMalloc((void **)&m->pool, bytes);
+  if (e != cudaSuccess) {
+    m->pool = NULL;
+    cudaGetLastError();
+    return kd_fail(KD_ENOMEM, "kd_model_reserve: %zu bytes of device memory for a latent-cache pool of %lld rows: "
+                              "%s; lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
+                   bytes, (long long)rows, cudaGetErrorString(e));
+  }
+  m->pool_rows = rows;
   return KD_OK;
 }
 
