@@ -306,7 +306,7 @@ def test_a_fragmented_cache_arena_makes_a_request_wait_not_fail(compose_cfg):
     """backend=cpu: every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (20)
     and C (40) fill 100; A and C finish first, leaving 80 rows free in two ranges of 40: D (50 rows) fits the
     accounting but no range, so it waits (not an error) until B finishes, then runs to its solo tokens."""
-    engine = engine_for(compose_cfg, "cpu", "fp32")
+    engine = Engine.from_config(compose_cfg("backend=cpu", "load.progress=false"))   # its own arena, no other caches
     sched = scheduler(engine, pool_tokens=100)
     assert sched.pooled and engine.model._native.pool_rows == 100       # exactly serve.kv_pool_tokens rows
     enc = engine.tokenizer.encode
