@@ -235,7 +235,7 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
  * ascending k and kd_hsum combines them as kd_lanes_sum. The weight tile (3 rows x KD_KC) is read from memory
  * once and reused from L1 by every row pair; the x block (T x KD_KC) stays in L2 across the output tiles. */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define KD_KC 512 /* k block (floats): 3 weight rows = 6 KB in L1, x block T x 2 KB in L2 */
+#define KD_KC 1024 /* k block (floats): 3 weight rows = 12 KB in L1, x block T x 4 KB in L2 */
 #define KD_OB 48  /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
 
 /* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
