@@ -247,12 +247,15 @@ class BatchScheduler:
                 req, st = self._waiting[0], self._state[id(self._waiting[0])]
                 try:
                     st.cache = self.model.new_cache(st.need)      # its rows of the arena (or its own array)
+                    if st.budget:
+                        st.dcache = self.drafter.new_cache(len(st.prompt) + int(req.max_new_tokens))
                 except CachePoolBusy:                             # fragmented: wait for a range to free up
                     break
+                except Exception as e:                            # this request fails alone; the rest go on
+                    self._finish(req, e, locked=True)
+                    continue
                 self._waiting.pop(0)
                 st.t0 = time.perf_counter()
-                if st.budget:
-                    st.dcache = self.drafter.new_cache(len(st.prompt) + int(req.max_new_tokens))
                 self.pool_used += st.need
                 req.admitted_at = now
                 self._running.append(req)
