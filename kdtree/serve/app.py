@@ -344,7 +344,10 @@ class _Mailbox:
         with self._lock:
             items, self._items = self._items, []
         for fn, args in items:
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception as e:           # one job's callback must not drop the other jobs' tokens
+                print(f"[serve] delivering to a request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 _Mailbox._boxes = weakref.WeakKeyDictionary()
