@@ -215,7 +215,8 @@ class BatchScheduler:
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
-                    "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps}
+                    "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
+                    "speculating": self.speculating}
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """The engine thread: step while there is work, sleep on the condition otherwise, until stop is set."""

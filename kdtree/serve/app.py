@@ -188,7 +188,8 @@ class ServeApp:
             return {}
         snap = w.snapshot()
         return {"running": snap["running"], "waiting": snap["waiting"], "batch_size": snap["batch_size"],
-                "kv_cache_usage": snap["kv_pool_used"] / max(1, snap["kv_pool_tokens"])}
+                "kv_cache_usage": snap["kv_pool_used"] / max(1, snap["kv_pool_tokens"]),
+                "speculating": float(snap["speculating"])}
 
     # -- requests --------------------------------------------------------------------------------------
     def not_ready_error(self) -> ApiError:
@@ -247,6 +248,17 @@ class ServeApp:
             if len(ids) == 1:
                 out.append(int(ids[0]))
         return tuple(out)
+
+    def admit(self, req, chat: bool) -> SamplingParams:
+        """What both generation routes check before encoding anything: the model name, the fields kdtree does not
+        support (400), readiness (503, Retry-After); then the request's sampling parameters (400 when invalid)."""
+        self._check_model(req.model)
+        bad = req.unsupported()
+        if bad:
+            raise ApiError(400, bad[1], param=bad[0])
+        if not self.ready:
+            raise self.not_ready_error()
+        return self.sampling(req, chat=chat)
 
     def sampling(self, req: Any, chat: bool) -> SamplingParams:
         """The request's sampling fields over the engine's defaults, seed resolved; a bad value is a 400 naming it."""
@@ -524,13 +536,7 @@ def build_app(serve: ServeApp) -> FastAPI:
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
     async def completions(req: P.CompletionRequest, request: Request):
-        serve._check_model(req.model)
-        bad = req.unsupported()
-        if bad:
-            raise ApiError(400, bad[1], param=bad[0])
-        if not serve.ready:
-            raise serve.not_ready_error()
-        sp = serve.sampling(req, chat=False)
+        sp = serve.admit(req, chat=False)
         encoded = [serve._token_ids(p) for p in req.prompts()]
         for ids, _ in encoded:
             serve._check_context(ids, req.max_tokens, "prompt")
@@ -564,13 +570,7 @@ def build_app(serve: ServeApp) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
-        serve._check_model(req.model)
-        bad = req.unsupported()
-        if bad:
-            raise ApiError(400, bad[1], param=bad[0])
-        if not serve.ready:
-            raise serve.not_ready_error()
-        sp = serve.sampling(req, chat=True)
+        sp = serve.admit(req, chat=True)
         tpl = serve.chat_template
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")

@@ -7,7 +7,7 @@ Names and buckets follow vLLM's metric set (prefix kdtree_; counters end in _tot
     kdtree_request_queue_time_seconds         histogram  submit -> the engine worker took it
     kdtree_requests_total{code,endpoint}      counter    HTTP requests by status
     kdtree_prompt_tokens_total / kdtree_generation_tokens_total / kdtree_target_forwards_total / ...
-    kdtree_num_requests_running / _waiting / kdtree_batch_size / kdtree_kv_cache_usage_perc   gauges
+    kdtree_num_requests_running / _waiting / kdtree_batch_size / kdtree_speculating / kdtree_kv_cache_usage_perc   gauges
     kdtree_phase{phase}, kdtree_load_bytes_done / _expected, kdtree_phase_seconds{phase}    from status.json
 """
 from __future__ import annotations
@@ -66,6 +66,9 @@ class _StatusCollector:
                                 value=load.get("kv_cache_usage", 0.0))
         yield GaugeMetricFamily("kdtree_batch_size", "Requests in the last batched target forward (continuous batching).",
                                 value=load.get("batch_size", 0))
+        yield GaugeMetricFamily("kdtree_speculating", "1 while the last step speculated; 0 while more requests were "
+                                "decoding than serve.speculate_max_batch (they stepped as AR).",
+                                value=load.get("speculating", 1.0))
 
 
 class Metrics:

@@ -59,7 +59,7 @@ def status_batch(url):
 def test_concurrent_clients_are_batched_and_each_gets_its_solo_answer(served):
     bodies = requests_mix()
     alone = [post(served.url, b)[1] for b in bodies]
-    seen = {"running": 0, "batch_size": 0}
+    seen = {"running": 0, "batch_size": 0, "speculating": set()}
     stop = threading.Event()
 
     def watch():
@@ -67,6 +67,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_solo_answer(served):
             b = status_batch(served.url)
             seen["running"] = max(seen["running"], b["running"])
             seen["batch_size"] = max(seen["batch_size"], b["batch_size"])
+            seen["speculating"].add(b["speculating"])
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -86,6 +87,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_solo_answer(served):
     assert seen["running"] >= 4 and seen["batch_size"] >= 4, seen
     code, metrics = get(served.url, "/metrics")
     assert "kdtree_batch_size" in metrics and "kdtree_num_requests_waiting" in metrics
+    assert "kdtree_speculating" in metrics and seen["speculating"] <= {True, False} and seen["speculating"], seen
 
 
 def test_chat_requests_batch_with_completions(served):
