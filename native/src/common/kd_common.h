@@ -39,6 +39,23 @@ KD_HD int kd_visible(const uint64_t *row, int64_t k) { return (int)((row[k >> 6]
 
 KD_HD float kd_rms_inv(float sum_sq, int64_t D, float eps) { return 1.0f / sqrtf(sum_sq / (float)D + eps); }
 
+/* The MoE combine of T tokens, the reference's order: out[t] = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared[t];
+ * ys rows of token t's k slots at pos[t * k + j], weights[t * k + j]; shared [T, D] or NULL. */
+KD_HD void kd_moe_combine(float *out, const float *ys, const int64_t *pos, const float *weights, const float *shared,
+                          int64_t T, int64_t k, int64_t D) {
+  for (int64_t t = 0; t < T; t++) {
+    float *o = out + t * D;
+    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+      float w = weights[t * k + j];
+      const float *y = ys + pos[t * k + j] * D;
+      for (int64_t c = 0; c < D; c++) o[c] = o[c] + w * y[c];
+    }
+    if (shared)
+      for (int64_t c = 0; c < D; c++) o[c] = o[c] + shared[t * D + c];
+  }
+}
+
 #define KD_CHECK_PTR(name, p) \
   if (!(p)) return kd_fail(KD_EINVAL, "%s: %s is NULL", name, #p)
 

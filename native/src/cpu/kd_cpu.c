@@ -818,17 +818,7 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
     kd_silu_mul(g, u, g, T, Is, NULL);
     kd_linear_f32(g, shared_down, xs, T, Is, D, NULL);
   }
-  for (int64_t t = 0; t < T; t++) {
-    float *o = out + t * D;
-    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
-      float wj = weights[t * k + j];
-      const float *y = ys + pos[t * k + j] * D;
-      for (int64_t d = 0; d < D; d++) o[d] = o[d] + wj * y[d];
-    }
-    if (has_shared)
-      for (int64_t d = 0; d < D; d++) o[d] = o[d] + xs[t * D + d];
-  }
+  kd_moe_combine(out, ys, pos, weights, has_shared ? xs : NULL, T, k, D);
   free(start), free(pos), free(buf);
   kd_clear_error();
   return KD_OK;

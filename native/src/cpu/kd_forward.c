@@ -418,17 +418,7 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   for (int64_t e = 0; e < E; e++)
     KD_TRY(kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u));
   if (ly->has_shared) KD_TRY(kd_mlp_rows(&ly->shared, x, sh, N, g, u));
-  for (int64_t t = 0; t < N; t++) {
-    float *o = out + t * D;
-    for (int64_t c = 0; c < D; c++) o[c] = 0.0f;
-    for (int64_t j = 0; j < k; j++) {
-      float w = ew[t * k + j];
-      const float *y = ys + pos[t * k + j] * D;
-      for (int64_t c = 0; c < D; c++) o[c] = o[c] + w * y[c];
-    }
-    if (ly->has_shared)
-      for (int64_t c = 0; c < D; c++) o[c] = o[c] + sh[t * D + c];
-  }
+  kd_moe_combine(out, ys, pos, ew, ly->has_shared ? sh : NULL, N, k, D);
   return KD_OK;
 }
 
