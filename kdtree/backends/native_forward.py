@@ -433,16 +433,11 @@ class NativeDrafter:
     def new_cache(self, max_len: int) -> NativeDrafterCache:
         return NativeDrafterCache(self, max_len)
 
-    def extend(self, cache: NativeDrafterCache, hiddens: Dict[int, np.ndarray]) -> None:
-        feats = np.ascontiguousarray(np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids],
-                                                    axis=-1))
+    def extend(self, cache: NativeDrafterCache, feats: np.ndarray) -> None:
+        """Append T context rows: feats f32[T, len(target_layer_ids) * D], the target's hidden rows side by side
+        (DFlashDrafter.extend builds them and checks the cache's room)."""
+        feats = np.ascontiguousarray(feats, np.float32)
         T = feats.shape[0]
-        if T == 0:
-            return
-        n = cache.length
-        if n + T > cache.max_len:
-            raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
-                              f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
         fb, ty = self._fb, self._types
         self._rows[1] = T
         rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),

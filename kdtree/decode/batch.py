@@ -110,6 +110,11 @@ class _State:
     pending_hid: List[Dict[int, np.ndarray]] = field(default_factory=list)  # AR-stepped rows the drafter lacks
 
 
+def _joined(parts: List[Dict[int, np.ndarray]]) -> Dict[int, np.ndarray]:
+    """Hidden rows kept step by step ({layer: f32[n, D]} each) as one {layer: f32[sum n, D]} for drafter.extend."""
+    return {i: np.concatenate([p[i] for p in parts]) for i in parts[0]}
+
+
 def forward_batch(model, seqs, hidden_layers=()):
     """model.forward_batch, or one forward per sequence where the model has none (same results, more calls)."""
     if hasattr(model, "forward_batch"):
@@ -275,8 +280,8 @@ class BatchScheduler:
             start = st.cache.length
             if st.budget and speculate:
                 if st.pending_hid:                    # rows stepped as AR while speculation was off
-                    parts, st.pending_hid = st.pending_hid, []
-                    self.drafter.extend(st.dcache, {i: np.concatenate([p[i] for p in parts]) for i in parts[0]})
+                    self.drafter.extend(st.dcache, _joined(st.pending_hid))
+                    st.pending_hid = []
                 dlogits = self.drafter.draft(st.dcache, st.bonus)                    # [B-1, V]
                 req.result.draft_forwards += 1
                 t1 = time.perf_counter()
@@ -354,8 +359,7 @@ class BatchScheduler:
                 return
             first = draw(n - 1)
             if st.budget:                             # the drafter sees the whole prompt at once, as solo does
-                parts = st.prompt_hid
-                self.drafter.extend(st.dcache, {i: np.concatenate([p[i] for p in parts]) for i in parts[0]})
+                self.drafter.extend(st.dcache, _joined(st.prompt_hid))
                 st.prompt_hid = []
                 st.bonus = first
             self._commit(req, [first], logits[n - 1:])

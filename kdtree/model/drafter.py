@@ -134,8 +134,6 @@ class DFlashDrafter:
 
     def extend(self, cache: DrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
         """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
-        if self._native is not None and not isinstance(cache, DrafterCache):
-            return self._native.extend(cache, hiddens)
         feats = np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids], axis=-1)
         T = feats.shape[0]
         if T == 0:
@@ -144,6 +142,8 @@ class DFlashDrafter:
         if n + T > cache.max_len:
             raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
                               f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
+        if self._native is not None and not isinstance(cache, DrafterCache):
+            return self._native.extend(cache, feats)
         ctx = self.ops.rms_norm(self._linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
         pos = np.arange(n, n + T)
         cos_sin = rope_cos_sin(pos, self.hd, self.theta)

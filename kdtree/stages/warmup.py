@@ -64,7 +64,7 @@ def run(ctx) -> dict:
     shapes = warmup_shapes(ctx.cfg, engine)
     has_tree = getattr(engine, "drafter", None) is not None and ctx.cfg.tree.kind != "ar"
     buckets = sorted({1, int(ctx.cfg.tree.budget) + 1 if has_tree else 1})
-    capture = ctx.cfg.backend.name == "cuda" and hasattr(engine, "graph_rows") and engine.graph_rows(buckets)
+    capture = engine.graph_rows(buckets)           # backend=cuda with the native forward; False elsewhere
     base = list(engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. ")) or [0]
     seconds = {}
     verify = None
