@@ -125,6 +125,24 @@ __attribute__((target("avx2"))) static inline float kd_hsum_avx2(__m256 lo, __m2
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_shuffle_ps(b, b, 1)));
 }
 
+/* kd_hsum_avx2 of four dots at once -> [r0 r1 r2 r3]: the same pairs added at every level of the tree ([i] + [i+8],
+ * [i] + [i+4], [i] + [i+2], [0] + [1]), only four dots side by side in one register instead of one each. */
+__attribute__((target("avx2"))) static inline __m128 kd_hsum4_avx2(__m256 l0, __m256 h0, __m256 l1, __m256 h1,
+                                                                   __m256 l2, __m256 h2, __m256 l3, __m256 h3) {
+  __m256 v0 = _mm256_add_ps(l0, h0), v1 = _mm256_add_ps(l1, h1), v2 = _mm256_add_ps(l2, h2),
+         v3 = _mm256_add_ps(l3, h3);
+  __m256 s01 = _mm256_add_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+  __m256 s23 = _mm256_add_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+  /* s01 = [v0: 0+4 1+5 2+6 3+7 | v1: ...], s23 likewise for v2, v3 */
+  __m256 t = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
+  /* t = [v0: a b, v2: a b | v1: a b, v3: a b] with a = [0] + [2], b = [1] + [3] */
+  __m256 g = _mm256_add_ps(_mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm256_shuffle_ps(t, t, _MM_SHUFFLE(3, 1, 3, 1)));
+  /* g = [v0 v2 v0 v2 | v1 v3 v1 v3] */
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1));
+}
+
 /* acc += w[k..n) * x[k..n) into lanes 0.. (n - k < 16) */
 #define KD_TAIL_AVX2(lo, hi, w, x, k, n)                                                              \
   do {                                                                                                \
@@ -197,7 +215,22 @@ __attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, int6
   KD_TAIL_AVX2(l1, h1, w1, x, k, n);
   KD_TAIL_AVX2(l2, h2, w2, x, k, n);
   KD_TAIL_AVX2(l3, h3, w3, x, k, n);
-  r[0] = kd_hsum_avx2(l0, h0), r[1] = kd_hsum_avx2(l1, h1), r[2] = kd_hsum_avx2(l2, h2), r[3] = kd_hsum_avx2(l3, h3);
+  _mm_storeu_ps(r, kd_hsum4_avx2(l0, h0, l1, h1, l2, h2, l3, h3));
+}
+
+/* T = 1: out[o] = kd_dot_avx2(w row o, x), four weight rows per x load, the dots written straight to out. Small
+ * matrices (the tiny model's, a decode step's dozens of calls) run without entering an OpenMP region: even one
+ * with if(0) costs a GOMP_parallel call, about as much as a 64 x 128 GEMV. */
+__attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, const float *w, float *out,
+                                                              int64_t n_in, int64_t n_out, int parallel) {
+  int64_t n4 = n_out / 4 * 4;
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_avx2(w + o * n_in, n_in, x, n_in, out + o);
+  } else {
+    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_avx2(w + o * n_in, n_in, x, n_in, out + o);
+  }
+  for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_avx2(w + o * n_in, x, n_in);
 }
 #endif
 
@@ -461,28 +494,23 @@ __attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256
   return kd_lanes_sum(b);
 }
 
-__attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
-                                                            int64_t n_groups, int64_t wpg, const float *x, float *out,
-                                                            int64_t n_in, int64_t n_out, int parallel) {
-  int64_t nc = n_in / KD_LANES;
-  float *xp = (float *)aligned_alloc(32, sizeof(float) * (size_t)(nc * KD_LANES + 8));
-  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
-  for (int64_t c = 0; c < nc; c++)
-    for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
+/* outputs o .. o + 3 of the fused W4A16 GEMV (x permuted into xp) */
+__attribute__((target("avx2"), always_inline)) static inline void kd_gemv_w4_rows4_avx2(
+    const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
+  const int64_t nc = n_in / KD_LANES;
   const __m256i m15 = _mm256_set1_epi32(15), m8 = _mm256_set1_epi32(8);
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t o = 0; o < n_out; o += 4) {
-    const uint32_t *wr[4];
-    const float *sr[4];
-    for (int r = 0; r < 4; r++) { /* past the last output: repeat it, result discarded */
-      int64_t oo = o + r < n_out ? o + r : n_out - 1;
-      wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
-    }
-    __m256 ev[4], od[4];
+  const uint32_t *wr[4];
+  const float *sr[4];
+  for (int r = 0; r < 4; r++) { /* past the last output: repeat it, result discarded */
+    int64_t oo = o + r < n_out ? o + r : n_out - 1;
+    wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
+  }
+  __m256 ev[4], od[4];
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
-    /* chunks [c0, c1) of the four rows, row r's scale vector SCALE(r) */
-#define KD_W4_CHUNKS(c0, c1, SCALE)                                                                                   \
+  for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
+  /* chunks [c0, c1) of the four rows, row r's scale vector SCALE(r) */
+#define KD_W4_CHUNKS(c0, c1, SCALE)                                                                             \
   for (int64_t c = (c0); c < (c1); c++) {                                                                      \
     __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);                            \
     _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {                                                      \
@@ -494,25 +522,42 @@ __attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, c
       od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));                                                     \
     }                                                                                                          \
   }
-    if (wpg % 2 == 0) { /* a group is cpg whole chunks: one broadcast scale per group, no division per chunk */
-      int64_t cpg = wpg / 2;
-      for (int64_t g = 0; g * cpg < nc; g++) {
-        int64_t c1 = (g + 1) * cpg < nc ? (g + 1) * cpg : nc;
+  if (wpg % 2 == 0) { /* a group is cpg whole chunks: one broadcast scale per group, no division per chunk */
+    int64_t cpg = wpg / 2;
+    for (int64_t g = 0; g * cpg < nc; g++) {
+      int64_t c1 = (g + 1) * cpg < nc ? (g + 1) * cpg : nc;
 #define KD_SC(r) _mm256_broadcast_ss(sr[r] + g)
-        KD_W4_CHUNKS(g * cpg, c1, KD_SC)
+      KD_W4_CHUNKS(g * cpg, c1, KD_SC)
 #undef KD_SC
-      }
-    } else {
-      for (int64_t cc = 0; cc < nc; cc++) {
-#define KD_SC(r) kd_w4_scale2_avx2(sr[r], cc, wpg)
-        KD_W4_CHUNKS(cc, cc + 1, KD_SC)
-#undef KD_SC
-      }
     }
+  } else {
+    for (int64_t cc = 0; cc < nc; cc++) {
+#define KD_SC(r) kd_w4_scale2_avx2(sr[r], cc, wpg)
+      KD_W4_CHUNKS(cc, cc + 1, KD_SC)
+#undef KD_SC
+    }
+  }
 #undef KD_W4_CHUNKS
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; r++) /* unrolled: ev/od stay in registers */
-      if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
+  for (int r = 0; r < 4; r++) /* unrolled: ev/od stay in registers */
+    if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
+}
+
+__attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            int64_t n_groups, int64_t wpg, const float *x, float *out,
+                                                            int64_t n_in, int64_t n_out, int parallel) {
+  int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(32, sizeof(float) * (size_t)(nc * KD_LANES + 8));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t c = 0; c < nc; c++)
+    for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
+  if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n_out; o += 4)
+      kd_gemv_w4_rows4_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += 4)
+      kd_gemv_w4_rows4_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   }
   free(xp);
   return KD_OK;
@@ -562,11 +607,21 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   }
   if (T >= 2 && kd_use_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
     return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+  if (kd_use_avx2()) {
+    kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
+    return KD_OK;
+  }
 #endif
-  /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads */
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t o = 0; o < n_out; o += 4)
-    kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
+  /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads (small ones enter
+   * no OpenMP region: see kd_gemv_f32_avx2) */
+  if (parallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n_out; o += 4)
+      kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += 4)
+      kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
+  }
   return KD_OK;
 }
 
@@ -602,9 +657,14 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   }
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t o = 0; o < n_out; o++)
-      out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+    if (parallel) {
+#pragma omp parallel for schedule(static)
+      for (int64_t o = 0; o < n_out; o++)
+        out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+    } else {
+      for (int64_t o = 0; o < n_out; o++)
+        out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+    }
     return KD_OK;
   }
   /* T > 1: decode four rows at a time (L1-resident), then the f32 block kernel: same products, same lanes */
