@@ -164,9 +164,8 @@ class NativeLatentCache:
         lib = self.target.lib
         rc = lib.c.kd_cache_keep(self.target.handle, self.slot, int(start), lib.ffi.from_buffer("int64_t[]", rows),
                                  rows.size)
-        if rc:
-            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within "
-                             f"[{start}, {self.length})")
+        if rc:   # the library names what is wrong (bad rows, a freed slot, ...); do not guess
+            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): {lib.last_error()}")
 
 
 class NativeTarget:

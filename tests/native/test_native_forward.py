@@ -136,6 +136,8 @@ def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
     m.forward(PROMPT[:3], np.arange(3), c)
     with pytest.raises(ValueError, match="rows must ascend"):
         c.keep(1, [2, 1])
+    with pytest.raises(ValueError, match="outside the cache's 3 rows"):     # the library's own reason, not a guess
+        c.keep(2, [2, 3])
     with pytest.raises(ValueError, match="outside"):
         c.truncate(5)
     _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its slot ids mean nothing here
