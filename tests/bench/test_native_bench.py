@@ -29,7 +29,6 @@ import itertools
 
 import numpy as np
 import pytest
-import threadpoolctl
 
 from kdtree.backends import native
 from kdtree.backends.numpy_ops import NumpyOps
@@ -52,6 +51,7 @@ def draft(depth=7, width=8, seed=0):
 
 def bench(benchmark, fn, threads, nbytes, baseline):
     """Run fn under `threads` OpenMP/OpenBLAS threads, with the bytes one call moves and the group's baseline."""
+    import threadpoolctl   # here, not at the top: the GPU image has no threadpoolctl and its cuda_* rows need none
     benchmark.extra_info.update(bytes=int(nbytes), threads=threads, baseline=baseline)
     with threadpoolctl.threadpool_limits(limits=threads):
         return benchmark(fn)
