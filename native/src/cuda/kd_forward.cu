@@ -19,7 +19,7 @@
  * data, not launch arguments), so the kernel sequence of a given N is captured once as a CUDA graph and replayed.
  *
  * Numerics: every output element is one warp's dot product in kd_cuda.cu's lane order (lane l takes k = 128 i +
- * 4 l + j; INT4: words l + 32 i, each word's 8 elements in order), norms and attention are kd_cuda.cu's kernels'
+ * 4 l + j, INT4 included), norms and attention are kd_cuda.cu's kernels'
  * arithmetic; a row's bits depend only on its own inputs (batch invariant), whether replayed or launched eagerly.
  * Weights: float32 tensors whose every value is exactly a bfloat16 (a BF16 checkpoint widened by the loader) are
  * kept as BF16 on the device and widened exactly in the kernels: same bits as float32 weights, half the bytes.
@@ -166,15 +166,15 @@ __device__ __forceinline__ float fw_dot_dense(const Wt *wr, const float *xr, int
   return fw_warp_sum(acc);
 }
 
+/* INT4 in the dense lane order (k = 128 i + 4 l + j): exactly fw_dot_dense on the dequantized row */
 template <typename St>
 __device__ __forceinline__ float fw_dot_int4(const uint32_t *wr, const St *sr, const float *xr, int64_t n_in,
                                              int64_t wpg, int lane) {
-  int64_t n_words = (n_in + 7) / 8;
   float acc = 0.0f;
-  for (int64_t w = lane; w < n_words; w += 32) {
-    uint32_t u = wr[w];
-    float s = fw_ld(sr + w / wpg);
-    for (int j = 0; j < 8 && 8 * w + j < n_in; j++) acc += kd_int4_weight(u, j, s) * xr[8 * w + j];
+  for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128) {
+    uint32_t u = wr[k0 / 8];
+    float s = fw_ld(sr + k0 / (8 * wpg));
+    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += kd_int4_weight(u, (int)(k0 % 8) + j, s) * xr[k0 + j];
   }
   return fw_warp_sum(acc);
 }
