@@ -794,6 +794,9 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
     m->arena_bytes = u.need;
     u.pass = 1;
     rc = fw_upload(m, &u);
+    /* a pageable cudaMemcpy may return before its last DMA lands, and m->stream (non-blocking) does not wait for
+     * the legacy stream: finish the upload before any forward reads the arena */
+    if (!rc) rc = fw_err_in("kd_model_create", cudaDeviceSynchronize(), "weight upload");
   }
   m->d = keep;
   if (rc) {
