@@ -62,6 +62,7 @@ extern "C" int kd_malloc(void **ptr, size_t bytes) {
   if (rc) return rc;
   KD_CHECK_PTR("kd_malloc", ptr);
   cudaError_t e = cudaMalloc(ptr, bytes ? bytes : 1);
+  if (e != cudaSuccess) cudaGetLastError(); /* reported here, not by the next launch's check */
   return e == cudaSuccess ? KD_OK : kd_fail(KD_ENOMEM, "kd_malloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
 }
 
@@ -76,6 +77,7 @@ static int kd_copy(void *dst, const void *src, size_t bytes, void *stream, cudaM
   if (rc) return rc;
   cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, KD_STREAM(stream));
   if (e == cudaSuccess) e = cudaStreamSynchronize(KD_STREAM(stream)); /* host buffer is ready on return */
+  if (e != cudaSuccess) cudaGetLastError();
   return e == cudaSuccess ? KD_OK : kd_fail(KD_ECUDA, "%s(%zu bytes): %s", op, bytes, cudaGetErrorString(e));
 }
 
@@ -422,6 +424,7 @@ extern "C" int kd_moe_f32(const float *x, const int32_t *experts, const float *w
   cudaStream_t st = KD_STREAM(stream);
   cudaError_t e = cudaMalloc((void **)&dev, f_bytes + i_bytes);
   if (e != cudaSuccess) {
+    cudaGetLastError();
     free(start), free(host), free(wh);
     return kd_fail(KD_ENOMEM, "kd_moe_f32: cudaMalloc(%zu): %s", f_bytes + i_bytes, cudaGetErrorString(e));
   }

@@ -565,7 +565,10 @@ static void *fw_put(fw_up *u, const void *src, size_t bytes) {
   void *dst = m->arena + m->arena_used;
   m->arena_used += fw_align(bytes);
   cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
-  if (e != cudaSuccess) u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* reported here, not by a later launch's check */
+    u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+  }
   return dst;
 }
 
@@ -786,6 +789,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   if (!rc) {
     e = cudaMalloc((void **)&m->arena, u.need ? u.need : 1);
     if (e != cudaSuccess) {
+      cudaGetLastError(); /* reported here, not by a later launch's check */
       m->d = keep;
       kd_model_destroy(m);
       return kd_fail(KD_ENOMEM, "kd_model_create: cudaMalloc(%zu bytes of weights): %s; raise tp or use a larger "
@@ -1059,10 +1063,12 @@ extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
   size_t bytes = sizeof(float) * (size_t)(m->d.n_layers * max_len * m->E);
   float *kv = NULL;
   cudaError_t e = cudaMalloc((void **)&kv, bytes);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* else the next forward's first launch check reports this OOM */
     return kd_fail(KD_ENOMEM, "kd_cache_alloc: %zu bytes of device memory for a latent cache of %lld rows: %s; "
                               "lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
                    bytes, (long long)max_len, cudaGetErrorString(e));
+  }
   fw_slot own = {kv, max_len, 0, 1, 0, 0};
   m->slots[s] = own;
   *slot = s;
