@@ -62,6 +62,7 @@ extern "C" int kd_malloc(void **ptr, size_t bytes) {
   if (rc) return rc;
   KD_CHECK_PTR("kd_malloc", ptr);
   cudaError_t e = cudaMalloc(ptr, bytes ? bytes : 1);
+  if (e != cudaSuccess) cudaGetLastError(); /* reported here, not by the next launch's check */
   return e == cudaSuccess ? KD_OK : kd_fail(KD_ENOMEM, "kd_malloc(%zu bytes): %s", bytes, cudaGetErrorString(e));
 }
 
@@ -76,6 +77,7 @@ static int kd_copy(void *dst, const void *src, size_t bytes, void *stream, cudaM
   if (rc) return rc;
   cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, KD_STREAM(stream));
   if (e == cudaSuccess) e = cudaStreamSynchronize(KD_STREAM(stream)); /* host buffer is ready on return */
+  if (e != cudaSuccess) cudaGetLastError();
   return e == cudaSuccess ? KD_OK : kd_fail(KD_ECUDA, "%s(%zu bytes): %s", op, bytes, cudaGetErrorString(e));
 }
 
@@ -131,7 +133,9 @@ extern "C" int kd_linear_f32(const float *x, const float *w, float *out, int64_t
   return kd_cuda_status("kd_linear_f32");
 }
 
-/* ---- W4A16: one warp per output; lane l takes words w = l + 32 i, each word's 8 elements in order ------------ */
+/* ---- W4A16: one warp per output, kd_linear_f32_kernel's lane order (lane l sums k = 128 i + 4 l + j in order),
+ * so the result is exactly kd_linear_f32 on the dequantized weight (kdtree.h). k and k+1..k+3 share a word half
+ * and a group (group % 8 == 0). */
 template <typename X>
 __global__ void kd_w4a16_kernel(const X *__restrict__ x, const uint32_t *__restrict__ packed,
                                 const float *__restrict__ scales, float *__restrict__ out, int64_t n_in,
@@ -144,10 +148,11 @@ __global__ void kd_w4a16_kernel(const X *__restrict__ x, const uint32_t *__restr
   const float *sr = scales + o * n_groups;
   const X *xr = x + t * n_in;
   float acc = 0.0f;
-  for (int64_t w = lane; w < n_words; w += 32) {
-    uint32_t u = wr[w];
-    float s = sr[w / words_per_group];
-    for (int j = 0; j < 8 && 8 * w + j < n_in; j++) acc += kd_int4_weight(u, j, s) * kd_load(xr + 8 * w + j);
+  for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128) {
+    uint32_t u = wr[k0 / 8];
+    float s = sr[k0 / (8 * words_per_group)];
+    for (int j = 0; j < 4 && k0 + j < n_in; j++)
+      acc += kd_int4_weight(u, (int)(k0 % 8) + j, s) * kd_load(xr + k0 + j);
   }
   acc = kd_warp_sum(acc);
   if (lane == 0) out[t * n_out + o] = acc;
@@ -419,6 +424,7 @@ extern "C" int kd_moe_f32(const float *x, const int32_t *experts, const float *w
   cudaStream_t st = KD_STREAM(stream);
   cudaError_t e = cudaMalloc((void **)&dev, f_bytes + i_bytes);
   if (e != cudaSuccess) {
+    cudaGetLastError();
     free(start), free(host), free(wh);
     return kd_fail(KD_ENOMEM, "kd_moe_f32: cudaMalloc(%zu): %s", f_bytes + i_bytes, cudaGetErrorString(e));
   }

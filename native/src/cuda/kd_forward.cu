@@ -19,7 +19,7 @@
  * data, not launch arguments), so the kernel sequence of a given N is captured once as a CUDA graph and replayed.
  *
  * Numerics: every output element is one warp's dot product in kd_cuda.cu's lane order (lane l takes k = 128 i +
- * 4 l + j; INT4: words l + 32 i, each word's 8 elements in order), norms and attention are kd_cuda.cu's kernels'
+ * 4 l + j, INT4 included), norms and attention are kd_cuda.cu's kernels'
  * arithmetic; a row's bits depend only on its own inputs (batch invariant), whether replayed or launched eagerly.
  * Weights: float32 tensors whose every value is exactly a bfloat16 (a BF16 checkpoint widened by the loader) are
  * kept as BF16 on the device and widened exactly in the kernels: same bits as float32 weights, half the bytes.
@@ -166,15 +166,15 @@ __device__ __forceinline__ float fw_dot_dense(const Wt *wr, const float *xr, int
   return fw_warp_sum(acc);
 }
 
+/* INT4 in the dense lane order (k = 128 i + 4 l + j): exactly fw_dot_dense on the dequantized row */
 template <typename St>
 __device__ __forceinline__ float fw_dot_int4(const uint32_t *wr, const St *sr, const float *xr, int64_t n_in,
                                              int64_t wpg, int lane) {
-  int64_t n_words = (n_in + 7) / 8;
   float acc = 0.0f;
-  for (int64_t w = lane; w < n_words; w += 32) {
-    uint32_t u = wr[w];
-    float s = fw_ld(sr + w / wpg);
-    for (int j = 0; j < 8 && 8 * w + j < n_in; j++) acc += kd_int4_weight(u, j, s) * xr[8 * w + j];
+  for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128) {
+    uint32_t u = wr[k0 / 8];
+    float s = fw_ld(sr + k0 / (8 * wpg));
+    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += kd_int4_weight(u, (int)(k0 % 8) + j, s) * xr[k0 + j];
   }
   return fw_warp_sum(acc);
 }
@@ -565,7 +565,10 @@ static void *fw_put(fw_up *u, const void *src, size_t bytes) {
   void *dst = m->arena + m->arena_used;
   m->arena_used += fw_align(bytes);
   cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
-  if (e != cudaSuccess) u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* reported here, not by a later launch's check */
+    u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+  }
   return dst;
 }
 
@@ -786,6 +789,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   if (!rc) {
     e = cudaMalloc((void **)&m->arena, u.need ? u.need : 1);
     if (e != cudaSuccess) {
+      cudaGetLastError(); /* reported here, not by a later launch's check */
       m->d = keep;
       kd_model_destroy(m);
       return kd_fail(KD_ENOMEM, "kd_model_create: cudaMalloc(%zu bytes of weights): %s; raise tp or use a larger "
@@ -794,6 +798,9 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
     m->arena_bytes = u.need;
     u.pass = 1;
     rc = fw_upload(m, &u);
+    /* a pageable cudaMemcpy may return before its last DMA lands, and m->stream (non-blocking) does not wait for
+     * the legacy stream: finish the upload before any forward reads the arena */
+    if (!rc) rc = fw_err_in("kd_model_create", cudaDeviceSynchronize(), "weight upload");
   }
   m->d = keep;
   if (rc) {
@@ -1056,10 +1063,12 @@ extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
   size_t bytes = sizeof(float) * (size_t)(m->d.n_layers * max_len * m->E);
   float *kv = NULL;
   cudaError_t e = cudaMalloc((void **)&kv, bytes);
-  if (e != cudaSuccess)
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* else the next forward's first launch check reports this OOM */
     return kd_fail(KD_ENOMEM, "kd_cache_alloc: %zu bytes of device memory for a latent cache of %lld rows: %s; "
                               "lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
                    bytes, (long long)max_len, cudaGetErrorString(e));
+  }
   fw_slot own = {kv, max_len, 0, 1, 0, 0};
   m->slots[s] = own;
   *slot = s;
