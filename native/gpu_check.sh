@@ -6,7 +6,7 @@
 # kernel GB/s against the device's HBM peak, and the tiny model's AR / tree decode-step times.
 #
 #   native/gpu_check.sh                       # from anywhere; PYTHON=... to pick the interpreter
-#   device tool: run(command="native/gpu_check.sh", carry=[".whl"], timeout_s=420)
+#   device tool: run(command="native/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
 # The device image's python3 (3.12) has numpy/pytest/pytest-benchmark/pyyaml/tiktoken but not cffi, pycparser,
 # omegaconf, hydra-core or antlr4-python3-runtime (4.9.3, sdist only on PyPI: build its wheel with `pip wheel`):
