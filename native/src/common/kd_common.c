@@ -180,3 +180,39 @@ int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_node
   *bonus = target_argmax[cur + 1];
   return KD_OK;
 }
+
+/* ---- kd_model_forward's argument checks (both builds) ------------------------------------------------ */
+int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
+                          int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *)) {
+  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
+                              "are required", (long long)a->n_rows, (long long)a->n_seqs);
+  if (a->row_start[0] != 0 || a->row_start[a->n_seqs] != a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: row_start must run from 0 to n_rows=%lld", (long long)a->n_rows);
+  for (int64_t s = 0; s < a->n_seqs; s++) {
+    int64_t length = 0, max_len = 0;
+    int rc = slot_room(m, a->slots[s], &length, &max_len);
+    if (rc) return rc;
+    int64_t T = a->row_start[s + 1] - a->row_start[s];
+    if (T <= 0) return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s, (long long)T);
+    if (length + T > max_len)
+      return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld of %lld rows cannot hold %lld + %lld tokens",
+                     (long long)a->slots[s], (long long)max_len, (long long)length, (long long)T);
+    for (int64_t r = 0; r < s; r++)
+      if (a->slots[r] == a->slots[s])
+        return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld appears twice", (long long)a->slots[s]);
+  }
+  for (int64_t i = 0; i < a->n_rows; i++)
+    if (a->tokens[i] < 0 || a->tokens[i] >= vocab || a->positions[i] < 0)
+      return kd_fail(KD_EINVAL, "kd_model_forward: row %lld has token %d (vocab %lld) at position %d", (long long)i,
+                     a->tokens[i], (long long)vocab, a->positions[i]);
+  if (a->n_out < 0 || a->n_out > a->n_rows)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_out=%lld out of range", (long long)a->n_out);
+  for (int64_t i = 0; a->out_rows && i < a->n_out; i++)
+    if (a->out_rows[i] < 0 || a->out_rows[i] >= a->n_rows)
+      return kd_fail(KD_EINVAL, "kd_model_forward: out_rows[%lld]=%lld outside [0, %lld)", (long long)i,
+                     (long long)a->out_rows[i], (long long)a->n_rows);
+  if (a->n_hidden < 0 || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden", (long long)a->n_hidden);
+  return KD_OK;
+}

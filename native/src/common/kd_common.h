@@ -71,6 +71,11 @@ int kd_moe_check(const float *x, const int32_t *experts, const float *weights, c
                  const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
                  const float *shared_up, const float *shared_down, const float *out, int64_t T, int64_t D,
                  int64_t I, int64_t Is, int64_t k);
+/* kd_model_forward's arguments, checked the same way by both builds (the CPU tests exercise the CUDA build's
+ * checks too). slot_room(m, slot, &length, &max_len): KD_OK, or the build's "not allocated" error. Each build
+ * adds its own limits after it (CUDA: rows per call, hidden layers). */
+int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
+                          int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *));
 #ifdef __cplusplus
 }
 #endif

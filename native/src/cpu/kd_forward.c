@@ -429,37 +429,10 @@ static int kd_reduce(kd_model *m, float *x, int64_t n) {
   return KD_OK;
 }
 
-static int kd_forward_check(kd_model *m, const kd_forward_args *a) {
-  const kd_model_desc *d = &m->d;
-  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
-    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
-                              "are required", (long long)a->n_rows, (long long)a->n_seqs);
-  if (a->row_start[0] != 0 || a->row_start[a->n_seqs] != a->n_rows)
-    return kd_fail(KD_EINVAL, "kd_model_forward: row_start must run from 0 to n_rows=%lld", (long long)a->n_rows);
-  for (int64_t s = 0; s < a->n_seqs; s++) {
-    kd_slot *c = kd_slot_get(m, a->slots[s], "kd_model_forward");
-    if (!c) return KD_EINVAL;
-    int64_t T = a->row_start[s + 1] - a->row_start[s];
-    if (T <= 0) return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s, (long long)T);
-    if (c->length + T > c->max_len)
-      return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld of %lld rows cannot hold %lld + %lld tokens",
-                     (long long)a->slots[s], (long long)c->max_len, (long long)c->length, (long long)T);
-    for (int64_t r = 0; r < s; r++)
-      if (a->slots[r] == a->slots[s])
-        return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld appears twice", (long long)a->slots[s]);
-  }
-  for (int64_t i = 0; i < a->n_rows; i++)
-    if (a->tokens[i] < 0 || a->tokens[i] >= d->vocab || a->positions[i] < 0)
-      return kd_fail(KD_EINVAL, "kd_model_forward: row %lld has token %d (vocab %lld) at position %d", (long long)i,
-                     a->tokens[i], (long long)d->vocab, a->positions[i]);
-  if (a->n_out < 0 || a->n_out > a->n_rows)
-    return kd_fail(KD_EINVAL, "kd_model_forward: n_out=%lld out of range", (long long)a->n_out);
-  for (int64_t i = 0; a->out_rows && i < a->n_out; i++)
-    if (a->out_rows[i] < 0 || a->out_rows[i] >= a->n_rows)
-      return kd_fail(KD_EINVAL, "kd_model_forward: out_rows[%lld]=%lld outside [0, %lld)", (long long)i,
-                     (long long)a->out_rows[i], (long long)a->n_rows);
-  if (a->n_hidden < 0 || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
-    return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden", (long long)a->n_hidden);
+static int kd_slot_room(kd_model *m, int64_t slot, int64_t *length, int64_t *max_len) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_model_forward");
+  if (!c) return KD_EINVAL;
+  *length = c->length, *max_len = c->max_len;
   return KD_OK;
 }
 
@@ -467,7 +440,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   kd_clear_error();
   KD_CHECK_PTR("kd_model_forward", m);
   KD_CHECK_PTR("kd_model_forward", a);
-  KD_TRY(kd_forward_check(m, a));
+  KD_TRY(kd_forward_args_check(m, a, m->d.vocab, kd_slot_room));
   const kd_model_desc *d = &m->d;
   int64_t N = a->n_rows, D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, nope = d->nope;
   int64_t half = R / 2, Hmax = 0;
