@@ -254,3 +254,53 @@ def test_pooled_caches_are_ranges_of_one_arena_with_the_same_bits(tiny_cfg, tiny
         assert np.array_equal(pl, ul) and all(np.array_equal(ph[k], uh[k]) for k in uh)
     n = u_cache.length
     assert p_cache.length == n and all(np.array_equal(p[:n], u[:n]) for p, u in zip(p_cache.kv, u_cache.kv))
+
+
+_THREADS_SCRIPT = r"""
+import sys
+import numpy as np
+from kdtree.backends import native
+from kdtree.config.schema import group_config
+from kdtree.model.k2 import K2Model
+from kdtree.model.names import init_weights, target_tensor_shapes
+from kdtree.tree import ancestor_visibility
+from tests.native.test_native_forward import _int4
+cfg = group_config("model", "tiny")
+w = init_weights(target_tensor_shapes(cfg), seed=0)
+m = K2Model(cfg, _int4(w) if sys.argv[2] == "int4" else w, native.NativeOps("cpu"))
+rng = np.random.default_rng(5)
+caches = [m.new_cache(128) for _ in range(12)]
+for i, c in enumerate(caches):                                   # prompts of different lengths
+    p = rng.integers(0, 256, 3 + 4 * i).astype(np.int32)
+    m.forward(p, np.arange(len(p)), c)
+seqs = [(rng.integers(0, 256, 1).astype(np.int32), np.array([c.length], np.int32), c, None) for c in caches[:10]]
+parents = np.array([-1, 0, 0, 1, 1, 2, 3, 3, 5], np.int32)      # two sequences verify trees of 10 rows
+vis = ancestor_visibility(parents)
+depth = np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 4])
+for c in caches[10:]:
+    seqs.append((rng.integers(0, 256, 10).astype(np.int32), (c.length + depth).astype(np.int32), c, vis))
+logits, argmax, hid = m._native.forward_batch(seqs, hidden_layers=(0, 3))
+kv = [c.kv[l][:c.length] for c in caches for l in range(cfg.num_hidden_layers)]
+np.savez(sys.argv[1], logits=logits, argmax=argmax, h0=hid[0], h3=hid[3], kv=np.concatenate(kv))
+"""
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_forward_bits_do_not_depend_on_the_thread_count(tmp_path, quant):
+    """A multi-row forward splits its linears' output tiles, the experts and the attention rows over the OpenMP
+    threads (kd_par_worth); each output is still one thread's fixed-order computation, so 1 and 2 threads give the
+    same logits, hidden states and latent-cache rows bit for bit (12 sequences: 10 AR steps and 2 tree verifies)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = {}
+    for n in (1, 2):
+        env = dict(os.environ, OMP_NUM_THREADS=str(n), PYTHONPATH=str(root))
+        f = tmp_path / f"threads{n}.npz"
+        subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(f), quant], env=env, cwd=root, check=True,
+                       timeout=120)
+        out[n] = dict(np.load(f))
+    for k in out[1]:
+        np.testing.assert_array_equal(out[2][k], out[1][k], err_msg=f"{k} differs between 1 and 2 threads")

@@ -6,7 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "kd_common.h"
+#include "kd_cpu_internal.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KD_CLONES __attribute__((target_clones("avx2", "default")))
@@ -392,18 +395,40 @@ static const kd_dtile_fn kd_dtiles[3][3] = {{kd_dtile_1x1, kd_dtile_1x2, kd_dtil
                                             {kd_dtile_2x1, kd_dtile_2x2, kd_dtile_2x3},
                                             {kd_dtile_3x1, kd_dtile_3x2, kd_dtile_3x3}};
 
+/* Multiply-adds from which a multi-row call splits its output tiles over the OpenMP threads: ~5 us of tile work,
+ * several times a warm region's fork/join. A lone row (T = 1) never reaches it at the tiny model's sizes, so an
+ * AR step stays single-threaded; a tree verify or a batched step of many requests uses every core. */
+#define KD_PAR_MIN_MACS (1 << 16)
+
+/* kd_cpu_internal.h; inside a region already, the pieces of an outer split stay serial */
+int kd_par_worth(int64_t macs, int64_t units) {
+  return macs >= KD_PAR_MIN_MACS && units >= 2 && !omp_in_parallel() && omp_get_max_threads() > 1;
+}
+
+/* output triple o3 of kd_linear_direct: every three rows of x against weight rows 3 o3 .. 3 o3 + 2 */
+__attribute__((target("avx2"))) static inline void kd_linear_direct_col(const float *x, int64_t xs, const float *w,
+                                                                         int64_t ws, float *out, int64_t os, int64_t T,
+                                                                         int64_t n, int64_t n_out, int64_t o) {
+  int O = n_out - o < 3 ? (int)(n_out - o) : 3;
+  for (int64_t t = 0; t < T; t += 3) {
+    int R = T - t < 3 ? (int)(T - t) : 3;
+    kd_dtiles[R - 1][O - 1](x + t * xs, xs, w + o * ws, ws, n, out + t * os + o, os);
+  }
+}
+
 /* out[t * os + o] = dot(x row t (stride xs), w row o (stride ws)) over n <= KD_KC elements: triples of weight
- * rows (in L1) against every three rows of x. */
+ * rows (in L1) against every three rows of x. Large calls give each thread whole triples (static schedule): an
+ * output is one thread's fixed-order dot either way, so the bits do not depend on the number of threads. */
 __attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int64_t xs, const float *w, int64_t ws,
                                                               float *out, int64_t os, int64_t T, int64_t n,
                                                               int64_t n_out) {
-  for (int64_t o = 0; o < n_out; o += 3) {
-    int O = n_out - o < 3 ? (int)(n_out - o) : 3;
-    for (int64_t t = 0; t < T; t += 3) {
-      int R = T - t < 3 ? (int)(T - t) : 3;
-      kd_dtiles[R - 1][O - 1](x + t * xs, xs, w + o * ws, ws, n, out + t * os + o, os);
-    }
+  int64_t n3 = (n_out + 2) / 3;
+  if (kd_par_worth(T * n * n_out, n3)) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n3; i++) kd_linear_direct_col(x, xs, w, ws, out, os, T, n, n_out, 3 * i);
+    return;
   }
+  for (int64_t i = 0; i < n3; i++) kd_linear_direct_col(x, xs, w, ws, out, os, T, n, n_out, 3 * i);
 }
 
 /* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
@@ -585,9 +610,10 @@ static void kd_linear_block(const float *x, const float *w, int no, float *out, 
   }
 }
 
-/* Weights (out x in) from which a linear is worth threads: the tiny model's matrices (<= 0.13 M) never start
- * the OpenMP runtime, so a serving process that forks TP ranks stays fork-safe; K2-sized ones (>= 4 M) use
- * every core. Each output element is computed by one thread in the same order either way. */
+/* Weights (out x in) from which a linear is worth threads even for one row: K2-sized matrices (>= 4 M) use every
+ * core. Smaller ones split only multi-row calls (kd_par_worth: the direct tiles). Each output element is computed by
+ * one thread in the same order either way. (Processes are started by exec, never by a bare fork, so a started
+ * OpenMP runtime is no hazard: kdtree.parallel.launch and the engine process both exec a new interpreter.) */
 #define KD_PARALLEL_MIN_WEIGHTS (1 << 20)
 
 int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
@@ -625,6 +651,20 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   return KD_OK;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* output triple o of the short-row W4A16 path: its three rows dequantized into L1 (this thread's stack), then the
+ * direct tiles over every row of x */
+__attribute__((target("avx2"))) static void kd_w4_direct_col(const uint32_t *qp, const float *scales, int64_t n_words,
+                                                              int64_t n_groups, int64_t wpg, const float *x, float *out,
+                                                              int64_t T, int64_t n_in, int64_t n_out, int64_t o) {
+  float wb[3 * KD_KC] __attribute__((aligned(64)));
+  int O = n_out - o < 3 ? (int)(n_out - o) : 3;
+  for (int i = 0; i < O; i++)
+    kd_dequant_slice_avx2(qp + (o + i) * n_words, scales + (o + i) * n_groups, wb + i * KD_KC, 0, n_in, wpg);
+  kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
+}
+#endif
+
 int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
                     int64_t n_in, int64_t n_out, int64_t group, void *stream) {
   (void)stream;
@@ -644,12 +684,12 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   if (kd_use_avx2()) {
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
-      float wb[3 * KD_KC] __attribute__((aligned(64)));
-      for (int64_t o = 0; o < n_out; o += 3) {
-        int O = n_out - o < 3 ? (int)(n_out - o) : 3;
-        for (int i = 0; i < O; i++) kd_dequant_slice_avx2(qp + (o + i) * n_words, scales + (o + i) * n_groups,
-                                                          wb + i * KD_KC, 0, n_in, wpg);
-        kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
+      int64_t n3 = (n_out + 2) / 3;
+      if (kd_par_worth(T * n_in * n_out, n3)) { /* whole triples per thread, as kd_linear_direct */
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < n3; i++) kd_w4_direct_col(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, 3 * i);
+      } else {
+        for (int64_t i = 0; i < n3; i++) kd_w4_direct_col(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, 3 * i);
       }
       return KD_OK;
     }
@@ -714,6 +754,12 @@ int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64
   KD_CHECK_PTR("kd_silu_mul", gate);
   KD_CHECK_PTR("kd_silu_mul", up);
   KD_CHECK_PTR("kd_silu_mul", out);
+  if (kd_par_worth(T * I * 8, T)) { /* element-wise (an expf ~ 8 multiply-adds): rows split, same bits */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = t * I; i < (t + 1) * I; i++) out[i] = kd_silu_mul1(gate[i], up[i]);
+    return KD_OK;
+  }
   for (int64_t i = 0; i < T * I; i++) out[i] = kd_silu_mul1(gate[i], up[i]);
   return KD_OK;
 }
@@ -777,24 +823,13 @@ __attribute__((target("avx2"))) static void kd_mla_row_avx2(const float *qt, con
 }
 #endif
 
-int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
-                     int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream) {
-  (void)stream;
-  kd_clear_error();
-  if (T < 0 || H < 0 || L < 0 || R < 0 || n_prefix < 0) return kd_fail(KD_EINVAL, "kd_mla_attention: negative size");
-  if (T == 0 || H == 0) return KD_OK;
-  KD_CHECK_PTR("kd_mla_attention", q);
-  KD_CHECK_PTR("kd_mla_attention", kv);
-  KD_CHECK_PTR("kd_mla_attention", out);
-  int64_t S = n_prefix + T, E = L + R, words = (T + 63) / 64;
-  int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
-  float *p = (float *)malloc(sizeof(float) * (size_t)(S * H)); /* [H, n] weights of one query row */
-  if (!keys || !p) {
-    free(keys);
-    free(p);
-    return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld, H=%lld)", (long long)S, (long long)H);
-  }
-  for (int64_t t = 0; t < T; t++) {
+/* Query rows [t0, t1) of kd_mla_attention (scratch: keys [n_prefix + T], p [(n_prefix + T) * H]). Each row is a
+ * computation of its own, so rows may be split between threads (kd_model_forward) with the same bits. */
+void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t t0,
+                           int64_t t1, int64_t T, int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale,
+                           int64_t *keys, float *p) {
+  int64_t E = L + R, words = (T + 63) / 64;
+  for (int64_t t = t0; t < t1; t++) {
     /* this query's visible keys, ascending position: the whole cache, then its visible block rows */
     int64_t n = 0;
     for (int64_t j = 0; j < n_prefix; j++) keys[n++] = j;
@@ -826,6 +861,26 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     for (int64_t i = 0; i < n; i++)
       for (int64_t h = 0; h < H; h++) kd_axpy(ot + h * L, p[h * n + i], kv + keys[i] * E, L);
   }
+}
+
+int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t T,
+                     int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale, void *stream) {
+  (void)stream;
+  kd_clear_error();
+  if (T < 0 || H < 0 || L < 0 || R < 0 || n_prefix < 0) return kd_fail(KD_EINVAL, "kd_mla_attention: negative size");
+  if (T == 0 || H == 0) return KD_OK;
+  KD_CHECK_PTR("kd_mla_attention", q);
+  KD_CHECK_PTR("kd_mla_attention", kv);
+  KD_CHECK_PTR("kd_mla_attention", out);
+  int64_t S = n_prefix + T;
+  int64_t *keys = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
+  float *p = (float *)malloc(sizeof(float) * (size_t)(S * H)); /* [H, n] weights of one query row */
+  if (!keys || !p) {
+    free(keys);
+    free(p);
+    return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld, H=%lld)", (long long)S, (long long)H);
+  }
+  kd_mla_attention_rows(q, kv, visibility, out, 0, T, T, H, L, R, n_prefix, scale, keys, p);
   free(keys);
   free(p);
   return KD_OK;
@@ -896,6 +951,12 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
   KD_CHECK_PTR("kd_head_linear_f32", out);
 #if defined(__x86_64__) && defined(__GNUC__)
   if (T >= 2 && n_in <= KD_KC && kd_use_avx2()) { /* the same dots as below, in register tiles over the rows */
+    if (kd_par_worth(T * H * n_in * n_out, H)) { /* whole heads per thread */
+#pragma omp parallel for schedule(static)
+      for (int64_t h = 0; h < H; h++)
+        kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
+      return KD_OK;
+    }
     for (int64_t h = 0; h < H; h++)
       kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
     return KD_OK;

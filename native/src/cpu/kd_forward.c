@@ -7,10 +7,14 @@
  * here is element-wise or per-row glue (YaRN rope, sigmoid routing, the MoE combine, argmax), written in the
  * numpy reference's operation order. Weights are the caller's (pointers registered once); latent caches and
  * scratch are owned here; scratch only grows, so a warm decode loop allocates nothing. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "kd_common.h"
+#include "kd_cpu_internal.h"
 
 /* ---- small helpers ------------------------------------------------------------------------------------- */
 typedef struct {
@@ -93,7 +97,7 @@ struct kd_model {
   float *pool; /* kd_model_reserve: [n_layers][pool_rows][L+R], slots are row ranges of it */
   int64_t pool_rows;
   int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
-  kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, gs;
+  kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, attn, work, tg;
 };
 
 int kd_model_destroy(kd_model *m) {
@@ -108,7 +112,8 @@ int kd_model_destroy(kd_model *m) {
   free(m->slots);
   free(m->pool);
   kd_buf *bufs[] = {&m->h, &m->x, &m->t, &m->qa, &m->q, &m->kva, &m->qf, &m->olat, &m->o, &m->cs, &m->rl, &m->ex,
-                    &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->gs};
+                    &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->attn,
+                    &m->work, &m->tg};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
   free(m);
   return KD_OK;
@@ -415,10 +420,77 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   }
   for (int64_t e = E; e > 0; e--) cnt[e] = cnt[e - 1];
   cnt[0] = 0;
-  for (int64_t e = 0; e < E; e++)
-    KD_TRY(kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u));
-  if (ly->has_shared) KD_TRY(kd_mlp_rows(&ly->shared, x, sh, N, g, u));
+  /* the experts (and the shared expert) are independent MLPs over their own rows: a multi-row call runs them on
+   * the threads, each with its own g/u scratch (an MLP's linears then stay on its thread: same bits) */
+  int64_t units = E + (ly->has_shared ? 1 : 0), busy = 0;
+  for (int64_t e = 0; e < E; e++) busy += cnt[e + 1] > cnt[e];
+  if (ly->has_shared) busy++;
+  if (kd_par_worth((S + (ly->has_shared ? N : 0)) * 3 * D * I, busy)) {
+    int nt = omp_get_max_threads();
+    float *tg = (float *)kd_reserve(&m->tg, sizeof(float) * (size_t)(nt * 2 * rows * I));
+    if (!tg) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE thread scratch, %lld rows)", (long long)N);
+    int rc = KD_OK;
+    char msg[256] = "";
+#pragma omp parallel num_threads(nt)
+    {
+      float *tgi = tg + (size_t)omp_get_thread_num() * (size_t)(2 * rows * I), *tui = tgi + rows * I;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < units; i++) { /* the shared expert (every row) first, the largest piece */
+        int64_t e = ly->has_shared ? i - 1 : i;
+        int r = e < 0 ? kd_mlp_rows(&ly->shared, x, sh, N, tgi, tui)
+                      : kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], tgi, tui);
+        if (r)
+#pragma omp critical(kd_moe_fail)
+          if (rc == KD_OK) rc = r, snprintf(msg, sizeof msg, "%s", kd_last_error()); /* the thread's own message */
+      }
+    }
+    if (rc) return kd_fail(rc, "%s", msg);
+  } else {
+    for (int64_t e = 0; e < E; e++)
+      KD_TRY(kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u));
+    if (ly->has_shared) KD_TRY(kd_mlp_rows(&ly->shared, x, sh, N, g, u));
+  }
   kd_moe_combine(out, ys, pos, ew, ly->has_shared ? sh : NULL, N, k, D);
+  return KD_OK;
+}
+
+/* Layer li's absorbed MLA attention of every row, each sequence over its own cache (block-diagonal visibility):
+ * one work item per query row; a multi-row call splits them over the threads (a row is one computation: same bits) */
+static int kd_attention_rows(kd_model *m, const kd_forward_args *a, int64_t li, int64_t H, const float *qf,
+                             float *olat) {
+  const kd_model_desc *d = &m->d;
+  int64_t N = a->n_rows, L = d->kv_lora, R = d->rope_dim, E = m->E, S = 0, macs = 0;
+  int64_t *voff = (int64_t *)kd_reserve(&m->work, sizeof(int64_t) * (size_t)(2 * N)); /* per row: seq, vis offset */
+  if (!voff) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention, %lld rows)", (long long)N);
+  for (int64_t s = 0, vo = 0; s < a->n_seqs; s++) {
+    const kd_slot *c = &m->slots[a->slots[s]];
+    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
+    for (int64_t r = r0; r < r0 + T; r++) voff[2 * r] = s, voff[2 * r + 1] = vo;
+    if (a->visibility) vo += T * ((T + 63) / 64);
+    if (c->length + T > S) S = c->length + T;
+    macs += T * H * (c->length + T) * (E + L);
+  }
+  int par = kd_par_worth(macs, N);
+  int nt = par ? omp_get_max_threads() : 1;
+  size_t per = ((size_t)S * sizeof(int64_t) + (size_t)(S * H) * sizeof(float) + 63) / 64 * 64; /* keys + p */
+  char *scr = (char *)kd_reserve(&m->attn, per * (size_t)nt);
+  if (!scr) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention scratch, %lld keys)", (long long)S);
+#define KD_ATTN_ROW(r, tid)                                                                                       \
+  do {                                                                                                            \
+    int64_t s_ = voff[2 * (r)], r0_ = a->row_start[s_], T_ = a->row_start[s_ + 1] - r0_;                           \
+    const kd_slot *c_ = &m->slots[a->slots[s_]];                                                                  \
+    int64_t *keys_ = (int64_t *)(scr + per * (size_t)(tid));                                                      \
+    kd_mla_attention_rows(qf + r0_ * H * E, c_->kv + li * c_->stride,                                              \
+                          a->visibility ? a->visibility + voff[2 * (r) + 1] : NULL, olat + r0_ * H * L, (r) - r0_, \
+                          (r) - r0_ + 1, T_, H, L, R, c_->length, d->attn_scale, keys_, (float *)(keys_ + S));     \
+  } while (0)
+  if (par) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t r = 0; r < N; r++) KD_ATTN_ROW(r, omp_get_thread_num());
+  } else {
+    for (int64_t r = 0; r < N; r++) KD_ATTN_ROW(r, 0);
+  }
+#undef KD_ATTN_ROW
   return KD_OK;
 }
 
@@ -494,14 +566,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
       }
     /* q_full[:, :, :L] = W_uk[h]^T q_nope[h] */
     KD_TRY(kd_head_linear_f32(q, H * qw, qw, ly->w_uk_t, qf, H * E, E, N, H, nope, L, NULL));
-    const uint64_t *vis = a->visibility;
-    for (int64_t s = 0; s < a->n_seqs; s++) { /* each sequence over its own cache: block-diagonal visibility */
-      kd_slot *c = &m->slots[a->slots[s]];
-      int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
-      KD_TRY(kd_mla_attention(qf + r0 * H * E, c->kv + li * c->stride, vis, olat + r0 * H * L, T, H, L, R,
-                              c->length, d->attn_scale, NULL));
-      if (vis) vis += T * ((T + 63) / 64);
-    }
+    KD_TRY(kd_attention_rows(m, a, li, H, qf, olat));
     KD_TRY(kd_head_linear_f32(olat, H * L, L, ly->w_uv, o, H * d->v_head, d->v_head, N, H, L, d->v_head, NULL));
     KD_TRY(kd_lin(&ly->o, o, t, N));
     KD_TRY(kd_reduce(m, t, N * D));

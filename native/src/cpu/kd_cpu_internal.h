@@ -1,0 +1,15 @@
+/* Internal to the CPU build (kd_cpu.c <-> kd_forward.c): the pieces the whole-model forward splits over OpenMP
+ * threads. Not part of the public API (include/kdtree.h). */
+#ifndef KD_CPU_INTERNAL_H
+#define KD_CPU_INTERNAL_H
+#include <stdint.h>
+
+/* Whether `macs` multiply-adds over `units` independent pieces are worth a parallel region: enough work (several
+ * times a warm region's fork/join), at least two pieces, more than one thread, and not inside a region already. */
+int kd_par_worth(int64_t macs, int64_t units);
+
+/* Query rows [t0, t1) of kd_mla_attention, with the caller's scratch: keys [n_prefix + T], p [(n_prefix + T) * H]. */
+void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t t0,
+                           int64_t t1, int64_t T, int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale,
+                           int64_t *keys, float *p);
+#endif
