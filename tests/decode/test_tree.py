@@ -161,3 +161,29 @@ def test_accept_first_matching_child_in_node_order():
 def test_accept_empty_tree():
     path, bonus = tree_accept(np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([4], np.int32))
     assert path.tolist() == [] and bonus == 4
+
+
+def _topk_by_full_sort(logits, width):
+    """draft_topk's definition: log-softmax, one stable descending sort of the whole row, the first w."""
+    z = logits - logits.max(axis=1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    ids = np.argsort(-logp, axis=1, kind="stable")[:, :min(width, logits.shape[1])].astype(np.int32)
+    return np.take_along_axis(logp, ids, axis=1), ids
+
+
+@pytest.mark.parametrize("V", [260, 5000, 163840])
+def test_draft_topk_large_vocab_equals_the_full_stable_sort(V):
+    """K2's vocabulary takes the O(V) path (partition, then the entries at or above the w-th value in id order):
+    the same ids and log-probs as the full stable sort, also with ties across the w-th place and NaN rows."""
+    rng = np.random.default_rng(V)
+    logits = rng.standard_normal((7, V)).astype(np.float32)
+    logits[1, rng.choice(V, 9, replace=False)] = logits[1].max() + 1.0        # 9 equal maxima: ties past w = 4
+    logits[2, :] = 0.5                                                        # a flat row: the lowest ids
+    logits[3, rng.choice(V, V - 2, replace=False)] = np.nan                   # NaNs fill the top: full-sort fallback
+    logits[4, 7] = np.float32(3e38)                                           # z of the rest rounds to one value
+    for width in (1, 4, 10):
+        with np.errstate(invalid="ignore", over="ignore"):
+            logp, ids = draft_topk(logits, width)
+            want_logp, want_ids = _topk_by_full_sort(logits, width)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(logp, want_logp)
