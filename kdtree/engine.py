@@ -21,6 +21,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
+from kdtree.backends.native import auto_threads as native_auto_threads
 from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_drafter, load_options, resident_bytes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
@@ -91,6 +92,8 @@ class Engine:
         check_checkpoint(ckpt, cfg.model, cfg.quant, drafter=cfg.tree.kind != "ar")
         tokenizer = load_tokenizer(cfg.model, ckpt)
         ops = get_ops(cfg.backend)
+        if hasattr(ops, "lib"):   # native: this process's share of the cores (tp ranks share the host)
+            ops.lib.set_threads(native_auto_threads(cfg.backend, int(cfg.tp.size)))
         if int(cfg.tp.size) > 1:  # ranks 1..N-1 as child processes; model = rank 0's TPModel proxy
             model, stats = launch_tp(cfg, ckpt, ops, progress=progress)
             resident = list(model.resident_bytes_per_rank)

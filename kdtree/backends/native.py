@@ -16,6 +16,7 @@ stream and copies the result back. Callers holding torch CUDA tensors call the C
 """
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -30,7 +31,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeT
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 4  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 5  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -127,6 +128,17 @@ class NativeLibrary:
         self._weights: Dict[int, Tuple[Any, "DeviceArray"]] = {}  # cuda: id -> (weakref to array, device copy)
 
     # ---- plumbing ---------------------------------------------------------------------------------------
+    def set_threads(self, n: int) -> int:
+        """backend.threads: the OpenMP threads of the CPU build's multi-row kernels and forwards, process-wide
+        (0 = OpenMP's default: OMP_NUM_THREADS, else every core). Returns the threads a region uses now
+        (the CUDA build: accepted, 1)."""
+        self.check(self.c.kd_set_threads(int(n)), "kd_set_threads")
+        return int(self.c.kd_threads())
+
+    @property
+    def threads(self) -> int:
+        return int(self.c.kd_threads())
+
     def last_error(self) -> str:
         return self.ffi.string(self.c.kd_last_error()).decode(errors="replace")
 
@@ -630,6 +642,22 @@ class NativeOps(Ops):
                                       else np.ascontiguousarray(a, np.int32) for a in (parents, tokens, target_argmax)))
 
 
+def auto_threads(backend_cfg: Any, tp: int = 1, serving: bool = False) -> int:
+    """The OpenMP threads of this process's native forward. An explicit backend.threads wins; 0 (auto) means
+    OMP_NUM_THREADS if set (the tp launcher sets it for ranks 1..N-1), else this process's cores / tp (the ranks
+    share the host), less one when the process also serves HTTP: uvicorn's event loop, tokenizing and the SSE
+    events need a core (on the 2-core VM a server whose forward took both cores streamed one request 1.4-2x
+    slower, and 16 clients no faster). At least 1."""
+    n = 0 if isinstance(backend_cfg, str) else int(getattr(backend_cfg, "threads", 0) or 0)
+    if n > 0:
+        return n
+    env = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(tp)) - (1 if serving else 0))
+
+
 def make_ops(kind: str, backend_cfg: Any) -> Ops:
     """backend=cpu|cuda from config: a missing library or (cuda) a missing device is a ConfigError (one line)."""
     path = "" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "library", "") or "")
@@ -641,8 +669,17 @@ def make_ops(kind: str, backend_cfg: Any) -> Ops:
     if kind == "cuda" and ops.lib.device_count == 0:
         raise ConfigError(f"backend=cuda: no CUDA device ({ops.lib.device_reason}); use backend=cpu or "
                           f"backend=numpy")
+    threads = getattr(backend_cfg, "threads", 0) if not isinstance(backend_cfg, str) else 0
+    try:
+        threads = int(threads or 0)
+    except (TypeError, ValueError):
+        threads = -1
+    if threads < 0:
+        raise ConfigError(f"backend.threads={getattr(backend_cfg, 'threads', None)!r} must be an integer >= 0 "
+                          f"(0 = every core, or OMP_NUM_THREADS); e.g. backend.threads=4")
+    ops.lib.set_threads(threads)
     return ops
 
 
-__all__ = ["ABI_VERSION", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
+__all__ = ["ABI_VERSION", "auto_threads", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
            "library_path"]

@@ -107,6 +107,7 @@ class BackendConfig:
     name: str = "numpy"  # numpy | cpu | cuda
     library: str = ""
     device: str = "cpu"
+    threads: int = 0     # cpu: OpenMP threads of the native forward (0 = every core; serve keeps one for HTTP)
 
 
 @dataclass

@@ -49,6 +49,9 @@ def limit_threads(n: int) -> Dict[str, int]:
     """kdtree's compute threads in this process = n: OpenMP (the native library's kernels) and OpenBLAS
     (numpy's matmuls), where loaded. -> {runtime: n} for what was set."""
     done = {}
+    from kdtree.backends import native
+    for lib in [lib for lib in native._LIBS.values() if lib.kind == "cpu"]:   # backend.threads (process-wide)
+        done["kdtree"] = lib.set_threads(n)
     libgomp = ctypes.util.find_library("gomp")
     if libgomp:
         try:

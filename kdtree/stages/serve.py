@@ -67,17 +67,28 @@ def on_process_failed(ctx) -> None:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
+def _serving_threads(ctx) -> int:
+    """backend=cpu: the native forward's threads while serving (backend.threads, or auto: one core fewer than a
+    batch process takes, left to the HTTP front end). 0 for other backends."""
+    if str(ctx.cfg.backend.name) != "cpu":
+        return 0
+    from kdtree.backends.native import auto_threads, load_library
+    lib = load_library("cpu", str(ctx.cfg.backend.library or ""))       # the engine's (cached per path)
+    return lib.set_threads(auto_threads(ctx.cfg.backend, int(ctx.cfg.tp.size), serving=True))
+
+
 def run(ctx) -> dict:
     state = EngineState.of(ctx)
     app = state.server or on_process_start(ctx)
     engine = state.engine
     if engine is None:
         raise PipelineError("stage serve: no engine in this process; put `{stage: load, on: host}` before serve")
+    threads = _serving_threads(ctx)
     app.attach(engine)
     app.mark_ready()
-    ctx.emit("ready", url=app.url, model=app.model_name)
-    print(f"serving {app.model_name} at {app.url}/v1 (completions, chat/completions; SIGTERM or Ctrl-C to stop)",
-          flush=True)
+    ctx.emit("ready", url=app.url, model=app.model_name, **({"threads": threads} if threads else {}))
+    print(f"serving {app.model_name} at {app.url}/v1 (completions, chat/completions; SIGTERM or Ctrl-C to stop)"
+          + (f"; native forward on {threads} thread(s) (backend.threads)" if threads else ""), flush=True)
 
     stop = threading.Event()
     previous = {}

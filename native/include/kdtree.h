@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 4   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 5   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -37,6 +37,9 @@ int kd_version(void);               /* KD_ABI_VERSION the library was built with
 const char *kd_backend(void);       /* "cpu" or "cuda" */
 const char *kd_last_error(void);    /* thread-local message of the last failing call ("" if none) */
 int kd_device_count(void);          /* cpu: 1; cuda: number of devices, 0 if none (reason in kd_last_error) */
+int kd_set_threads(int n);          /* cpu: OpenMP threads of every parallel region, process-wide (0 = OpenMP's
+                                       default: OMP_NUM_THREADS, else every core); cuda: accepted, no effect */
+int kd_threads(void);               /* cpu: threads a parallel region uses now; cuda: 1 */
 
 /* ---- memory (cuda: device memory; cpu: host memory) --------------------------------------------------- */
 int kd_malloc(void **ptr, size_t bytes);

@@ -443,3 +443,32 @@ def test_a_library_of_another_abi_version_is_refused_naming_make_native(tmp_path
     with pytest.raises(NativeError, match=rf"ABI version 1, kdtree expects {native.ABI_VERSION}; rebuild it with "
                                           r"`make native`"):
         native.load_library("cpu", str(lib))
+
+
+@needs_cpu_library
+def test_backend_threads_is_checked_and_set_process_wide(monkeypatch):
+    """backend.threads: a bad value is one ConfigError naming it; a good one is what every parallel region of the
+    library then uses (kd_threads), whichever thread calls; 0 gives OpenMP's default back. auto_threads: an
+    explicit value wins, then OMP_NUM_THREADS, then cores / tp, less one for a serving process, at least 1."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from kdtree.errors import ConfigError
+    for bad in (-1, "many"):
+        with pytest.raises(ConfigError, match=r"backend.threads=.* must be an integer >= 0"):
+            native.make_ops("cpu", SimpleNamespace(name="cpu", library="", threads=bad))
+    ops = native.make_ops("cpu", SimpleNamespace(name="cpu", library="", threads=3))
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(ops.lib.threads))
+    t.start(), t.join()
+    assert ops.lib.threads == 3 and seen == [3]                  # not omp_set_num_threads' calling thread only
+    assert ops.lib.set_threads(0) >= 1
+    cfg = SimpleNamespace(threads=0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert native.auto_threads(cfg) == cores
+    assert native.auto_threads(cfg, tp=2, serving=True) == max(1, cores // 2 - 1)
+    assert native.auto_threads(SimpleNamespace(threads=5), tp=8, serving=True) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    assert native.auto_threads(cfg, serving=True) == 7

@@ -56,15 +56,17 @@ def test_threads_are_limited_for_kdtree_openmp(tmp_path):
     # in a fresh process: the native library's OpenMP runtime then reports the limit bench_peer set
     code = ("import ctypes, ctypes.util\n"
             "from kdtree.backends.native import load_library\n"
-            "load_library('cpu')\n"
+            "lib = load_library('cpu')\n"
+            "lib.set_threads(2)\n"                                      # an engine's backend.threads
             "from kdtree.stages.bench_peer import limit_threads\n"
             "gomp = ctypes.CDLL(ctypes.util.find_library('gomp'))\n"
             "for n in (1, 3):\n"
-            "    assert limit_threads(n)['openmp'] == n\n"
-            "    print(gomp.omp_get_max_threads())\n")
+            "    done = limit_threads(n)\n"
+            "    assert done['openmp'] == n and done['kdtree'] == n, done\n"
+            "    print(gomp.omp_get_max_threads(), lib.threads)\n")
     if not (REPO / "native" / "build" / "libkdtree_cpu.so").exists():
         pytest.skip("native library not built (make native)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2"))
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["1", "3"]
+    assert r.stdout.split() == ["1", "1", "3", "3"]        # OpenMP's and the library's own (kd_threads)

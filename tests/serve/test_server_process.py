@@ -293,3 +293,22 @@ def test_sd_notify_and_api_key(tmp_path_factory, kdtree_cache, tmp_path):
     assert any("READY=1" in m for m in messages) and "STOPPING=1" in text
     ready_at = next(i for i, m in enumerate(messages) if "READY=1" in m)
     assert all("READY=1" not in m for m in messages[:ready_at]) and "STATUS=ready" in messages[ready_at]
+
+
+def test_cpu_server_leaves_a_core_to_http(tmp_path_factory, kdtree_cache):
+    """backend=cpu, backend.threads=0 (auto): the serving process runs its native forward on every core but one
+    (the HTTP front end's), and says so in the ready event; an explicit backend.threads wins."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    auto = int(omp) if omp.isdigit() and int(omp) > 0 else max(1, len(os.sched_getaffinity(0)) - 1)
+    for overrides, want in ((("backend=cpu",), auto), (("backend=cpu", "backend.threads=3"), 3)):
+        s = start_served(tmp_path_factory, kdtree_cache, *overrides)
+        try:
+            events = [json.loads(line) for line in (s.run_dir / "events.jsonl").read_text().splitlines()]
+            ready = [e for e in events if e["kind"] == "ready"]
+            assert ready and ready[-1]["threads"] == want, ready
+            assert f"native forward on {want} thread(s)" in (s.run_dir / "engine.log").read_text()
+            code, out = post(s.url, {"prompt": "the", "max_tokens": 4, "temperature": 0})
+            assert code == 200 and out["usage"]["completion_tokens"] == 4
+        finally:
+            if alive(s.pid):
+                stop(s.pid, signal.SIGKILL)

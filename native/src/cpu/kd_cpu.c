@@ -20,6 +20,23 @@
 const char *kd_backend(void) { return "cpu"; }
 int kd_device_count(void) { return 1; }
 
+/* backend.threads: the OpenMP threads of every parallel region, for whichever thread calls (a process-wide value:
+ * omp_set_num_threads would set it for the calling thread only, and the server's forwards run on its engine
+ * thread). 0 = OpenMP's own default (OMP_NUM_THREADS, else every core). */
+static int kd_threads_set = 0;
+
+int kd_set_threads(int n) {
+  kd_clear_error();
+  if (n < 0) return kd_fail(KD_EINVAL, "kd_set_threads: n=%d must be >= 0 (0 = the OpenMP default)", n);
+  __atomic_store_n(&kd_threads_set, n, __ATOMIC_RELAXED);
+  return KD_OK;
+}
+
+int kd_threads(void) {
+  int n = __atomic_load_n(&kd_threads_set, __ATOMIC_RELAXED);
+  return n > 0 ? n : omp_get_max_threads();
+}
+
 int kd_malloc(void **ptr, size_t bytes) {
   if (!ptr) return kd_fail(KD_EINVAL, "kd_malloc: ptr is NULL");
   *ptr = malloc(bytes ? bytes : 1);
@@ -228,7 +245,7 @@ __attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, con
                                                               int64_t n_in, int64_t n_out, int parallel) {
   int64_t n4 = n_out / 4 * 4;
   if (parallel) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_avx2(w + o * n_in, n_in, x, n_in, out + o);
   } else {
     for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_avx2(w + o * n_in, n_in, x, n_in, out + o);
@@ -402,7 +419,7 @@ static const kd_dtile_fn kd_dtiles[3][3] = {{kd_dtile_1x1, kd_dtile_1x2, kd_dtil
 
 /* kd_cpu_internal.h; inside a region already, the pieces of an outer split stay serial */
 int kd_par_worth(int64_t macs, int64_t units) {
-  return macs >= KD_PAR_MIN_MACS && units >= 2 && !omp_in_parallel() && omp_get_max_threads() > 1;
+  return macs >= KD_PAR_MIN_MACS && units >= 2 && !omp_in_parallel() && kd_threads() > 1;
 }
 
 /* output triple o3 of kd_linear_direct: every three rows of x against weight rows 3 o3 .. 3 o3 + 2 */
@@ -424,7 +441,7 @@ __attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int
                                                               int64_t n_out) {
   int64_t n3 = (n_out + 2) / 3;
   if (kd_par_worth(T * n * n_out, n3)) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t i = 0; i < n3; i++) kd_linear_direct_col(x, xs, w, ws, out, os, T, n, n_out, 3 * i);
     return;
   }
@@ -455,7 +472,7 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
   if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
   for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
   int nomem = 0;
-#pragma omp parallel if (parallel)
+#pragma omp parallel if (parallel) num_threads(kd_threads())
   {
     float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_OB * 16));
     float *wb = (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
@@ -577,7 +594,7 @@ __attribute__((target("avx2"))) static int kd_gemv_w4_avx2(const uint32_t *qp, c
   for (int64_t c = 0; c < nc; c++)
     for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
   if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t o = 0; o < n_out; o += 4)
       kd_gemv_w4_rows4_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   } else {
@@ -641,7 +658,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   /* four weight rows stay in L1 across the T rows; large matrices split the blocks over threads (small ones enter
    * no OpenMP region: see kd_gemv_f32_avx2) */
   if (parallel) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t o = 0; o < n_out; o += 4)
       kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
   } else {
@@ -686,7 +703,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
     if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
       int64_t n3 = (n_out + 2) / 3;
       if (kd_par_worth(T * n_in * n_out, n3)) { /* whole triples per thread, as kd_linear_direct */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
         for (int64_t i = 0; i < n3; i++) kd_w4_direct_col(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, 3 * i);
       } else {
         for (int64_t i = 0; i < n3; i++) kd_w4_direct_col(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, 3 * i);
@@ -698,7 +715,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */
     if (parallel) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
       for (int64_t o = 0; o < n_out; o++)
         out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
     } else {
@@ -755,7 +772,7 @@ int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64
   KD_CHECK_PTR("kd_silu_mul", up);
   KD_CHECK_PTR("kd_silu_mul", out);
   if (kd_par_worth(T * I * 8, T)) { /* element-wise (an expf ~ 8 multiply-adds): rows split, same bits */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = t * I; i < (t + 1) * I; i++) out[i] = kd_silu_mul1(gate[i], up[i]);
     return KD_OK;
@@ -952,7 +969,7 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
 #if defined(__x86_64__) && defined(__GNUC__)
   if (T >= 2 && n_in <= KD_KC && kd_use_avx2()) { /* the same dots as below, in register tiles over the rows */
     if (kd_par_worth(T * H * n_in * n_out, H)) { /* whole heads per thread */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
       for (int64_t h = 0; h < H; h++)
         kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
       return KD_OK;

@@ -4,6 +4,9 @@
 #define KD_CPU_INTERNAL_H
 #include <stdint.h>
 
+/* kdtree.h's kd_threads(): every parallel region asks for this many threads (num_threads clause). */
+int kd_threads(void);
+
 /* Whether `macs` multiply-adds over `units` independent pieces are worth a parallel region: enough work (several
  * times a warm region's fork/join), at least two pieces, more than one thread, and not inside a region already. */
 int kd_par_worth(int64_t macs, int64_t units);

@@ -426,7 +426,7 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   for (int64_t e = 0; e < E; e++) busy += cnt[e + 1] > cnt[e];
   if (ly->has_shared) busy++;
   if (kd_par_worth((S + (ly->has_shared ? N : 0)) * 3 * D * I, busy)) {
-    int nt = omp_get_max_threads();
+    int nt = kd_threads();
     float *tg = (float *)kd_reserve(&m->tg, sizeof(float) * (size_t)(nt * 2 * rows * I));
     if (!tg) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE thread scratch, %lld rows)", (long long)N);
     int rc = KD_OK;
@@ -471,7 +471,7 @@ static int kd_attention_rows(kd_model *m, const kd_forward_args *a, int64_t li, 
     macs += T * H * (c->length + T) * (E + L);
   }
   int par = kd_par_worth(macs, N);
-  int nt = par ? omp_get_max_threads() : 1;
+  int nt = par ? kd_threads() : 1;
   size_t per = ((size_t)S * sizeof(int64_t) + (size_t)(S * H) * sizeof(float) + 63) / 64 * 64; /* keys + p */
   char *scr = (char *)kd_reserve(&m->attn, per * (size_t)nt);
   if (!scr) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention scratch, %lld keys)", (long long)S);

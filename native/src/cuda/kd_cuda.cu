@@ -23,6 +23,15 @@ static char kd_dev_reason[256];
 
 extern "C" const char *kd_backend(void) { return "cuda"; }
 
+/* backend.threads is the CPU build's (OpenMP); the CUDA build's host work is the tree ops, one thread */
+extern "C" int kd_set_threads(int n) {
+  kd_clear_error();
+  if (n < 0) return kd_fail(KD_EINVAL, "kd_set_threads: n=%d must be >= 0 (0 = the OpenMP default)", n);
+  return KD_OK;
+}
+
+extern "C" int kd_threads(void) { return 1; }
+
 extern "C" int kd_device_count(void) {
   kd_clear_error();
   if (kd_devices < 0) {
