@@ -32,8 +32,23 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
-# -B: a library built on another image may not load or match here
-time make -B -C native NVCC="$NVCC"
+# -B: a library built on another image may not load or match here. Without make on the image, the Makefile's
+# own commands (keep the two in step).
+build_native() {
+  if command -v make >/dev/null; then make -B -C native NVCC="$NVCC"; return; fi
+  echo "gpu_check: no make on this image; compiling with native/Makefile's commands" >&2
+  local cc=${CC:-$(command -v gcc || echo cc)}
+  local cflags="-O3 -std=c11 -fPIC -Wall -Wextra -ffp-contract=off -fno-math-errno -Iinclude -Isrc/common"
+  (cd native && mkdir -p build &&
+    $cc $cflags -fopenmp -shared -o build/libkdtree_cpu.so src/cpu/kd_cpu.c src/cpu/kd_forward.c \
+      src/common/kd_common.c -lm &&
+    $cc $cflags -c -o build/kd_common_cuda.o src/common/kd_common.c &&
+    "$NVCC" -O3 -std=c++17 --fmad=false -Xcompiler -fPIC -Iinclude -Isrc/common \
+      -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90 -shared \
+      -o build/libkdtree_cuda.so src/cuda/kd_cuda.cu src/cuda/kd_forward.cu build/kd_common_cuda.o \
+      -lcudart_static -lrt -ldl -lpthread)
+}
+time build_native
 "$PY" - <<'PY'
 from kdtree.backends import native
 n = native.cuda_device_count()
@@ -47,13 +62,16 @@ timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native tests/dec
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/bench/test_native_bench.py \
   --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds \
   --benchmark-json="$OUT/kd_gpu_bench.json" || { echo "gpu_check: benchmarks exited $?" >&2; rc=${rc:-0}; [ "$rc" -ne 0 ] || rc=4; }
-"$PY" - "$OUT/kd_gpu_bench.json" "$OUT/kd_gpu_steps.json" <<'PY'
+"$PY" - "$OUT/kd_gpu_bench.json" "$OUT/kd_gpu_steps.json" <<'PY' || echo "gpu_check: the table script failed" >&2
 import json, shutil, subprocess, sys
 # HBM peak of the device (GB/s, vendor figures) by name; another card prints '?'
 PEAK = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100 NVL": 3900, "A100-SXM4-80GB": 2039,
         "RTX PRO 6000": 1792}
-name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                      text=True).stdout.strip().splitlines()[0] if shutil.which("nvidia-smi") else "?"
+try:  # the table prints whatever nvidia-smi says (or does not say)
+    name = (subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30).stdout.strip().splitlines() or ["?"])[0]
+except (OSError, subprocess.SubprocessError):
+    name = "?"
 peak = next((v for k, v in PEAK.items() if k in name), None)
 print(f"\n{'kernel':48s} {'median us':>10s} {'GB/s':>8s} {'% peak':>7s}   device {name}, peak {peak or '?'} GB/s")
 try:

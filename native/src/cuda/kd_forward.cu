@@ -124,6 +124,7 @@ struct kd_model {
   int64_t graph_rows[FW_MAX_GRAPHS], n_graph_rows;
   fw_graph graphs[FW_MAX_GRAPHS];
   int64_t n_graphs, replays, eager, said_eager;
+  int graphs_broken; /* a capture or instantiate failed on this device: eager from then on (said once) */
   double capture_s;
 };
 
@@ -1283,6 +1284,7 @@ static fw_graph *fw_find_graph(kd_model *m, const fw_graph *key) {
 
 static int fw_graph_bucket(const kd_model *m, int64_t N) {
   if (m->d.all_reduce) return 0; /* a host callback cannot be captured (NCCL on the stream can: later) */
+  if (m->graphs_broken) return 0;
   for (int64_t i = 0; i < m->n_graph_rows; i++)
     if (m->graph_rows[i] == N) return 1;
   return 0;
@@ -1306,19 +1308,33 @@ static int fw_run(kd_model *m, const fw_bufs *b, const kd_forward_args *a, const
       return fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
     }
     double t0 = fw_now();
-    FW_TRY(fw_err(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal), "graph capture"));
-    int rc = fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+    cudaError_t e = cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal);
+    int rc = KD_OK;
     cudaGraph_t graph = NULL;
-    cudaError_t e = cudaStreamEndCapture(m->stream, &graph);
-    if (rc || e != cudaSuccess) {
+    if (e == cudaSuccess) {
+      rc = fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+      e = cudaStreamEndCapture(m->stream, &graph);
+    }
+    if (rc) { /* the forward itself failed (its message is set): not a graph problem */
       if (graph) cudaGraphDestroy(graph);
       cudaGetLastError();
-      return rc ? rc : fw_err(e, "graph capture");
+      return rc;
     }
     fw_graph ng = *key;
-    e = cudaGraphInstantiate(&ng.exec, graph, 0);
-    cudaGraphDestroy(graph);
-    FW_TRY(fw_err(e, "graph instantiate"));
+    const char *step = "capture";
+    if (e == cudaSuccess) {
+      step = "instantiate";
+      e = cudaGraphInstantiate(&ng.exec, graph, 0);
+    }
+    if (graph) cudaGraphDestroy(graph);
+    if (e != cudaSuccess) { /* the device or driver refuses graphs: nothing captured ran, so run it eagerly */
+      fprintf(stderr, "kdtree cuda: CUDA graph %s failed (%s); this model launches every forward eagerly from now "
+                      "on (said once)\n", step, cudaGetErrorString(e));
+      cudaGetLastError();
+      m->graphs_broken = 1;
+      m->eager++;
+      return fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
+    }
     m->graphs[m->n_graphs] = ng;
     g = &m->graphs[m->n_graphs++];
     m->capture_s += fw_now() - t0;
