@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import codecs
 from typing import List, Tuple
 
 
@@ -33,20 +34,35 @@ class TextStream:
         self.tokens: List[int] = []
         self.emitted = 0                  # characters of the text already returned (no stop starts before)
         self.stopped = False
+        # byte-level tokenizers (both of kdtree's): the text grows by the new tokens' bytes through an incremental
+        # UTF-8 decoder (it holds an incomplete character back; its output equals one decode of all the bytes),
+        # so a push costs its own tokens, not the whole text again (that was quadratic in the output length)
+        self._bytes_of = getattr(tokenizer, "token_bytes", None)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""
 
     def push(self, ids: List[int]) -> str:
-        self.tokens.extend(int(t) for t in ids)
+        new = [int(t) for t in ids]
+        self.tokens.extend(new)
+        if self._bytes_of is not None:
+            self._text += self._utf8.decode(b"".join(self._bytes_of(t) for t in new))
         return self._advance(final=False)
 
     def finish(self) -> str:
+        if self._bytes_of is not None:
+            self._text += self._utf8.decode(b"", final=True)
         return self._advance(final=True)
+
+    def _decoded(self, final: bool) -> str:
+        if self._bytes_of is not None:
+            return self._text
+        text = self.tokenizer.decode(self.tokens)          # any other tokenizer: decode it all again
+        return text if final else text.rstrip("\ufffd")   # maybe an incomplete multi-byte character: wait
 
     def _advance(self, final: bool) -> str:
         if self.stopped:
             return ""
-        text = self.tokenizer.decode(self.tokens)
-        if not final:
-            text = text.rstrip("\ufffd")          # maybe an incomplete multi-byte character: wait for more
+        text = self._decoded(final)
         e = self.emitted
         cut = min((i for i in (text.find(s, e) for s in self.stops) if i >= 0), default=-1)
         pending = None                          # earliest start of a stop string that may still complete

@@ -85,3 +85,46 @@ def test_worker_streams_commits_before_the_job_ends_and_cancels(compose_cfg):
     plain = w.submit(Job(ids, 40))                         # not streamed: no callback, same result
     assert plain.wait(30) and plain.result.tokens == solo
     assert w.drain(10)
+
+
+class _DecodeOnly:
+    """A tokenizer with decode() only (no token_bytes): TextStream decodes the whole text at each push."""
+
+    def decode(self, ids):
+        return TOK.decode(ids)
+
+
+def test_incremental_decode_equals_the_whole_decode_and_stays_linear():
+    """Byte-level tokenizers grow the text through an incremental UTF-8 decoder: for random bytes (invalid ones
+    too) split at random commits, the pieces equal the decode-everything path's, and a push decodes only its
+    own tokens (a 20000-token stream never decodes the whole text again)."""
+    rng = random.Random(2)
+    for _ in range(300):
+        ids = [rng.choice([0x61, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xF0, 0x9F, 0x99, 0x82, 0xFF, 0x80, 257])
+               for _ in range(rng.randint(0, 40))]
+        stops = rng.choice([[], ["a"], ["é"], ["\ufffda"]])
+        cuts, i = [], 0
+        while i < len(ids):
+            cuts.append(rng.randint(1, 4))
+            i += cuts[-1]
+        outs = []
+        for tok in (TOK, _DecodeOnly()):
+            ts, pieces, i = TextStream(tok, stops), [], 0
+            for n in cuts:
+                pieces.append(ts.push(ids[i:i + n]))
+                i += n
+            pieces.append(ts.finish())
+            outs.append("".join(pieces))
+        assert outs[0] == outs[1] == cut_at_stop(TOK.decode(ids), stops)[0], (ids, stops)
+
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids):
+            ids = list(ids)
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+
+    ts = TextStream(Counting(), ["STOP"])
+    text = "".join(ts.push(TOK.encode("ab")) for _ in range(10000)) + ts.finish()
+    assert text == "ab" * 10000 and Counting.decoded == 0
