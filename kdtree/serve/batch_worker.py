@@ -18,16 +18,37 @@ from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
 
 def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
     """Committed tokens -> how many to keep once a stop string appears in their text (the shortest prefix whose
-    text contains it; the text itself is cut at the stop string's start by the route), else None."""
+    text contains it; the text itself is cut at the stop string's start by the route), else None.
+
+    Called after every commit with all the request's tokens: a byte-level tokenizer's check decodes only the new
+    tokens and the few bytes before them that a stop string could reach back into (a new occurrence must end in
+    the new text), not the whole text again (quadratic in the output length); a hit is confirmed on the whole."""
     stops = [s for s in stops if s]
     if not stops:
         return None
+    bytes_of = getattr(tokenizer, "token_bytes", None)
+    reach = 4 * max(len(s) for s in stops) + 4        # utf-8 bytes of the longest stop, plus a split character
+    anywhere = any("\ufffd" in s for s in stops)      # a stop holding U+FFFD may match an incomplete tail: scan all
+    clean = [0]                                       # tokens whose text holds no stop string
+
+    def contains(tokens) -> bool:
+        return any(s in tokenizer.decode(tokens) for s in stops)
 
     def check(tokens):
-        text = tokenizer.decode(tokens)
-        if not any(s in text for s in stops):
+        start = clean[0]
+        if bytes_of is None or anywhere or start == 0:
+            hit = contains(tokens)
+        else:
+            back = 0
+            while start > 0 and back < reach:
+                start -= 1
+                back += len(bytes_of(tokens[start]))
+            hit = contains(tokens[start:]) and contains(tokens)
+        lo = 1 if anywhere else max(1, clean[0])
+        clean[0] = len(tokens)
+        if not hit:
             return None
-        return next(k for k in range(1, len(tokens) + 1) if any(s in tokenizer.decode(tokens[:k]) for s in stops))
+        return next(k for k in range(lo, len(tokens) + 1) if contains(tokens[:k]))
     return check
 
 

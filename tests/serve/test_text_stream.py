@@ -128,3 +128,44 @@ def test_incremental_decode_equals_the_whole_decode_and_stays_linear():
     ts = TextStream(Counting(), ["STOP"])
     text = "".join(ts.push(TOK.encode("ab")) for _ in range(10000)) + ts.finish()
     assert text == "ab" * 10000 and Counting.decoded == 0
+
+
+def test_stop_string_check_sees_only_new_text_and_keeps_the_same_tokens():
+    """The engine-side stop check after each commit: the same `keep` as decoding everything each time (random
+    bytes with invalid UTF-8, stops across commit boundaries, multi-byte stops), and a long stream never decodes
+    its whole text again."""
+    from kdtree.serve.batch_worker import stop_string_check
+
+    def reference(stops):
+        def check(tokens):
+            if not any(s in TOK.decode(tokens) for s in stops):
+                return None
+            return next(k for k in range(1, len(tokens) + 1) if any(s in TOK.decode(tokens[:k]) for s in stops))
+        return check
+
+    rng = random.Random(3)
+    alphabet = [0x61, 0x62, 0x63, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0, 0xFF, 257]
+    for _ in range(400):
+        ids = [rng.choice(alphabet) for _ in range(rng.randint(1, 60))]
+        stops = rng.choice([["abc"], ["é"], ["ca", "bb"], ["\u4f60b"], ["\ufffda"], ["cab" * 3]])
+        fast, ref, n, got = stop_string_check(TOK, stops), reference(stops), 0, [None, None]
+        while n < len(ids) and got == [None, None]:
+            n = min(len(ids), n + rng.randint(1, 5))
+            got = [fast(ids[:n]), ref(ids[:n])]
+        assert got[0] == got[1], (ids, stops, n, got)
+
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids):
+            ids = list(ids)
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+
+    check, tokens = stop_string_check(Counting(), ["STOP"]), []
+    for _ in range(5000):
+        tokens += TOK.encode("ab")
+        assert check(tokens) is None
+    assert Counting.decoded < 200_000                       # ~38 per commit, not the 25M of whole-text decodes
+    tokens += TOK.encode("xSTOPyy")
+    assert check(tokens) == 10000 + 5
