@@ -58,6 +58,12 @@ class Ops(ABC):
     def silu_mul(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         """gate, up f32[T, I] -> silu(gate) * up, f32[T, I]."""
 
+    def draft_topk(self, logits: np.ndarray, width: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The drafter's block logits f32[depth, V] -> (logp f32[depth, w], ids i32[depth, w]), w = min(width, V):
+        kdtree.tree.draft_topk (the reference; native backends may differ in the last bit of a log-prob)."""
+        from kdtree.tree import draft_topk
+        return draft_topk(logits, width)
+
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int) -> Any:
         """logp f32[depth, width], ids i32[depth, width] -> Tree (kdtree/tree.py)."""
         raise NotImplementedError(f"backend {self.name} has no tree_build")

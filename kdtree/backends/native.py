@@ -162,6 +162,31 @@ class NativeLibrary:
             raise NativeError(f"{op}: no CUDA device ({self.device_reason or 'none visible'}); use backend=cpu")
 
     # ---- tree ops (host arrays in both builds) -----------------------------------------------------------
+    def draft_topk(self, logits: np.ndarray, width: int) -> Tuple[np.ndarray, np.ndarray]:
+        """kd_draft_topk: (logp f32[rows, w], ids i32[rows, w]) as kdtree.tree.draft_topk, in this thread's buffers
+        for the shape (overwritten by its next call; copy to keep). logits: host f32[rows, V]."""
+        if not (type(logits) is np.ndarray and logits.dtype == _F32 and logits.ndim == 2 and logits.flags.c_contiguous):
+            logits = np.ascontiguousarray(logits, np.float32)
+            if logits.ndim != 2:
+                raise NativeError(f"draft_topk: logits shape {logits.shape}; expected [depth, V]")
+        rows, V = logits.shape
+        if not isinstance(width, (int, np.integer)) or width < 1 or V < 1:
+            raise NativeError(f"draft_topk: width={width!r} must be an int >= 1 (V={V})")
+        key = (rows, V, int(width))
+        slots = getattr(self._local, "topk", None)
+        if slots is None:
+            slots = self._local.topk = {}
+        slot = slots.get(key)
+        if slot is None:
+            w = min(int(width), V)
+            lp, ids = np.empty((rows, w), np.float32), np.empty((rows, w), np.int32)
+            slot = slots[key] = (lp, ids, self.ffi.from_buffer("float[]", lp), self.ffi.from_buffer("int32_t[]", ids))
+        t0 = time.perf_counter()
+        rc = self.c.kd_draft_topk(self._fb_raw(self._f32a, logits, False), rows, V, int(width), slot[2], slot[3])
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+        self.check(rc, "draft_topk")
+        return slot[0], slot[1]
+
     def tree_build(self, logp: np.ndarray, ids: np.ndarray, budget: int):
         """-> Tree, identical to kdtree.tree.tree_build. The Tree and its arrays are this thread's buffers
         for this (depth, width, budget), allocated on the first call: the next call of the same shape on the same
@@ -629,6 +654,9 @@ class NativeOps(Ops):
         vis = None if visibility is None else np.ascontiguousarray(visibility, np.uint64)
         return self.lib.mla_attention(np.ascontiguousarray(q, np.float32), np.ascontiguousarray(kv, np.float32),
                                       int(n_prefix), vis, scale, kv_lora)
+
+    def draft_topk(self, logits, width):
+        return self.lib.draft_topk(np.asarray(logits), width)
 
     def tree_build(self, logp, ids, budget):
         tree = self.lib.tree_build_fast(logp, ids, budget)

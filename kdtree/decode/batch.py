@@ -42,7 +42,7 @@ from kdtree.decode.ddtree import tree_shape
 from kdtree.decode.result import GenerationResult, commit_tokens
 from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
 from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
-from kdtree.tree import Tree, draft_topk
+from kdtree.tree import Tree
 
 
 class ContextLengthExceeded(ConfigError):
@@ -285,7 +285,7 @@ class BatchScheduler:
                 dlogits = self.drafter.draft(st.dcache, st.bonus)                    # [B-1, V]
                 req.result.draft_forwards += 1
                 t1 = time.perf_counter()
-                logp, ids = draft_topk(np.asarray(dlogits[:st.depth]), st.width)     # [depth, width]
+                logp, ids = self.model.ops.draft_topk(np.asarray(dlogits[:st.depth]), st.width)  # [depth, width]
                 t = self.model.ops.tree_build(logp, ids, st.budget)
                 # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until the verify
                 tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))

@@ -25,7 +25,6 @@ import numpy as np
 from kdtree.decode.prefill import SharedPrefill, prefill_forward
 from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import Sampler, SamplingParams, sampled_walk, token_logprob
-from kdtree.tree import draft_topk
 from kdtree.errors import ConfigError
 
 
@@ -136,7 +135,7 @@ def generate_ddtree(model, drafter, tree_cfg, prompt_ids: Sequence[int], max_new
         res.draft_forwards += 1
         t1 = time.perf_counter()
         st["draft"] += t1 - t0
-        logp, ids = draft_topk(np.asarray(dlogits[:depth]), width)                            # [depth, width]
+        logp, ids = ops.draft_topk(np.asarray(dlogits[:depth]), width)                        # [depth, width]
         tree = ops.tree_build(logp, ids, budget)
         t2 = time.perf_counter()
         st["tree_build"] += t2 - t1

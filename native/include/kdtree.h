@@ -68,6 +68,13 @@ int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_
 int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_nodes, const int32_t *target_argmax,
                    int32_t *path, int64_t *path_len, int32_t *bonus);
 
+/* kd_draft_topk: the drafter's block logits -> what kd_tree_build takes (kdtree.tree.draft_topk): each row's
+ * log-softmax (z = x - max in float32, log of the sum of exp(z) accumulated in double, logp = z - that, float32)
+ * and its `width` largest entries, descending, equal log-probs in ascending id, NaNs after every number (as
+ * numpy's stable argsort of -logp). width is capped at V. logits f32[n_rows, V] (host); logp f32[n_rows, w],
+ * ids i32[n_rows, w] with w = min(width, V). Log-probs can differ from numpy's in the last bit. */
+int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width, float *logp, int32_t *ids);
+
 /* ---- dense ops (f32 unless stated) ------------------------------------------------------------------- */
 /* out[t, o] = sum_k w[o, k] x[t, k]; x [T, in], w [out, in], out [T, out] */
 int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,

@@ -472,3 +472,29 @@ def test_backend_threads_is_checked_and_set_process_wide(monkeypatch):
     assert native.auto_threads(SimpleNamespace(threads=5), tp=8, serving=True) == 5
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     assert native.auto_threads(cfg, serving=True) == 7
+
+
+@needs_cpu_library
+@pytest.mark.parametrize("V", [5, 260, 5000, 163840])
+def test_draft_topk_matches_the_numpy_reference(V):
+    """kd_draft_topk (one C call per round instead of numpy's log-softmax + stable argsort): the reference's ids,
+    its tie order (equal log-probs in ascending id) and NaN placement (after every number); log-probs within an
+    ulp or two (the sum of exps accumulates in double here, pairwise float32 in numpy)."""
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(V)
+    logits = (3 * rng.standard_normal((7, V))).astype(np.float32)
+    logits[1] = 0.25                                                     # a flat row: the lowest ids
+    logits[2, rng.choice(V, min(V, 6), replace=False)] = logits[2].max() + 2   # equal maxima across the w-th place
+    logits[3, rng.choice(V, max(1, V // 2), replace=False)] = np.nan     # NaN anywhere: numpy's row is all NaN
+    logits[4, -1] = -np.inf
+    for width in (1, 4, 10):
+        with np.errstate(invalid="ignore"):
+            want_lp, want_ids = tree_ref.draft_topk(logits, width)
+        lp, ids = ops.draft_topk(logits, width)
+        assert lp.shape == ids.shape == (7, min(width, V))
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_allclose(lp, want_lp, rtol=1e-6, atol=1e-6, equal_nan=True)
+    with pytest.raises(NativeError, match=r"draft_topk: width=0 must be an int >= 1"):
+        ops.draft_topk(logits, 0)
+    with pytest.raises(NativeError, match=r"draft_topk: logits shape \(3,\); expected \[depth, V\]"):
+        ops.draft_topk(np.zeros(3, np.float32), 4)

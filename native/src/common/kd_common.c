@@ -1,5 +1,6 @@
 /* Host code shared by both builds: the thread-local error message and the tree ops (trees are tiny; the
  * CUDA build runs them on the host as well, on host pointers). */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -89,6 +90,48 @@ static void kd_heap_replace_top(kd_heap_node *h, int64_t n, kd_heap_node v) {
 }
 static void kd_heap_pop(kd_heap_node *h, int64_t *n) {
   if (--(*n) > 0) kd_heap_replace_top(h, *n, h[*n]);
+}
+
+int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width, float *logp, int32_t *ids) {
+  kd_clear_error();
+  if (n_rows < 0 || V <= 0 || width <= 0)
+    return kd_fail(KD_EINVAL, "kd_draft_topk: bad size (rows=%lld V=%lld width=%lld)", (long long)n_rows,
+                   (long long)V, (long long)width);
+  if (n_rows == 0) return KD_OK;
+  KD_CHECK_PTR("kd_draft_topk", logits);
+  KD_CHECK_PTR("kd_draft_topk", logp);
+  KD_CHECK_PTR("kd_draft_topk", ids);
+  int64_t w = width < V ? width : V;
+  for (int64_t r = 0; r < n_rows; r++) {
+    const float *x = logits + r * V;
+    float *lp = logp + r * w;
+    int32_t *id = ids + r * w;
+    float m = x[0]; /* numpy's max: NaN if any entry is NaN */
+    for (int64_t v = 1; v < V && m == m; v++)
+      if (x[v] > m || x[v] != x[v]) m = x[v];
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; v++) sum += (double)expf(x[v] - m);
+    float c = (float)log(sum);
+    /* selection: a sorted run of the best n <= w so far; scanning ids upward and entering only on a strictly
+     * larger value keeps equal log-probs in ascending id; NaN never compares larger */
+    int64_t n = 0;
+    for (int64_t v = 0; v < V; v++) {
+      float val = (x[v] - m) - c;
+      if (n == w && !(val > lp[w - 1])) continue;
+      if (n < w && val != val) continue;
+      int64_t j = n < w ? n++ : w - 1;
+      while (j > 0 && val > lp[j - 1]) {
+        lp[j] = lp[j - 1], id[j] = id[j - 1];
+        j--;
+      }
+      lp[j] = val, id[j] = (int32_t)v;
+    }
+    for (int64_t v = 0; n < w && v < V; v++) { /* fewer than w numbers: the NaN entries follow, by id */
+      float val = (x[v] - m) - c;
+      if (val != val) lp[n] = val, id[n++] = (int32_t)v;
+    }
+  }
+  return KD_OK;
 }
 
 int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
