@@ -87,6 +87,16 @@ def test_worker_streams_commits_before_the_job_ends_and_cancels(compose_cfg):
     assert w.drain(10)
 
 
+class _Counting(ByteTokenizer):
+    """The byte tokenizer, counting the tokens its decode() is given (a whole-text decode per commit shows)."""
+    decoded = 0
+
+    def decode(self, ids):
+        ids = list(ids)
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
 class _DecodeOnly:
     """A tokenizer with decode() only (no token_bytes): TextStream decodes the whole text at each push."""
 
@@ -117,17 +127,10 @@ def test_incremental_decode_equals_the_whole_decode_and_stays_linear():
             outs.append("".join(pieces))
         assert outs[0] == outs[1] == cut_at_stop(TOK.decode(ids), stops)[0], (ids, stops)
 
-    class Counting(ByteTokenizer):
-        decoded = 0
-
-        def decode(self, ids):
-            ids = list(ids)
-            Counting.decoded += len(ids)
-            return super().decode(ids)
-
-    ts = TextStream(Counting(), ["STOP"])
+    counting = _Counting()
+    ts = TextStream(counting, ["STOP"])
     text = "".join(ts.push(TOK.encode("ab")) for _ in range(10000)) + ts.finish()
-    assert text == "ab" * 10000 and Counting.decoded == 0
+    assert text == "ab" * 10000 and counting.decoded == 0
 
 
 def test_stop_string_check_sees_only_new_text_and_keeps_the_same_tokens():
@@ -154,18 +157,11 @@ def test_stop_string_check_sees_only_new_text_and_keeps_the_same_tokens():
             got = [fast(ids[:n]), ref(ids[:n])]
         assert got[0] == got[1], (ids, stops, n, got)
 
-    class Counting(ByteTokenizer):
-        decoded = 0
-
-        def decode(self, ids):
-            ids = list(ids)
-            Counting.decoded += len(ids)
-            return super().decode(ids)
-
-    check, tokens = stop_string_check(Counting(), ["STOP"]), []
+    counting = _Counting()
+    check, tokens = stop_string_check(counting, ["STOP"]), []
     for _ in range(5000):
         tokens += TOK.encode("ab")
         assert check(tokens) is None
-    assert Counting.decoded < 200_000                       # ~38 per commit, not the 25M of whole-text decodes
+    assert counting.decoded < 200_000                       # ~38 per commit, not the 25M of whole-text decodes
     tokens += TOK.encode("xSTOPyy")
     assert check(tokens) == 10000 + 5
