@@ -281,7 +281,14 @@ for c in caches[10:]:
     seqs.append((rng.integers(0, 256, 10).astype(np.int32), (c.length + depth).astype(np.int32), c, vis))
 logits, argmax, hid = m._native.forward_batch(seqs, hidden_layers=(0, 3))
 kv = [c.kv[l][:c.length] for c in caches for l in range(cfg.num_hidden_layers)]
-np.savez(sys.argv[1], logits=logits, argmax=argmax, h0=hid[0], h3=hid[3], kv=np.concatenate(kv))
+from kdtree.model.drafter import DFlashDrafter                  # the drafter's attention over a long context
+from kdtree.model.names import drafter_tensor_shapes
+dr = DFlashDrafter(cfg, init_weights(drafter_tensor_shapes(cfg), seed=1), m.ops, w["model.embed_tokens.weight"],
+                   w["lm_head.weight"])
+dc = dr.new_cache(128)
+dr.extend(dc, {i: rng.standard_normal((90, cfg.hidden_size)).astype(np.float32) for i in cfg.drafter.target_layer_ids})
+draft = np.concatenate([dr.draft(dc, b) for b in (5, 200)])
+np.savez(sys.argv[1], logits=logits, argmax=argmax, h0=hid[0], h3=hid[3], kv=np.concatenate(kv), draft=draft)
 """
 
 
@@ -289,7 +296,8 @@ np.savez(sys.argv[1], logits=logits, argmax=argmax, h0=hid[0], h3=hid[3], kv=np.
 def test_forward_bits_do_not_depend_on_the_thread_count(tmp_path, quant):
     """A multi-row forward splits its linears' output tiles, the experts and the attention rows over the OpenMP
     threads (kd_par_worth); each output is still one thread's fixed-order computation, so 1 and 2 threads give the
-    same logits, hidden states and latent-cache rows bit for bit (12 sequences: 10 AR steps and 2 tree verifies)."""
+    same logits, hidden states and latent-cache rows bit for bit (12 sequences: 10 AR steps and 2 tree verifies), and
+    the same drafter block logits (its attention splits (query, head) pairs over a 90-row context)."""
     import os
     import subprocess
     import sys

@@ -828,33 +828,47 @@ KD_FWD_CLONES static float kd_fdot(const float *a, const float *b, int64_t n) {
   return r;
 }
 
-/* non-causal GQA of B queries over n cached + B block keys/values: o [B, Hq*hd] */
-static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
-                                 const float *kb, const float *vb, int64_t n, float *o, float *p) {
+/* query t, head hh of the drafter's non-causal GQA over n cached + B block keys/values (p: S scratch floats) */
+static void kd_drafter_attention_head(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
+                                      const float *kb, const float *vb, int64_t n, float *o, float *p, int64_t t,
+                                      int64_t hh) {
   int64_t B = d->block_size, hd = d->head_dim, W = d->hkv * hd, group = d->hq / d->hkv, S = n + B;
   float scale = (float)(1.0 / sqrt((double)hd));
-  for (int64_t t = 0; t < B; t++)
-    for (int64_t hh = 0; hh < d->hq; hh++) {
-      const float *qr = q + (t * d->hq + hh) * hd;
-      int64_t kvh = hh / group;
-      float m = -INFINITY, sum = 0.0f;
-      for (int64_t j = 0; j < S; j++) {
-        const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
-        p[j] = kd_fdot(qr, kr, hd) * scale;
-        if (p[j] > m) m = p[j];
-      }
-      for (int64_t j = 0; j < S; j++) {
-        p[j] = expf(p[j] - m);
-        sum += p[j];
-      }
-      float *orow = o + (t * d->hq + hh) * hd;
-      for (int64_t i = 0; i < hd; i++) orow[i] = 0.0f;
-      for (int64_t j = 0; j < S; j++) {
-        const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
-        float w = p[j] / sum;
-        for (int64_t i = 0; i < hd; i++) orow[i] += w * vr[i];
-      }
-    }
+  const float *qr = q + (t * d->hq + hh) * hd;
+  int64_t kvh = hh / group;
+  float m = -INFINITY, sum = 0.0f;
+  for (int64_t j = 0; j < S; j++) {
+    const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
+    p[j] = kd_fdot(qr, kr, hd) * scale;
+    if (p[j] > m) m = p[j];
+  }
+  for (int64_t j = 0; j < S; j++) {
+    p[j] = expf(p[j] - m);
+    sum += p[j];
+  }
+  float *orow = o + (t * d->hq + hh) * hd;
+  for (int64_t i = 0; i < hd; i++) orow[i] = 0.0f;
+  for (int64_t j = 0; j < S; j++) {
+    const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
+    float w = p[j] / sum;
+    for (int64_t i = 0; i < hd; i++) orow[i] += w * vr[i];
+  }
+}
+
+/* non-causal GQA of B queries over n cached + B block keys/values: o [B, Hq*hd]. Each (query, head) is one
+ * computation, so a long context splits them over the threads (p: nt x ps scratch floats) with the same bits. */
+static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
+                                 const float *kb, const float *vb, int64_t n, float *o, float *p, int64_t ps,
+                                 int nt) {
+  int64_t units = d->block_size * d->hq;
+  if (nt > 1 && kd_par_worth(units * (n + d->block_size) * d->head_dim * 2, units)) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t u = 0; u < units; u++)
+      kd_drafter_attention_head(d, q, kc, vc, kb, vb, n, o, p + (size_t)omp_get_thread_num() * (size_t)ps,
+                                u / d->hq, u % d->hq);
+    return;
+  }
+  for (int64_t u = 0; u < units; u++) kd_drafter_attention_head(d, q, kc, vc, kb, vb, n, o, p, u / d->hq, u % d->hq);
 }
 
 int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus, float *logits) {
@@ -885,7 +899,8 @@ int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const
   float *t = (float *)kd_reserve(&dr->t, sizeof(float) * (size_t)(B * D));
   float *g = (float *)kd_reserve(&dr->g, sizeof(float) * (size_t)(B * I));
   float *u = (float *)kd_reserve(&dr->u, sizeof(float) * (size_t)(B * I));
-  float *p = (float *)kd_reserve(&dr->p, sizeof(float) * (size_t)(maxn + B));
+  int nt = kd_threads();
+  float *p = (float *)kd_reserve(&dr->p, sizeof(float) * (size_t)((maxn + B) * nt)); /* per thread: S scores */
   float *cs = (float *)kd_reserve(&dr->cs, sizeof(float) * (size_t)(B * hd));
   float *fo = (float *)kd_reserve(&dr->fo, sizeof(float) * (size_t)(B * D));
   if (!x || !hb || !q || !kb || !vb || !o || !t || !g || !u || !p || !cs || !fo)
@@ -904,7 +919,7 @@ int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const
       kd_rope_half(q, cs, B, d->hq, hd);
       KD_TRY(kd_drafter_kv(dr, ly, hb, kb, vb, B, cs));
       size_t off = (size_t)(li * c->max_len * W);
-      kd_drafter_attention(d, q, c->k + off, c->v + off, kb, vb, n, o, p);
+      kd_drafter_attention(d, q, c->k + off, c->v + off, kb, vb, n, o, p, maxn + B, nt);
       KD_TRY(kd_lin(&ly->o, o, t, B));
       for (int64_t i = 0; i < B * D; i++) x[i] = x[i] + t[i];
       KD_TRY(kd_rms_norm(x, ly->post_norm, hb, B, D, d->eps, NULL));
