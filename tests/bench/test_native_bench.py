@@ -16,6 +16,7 @@ Groups (min times; compare within a group):
   linear(T=t,...)          the batch-invariant native linear (FP32 and W4A16) vs numpy's BLAS GEMM (not invariant).
   tree_build(budget=B)     plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
                            wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
+  draft_topk(7xV, width=4) the drafter block's log-softmax + top-w: numpy reference vs kd_draft_topk, V = 260, 163840.
   mla_attention(...)       native vs numpy reference, one verify block (T=33 = root + budget 32).
   cuda_*                   the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
   target_forward(T=...)    one tiny-model forward after a 64-token context: numpy reference vs the per-op native
@@ -94,6 +95,22 @@ def test_tree_build(benchmark, impl, budget):
                             visibility=vis.reshape(budget + 1, -1))
     for f in ("tokens", "parents", "depths", "visibility"):
         np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+
+
+# ---- draft top-k -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("V", [260, 163840])
+@pytest.mark.parametrize("impl", ["numpy", "native"])
+def test_draft_topk(benchmark, impl, V):
+    """The drafter block's log-softmax + top-4 (7 rows): kdtree.tree.draft_topk (numpy) vs kd_draft_topk, at the
+    tiny model's and K2's vocabularies."""
+    benchmark.group = f"draft_topk(7x{V}, width=4)"
+    benchmark.extra_info.update(baseline="numpy", bytes=7 * V * 4)
+    logits = (3 * np.random.default_rng(V).standard_normal((7, V))).astype(np.float32)
+    want = tree_ref.draft_topk(logits, 4)
+    fn = tree_ref.draft_topk if impl == "numpy" else native.NativeOps("cpu").draft_topk
+    lp, ids = benchmark(fn, logits, 4)
+    np.testing.assert_array_equal(ids, want[1])
+    np.testing.assert_allclose(lp, want[0], rtol=1e-6, atol=1e-6)
 
 
 # ---- GEMV: W4A16 vs FP32, out of cache ------------------------------------------------------------------------
