@@ -1315,7 +1315,7 @@ static int fw_run(kd_model *m, const fw_bufs *b, const kd_forward_args *a, const
       rc = fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
       e = cudaStreamEndCapture(m->stream, &graph);
     }
-    if (rc) { /* the forward itself failed (its message is set): not a graph problem */
+    if (rc && e == cudaSuccess) { /* the forward itself failed (its message is set) and the capture did not */
       if (graph) cudaGraphDestroy(graph);
       cudaGetLastError();
       return rc;
@@ -1327,10 +1327,12 @@ static int fw_run(kd_model *m, const fw_bufs *b, const kd_forward_args *a, const
       e = cudaGraphInstantiate(&ng.exec, graph, 0);
     }
     if (graph) cudaGraphDestroy(graph);
-    if (e != cudaSuccess) { /* the device or driver refuses graphs: nothing captured ran, so run it eagerly */
+    if (e != cudaSuccess) { /* the device or driver refuses graphs (a launch inside an invalidated capture fails
+                             * too): nothing captured ran, so run it eagerly; a real error shows again there */
       fprintf(stderr, "kdtree cuda: CUDA graph %s failed (%s); this model launches every forward eagerly from now "
                       "on (said once)\n", step, cudaGetErrorString(e));
       cudaGetLastError();
+      kd_clear_error();
       m->graphs_broken = 1;
       m->eager++;
       return fw_layers(m, b, a->n_rows, a->n_out, want_out, a->argmax != NULL, a->n_hidden, a->hidden_layers);
