@@ -670,6 +670,16 @@ class NativeOps(Ops):
                                       else np.ascontiguousarray(a, np.int32) for a in (parents, tokens, target_argmax)))
 
 
+def set_loaded_threads(n: int) -> Optional[int]:
+    """kd_set_threads(n) on every CPU library this process has loaded; the threads a region now uses, or None when
+    none is loaded (bench_peer's thread limit)."""
+    got = None
+    for lib in list(_LIBS.values()):
+        if lib.kind == "cpu":
+            got = lib.set_threads(n)
+    return got
+
+
 def auto_threads(backend_cfg: Any, tp: int = 1, serving: bool = False) -> int:
     """The OpenMP threads of this process's native forward. An explicit backend.threads wins; 0 (auto) means
     OMP_NUM_THREADS if set (the tp launcher sets it for ranks 1..N-1), else this process's cores / tp (the ranks
@@ -709,5 +719,5 @@ def make_ops(kind: str, backend_cfg: Any) -> Ops:
     return ops
 
 
-__all__ = ["ABI_VERSION", "auto_threads", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
+__all__ = ["ABI_VERSION", "auto_threads", "set_loaded_threads", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
            "library_path"]

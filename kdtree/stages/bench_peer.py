@@ -49,9 +49,10 @@ def limit_threads(n: int) -> Dict[str, int]:
     """kdtree's compute threads in this process = n: OpenMP (the native library's kernels) and OpenBLAS
     (numpy's matmuls), where loaded. -> {runtime: n} for what was set."""
     done = {}
-    from kdtree.backends import native
-    for lib in [lib for lib in native._LIBS.values() if lib.kind == "cpu"]:   # backend.threads (process-wide)
-        done["kdtree"] = lib.set_threads(n)
+    from kdtree.backends.native import set_loaded_threads
+    got = set_loaded_threads(n)                                         # backend.threads (process-wide)
+    if got is not None:
+        done["kdtree"] = got
     libgomp = ctypes.util.find_library("gomp")
     if libgomp:
         try:

@@ -386,6 +386,15 @@ static int kd_mlp_rows(const kd_mlp *p, const float *x, float *y, int64_t n, flo
   return kd_lin(&p->down, g, y, n);
 }
 
+/* MoE work unit i (scratch g, u): with a shared expert, unit 0 is it (every row: the largest piece, first), then
+ * the routed experts over their gathered rows xs[cnt[e]..cnt[e+1]) -> ys */
+static int kd_moe_unit(const kd_layer *ly, int64_t i, const float *x, float *sh, int64_t N, const float *xs, float *ys,
+                       const int64_t *cnt, int64_t D, float *g, float *u) {
+  int64_t e = ly->has_shared ? i - 1 : i;
+  if (e < 0) return kd_mlp_rows(&ly->shared, x, sh, N, g, u);
+  return kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u);
+}
+
 /* MoE of N rows (k2.K2Model._moe): router, routing, experts grouped by expert (slot order kept), then per token
  * out = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared(x) */
 static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *out, int64_t N) {
@@ -435,10 +444,8 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
     {
       float *tgi = tg + (size_t)omp_get_thread_num() * (size_t)(2 * rows * I), *tui = tgi + rows * I;
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < units; i++) { /* the shared expert (every row) first, the largest piece */
-        int64_t e = ly->has_shared ? i - 1 : i;
-        int r = e < 0 ? kd_mlp_rows(&ly->shared, x, sh, N, tgi, tui)
-                      : kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], tgi, tui);
+      for (int64_t i = 0; i < units; i++) {
+        int r = kd_moe_unit(ly, i, x, sh, N, xs, ys, cnt, D, tgi, tui);
         if (r)
 #pragma omp critical(kd_moe_fail)
           if (rc == KD_OK) rc = r, snprintf(msg, sizeof msg, "%s", kd_last_error()); /* the thread's own message */
@@ -446,12 +453,21 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
     }
     if (rc) return kd_fail(rc, "%s", msg);
   } else {
-    for (int64_t e = 0; e < E; e++)
-      KD_TRY(kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u));
-    if (ly->has_shared) KD_TRY(kd_mlp_rows(&ly->shared, x, sh, N, g, u));
+    for (int64_t i = 0; i < units; i++) KD_TRY(kd_moe_unit(ly, i, x, sh, N, xs, ys, cnt, D, g, u));
   }
   kd_moe_combine(out, ys, pos, ew, ly->has_shared ? sh : NULL, N, k, D);
   return KD_OK;
+}
+
+/* row r of kd_attention_rows (voff: per row its sequence and visibility offset; keys: S int64 then S * H floats) */
+static void kd_attention_row(kd_model *m, const kd_forward_args *a, int64_t li, int64_t H, const float *qf,
+                             float *olat, const int64_t *voff, int64_t *keys, int64_t S, int64_t r) {
+  const kd_model_desc *d = &m->d;
+  int64_t L = d->kv_lora, E = m->E, s = voff[2 * r], r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
+  const kd_slot *c = &m->slots[a->slots[s]];
+  kd_mla_attention_rows(qf + r0 * H * E, c->kv + li * c->stride, a->visibility ? a->visibility + voff[2 * r + 1] : NULL,
+                        olat + r0 * H * L, r - r0, r - r0 + 1, T, H, L, d->rope_dim, c->length, d->attn_scale, keys,
+                        (float *)(keys + S));
 }
 
 /* Layer li's absorbed MLA attention of every row, each sequence over its own cache (block-diagonal visibility):
@@ -459,7 +475,7 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
 static int kd_attention_rows(kd_model *m, const kd_forward_args *a, int64_t li, int64_t H, const float *qf,
                              float *olat) {
   const kd_model_desc *d = &m->d;
-  int64_t N = a->n_rows, L = d->kv_lora, R = d->rope_dim, E = m->E, S = 0, macs = 0;
+  int64_t N = a->n_rows, L = d->kv_lora, E = m->E, S = 0, macs = 0;
   int64_t *voff = (int64_t *)kd_reserve(&m->work, sizeof(int64_t) * (size_t)(2 * N)); /* per row: seq, vis offset */
   if (!voff) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention, %lld rows)", (long long)N);
   for (int64_t s = 0, vo = 0; s < a->n_seqs; s++) {
@@ -475,22 +491,13 @@ static int kd_attention_rows(kd_model *m, const kd_forward_args *a, int64_t li, 
   size_t per = ((size_t)S * sizeof(int64_t) + (size_t)(S * H) * sizeof(float) + 63) / 64 * 64; /* keys + p */
   char *scr = (char *)kd_reserve(&m->attn, per * (size_t)nt);
   if (!scr) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention scratch, %lld keys)", (long long)S);
-#define KD_ATTN_ROW(r, tid)                                                                                       \
-  do {                                                                                                            \
-    int64_t s_ = voff[2 * (r)], r0_ = a->row_start[s_], T_ = a->row_start[s_ + 1] - r0_;                           \
-    const kd_slot *c_ = &m->slots[a->slots[s_]];                                                                  \
-    int64_t *keys_ = (int64_t *)(scr + per * (size_t)(tid));                                                      \
-    kd_mla_attention_rows(qf + r0_ * H * E, c_->kv + li * c_->stride,                                              \
-                          a->visibility ? a->visibility + voff[2 * (r) + 1] : NULL, olat + r0_ * H * L, (r) - r0_, \
-                          (r) - r0_ + 1, T_, H, L, R, c_->length, d->attn_scale, keys_, (float *)(keys_ + S));     \
-  } while (0)
   if (par) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t r = 0; r < N; r++) KD_ATTN_ROW(r, omp_get_thread_num());
+    for (int64_t r = 0; r < N; r++)
+      kd_attention_row(m, a, li, H, qf, olat, voff, (int64_t *)(scr + per * (size_t)omp_get_thread_num()), S, r);
   } else {
-    for (int64_t r = 0; r < N; r++) KD_ATTN_ROW(r, 0);
+    for (int64_t r = 0; r < N; r++) kd_attention_row(m, a, li, H, qf, olat, voff, (int64_t *)scr, S, r);
   }
-#undef KD_ATTN_ROW
   return KD_OK;
 }
 
