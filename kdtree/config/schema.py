@@ -243,6 +243,9 @@ class BenchPeerConfig:
     gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
     threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
     rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
+    # more tree shapes measured in the same alternating rounds, e.g. [ddtree-w4-d7-b6,chain-d7] (kind, then any of
+    # wN dN bN; the rest from `tree`); the fastest shape (with `tree`) is reported as tree_tokens_per_s
+    trees: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -177,6 +177,51 @@ def validate_bench_peer(cfg: DictConfig) -> None:
     for key, value in (("threads", b.threads), ("rounds", b.rounds)):
         if not value >= 1:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+    if cfg.get("pipeline") == "bench_peer" or b.get("trees"):
+        peer_tree_shapes(cfg)
+
+
+def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
+    """'ddtree-w4-d7-b6' / 'chain-d7' -> a tree config: the kind, then any of wN (width), dN (depth), bN (budget);
+    what is not given comes from `base` (a chain has width 1 and budget = depth)."""
+    parts = str(spec).strip().lower().split("-")
+    kind = parts[0]
+    if kind not in ("chain", "ddtree"):
+        raise ValueError(f"starts with {kind!r}; a shape starts with chain or ddtree")
+    t = {"kind": kind, "width": int(base.width), "depth": int(base.depth) or 7, "budget": int(base.budget)}
+    given = set()
+    for p in parts[1:]:
+        key = {"w": "width", "d": "depth", "b": "budget"}.get(p[:1])
+        if key is None or not p[1:].isdigit() or key in given:
+            raise ValueError(f"part {p!r} is not one of wN, dN, bN (each at most once)")
+        t[key] = int(p[1:])
+        given.add(key)
+    if kind == "chain":
+        if "width" in given and t["width"] != 1:
+            raise ValueError("a chain has width 1 (use ddtree for wider trees)")
+        t["width"], t["budget"] = 1, t["depth"]
+    return OmegaConf.create(t)
+
+
+def peer_tree_shapes(cfg: DictConfig) -> List[DictConfig]:
+    """bench_peer's tree shapes: `tree` (unless ar), then bench_peer.trees, duplicates dropped; each one checked
+    as tree.* would be, the error naming the item."""
+    specs = list(cfg.bench_peer.get("trees") or [])
+    if cfg.tree.kind == "ar" and specs:
+        raise ConfigError(f"bench_peer.trees={specs} with tree=ar: the drafter is loaded for a drafting tree only; "
+                          f"set tree=ddtree (or tree=chain) as well")
+    shapes = [] if cfg.tree.kind == "ar" else [OmegaConf.create(OmegaConf.to_container(cfg.tree, resolve=True))]
+    for spec in specs:
+        try:
+            t = parse_tree_spec(spec, cfg.tree)
+            validate_tree(OmegaConf.create({"tree": t, "model": {"drafter": {
+                "block_size": cfg.model.drafter.block_size}}}))
+        except (ValueError, ConfigError) as e:
+            raise ConfigError(f"bench_peer.trees item {spec!r}: {e}; write a shape as e.g. ddtree-w4-d7-b6 or "
+                              f"chain-d7") from None
+        if all(OmegaConf.to_container(t) != {k: s[k] for k in ("kind", "width", "depth", "budget")} for s in shapes):
+            shapes.append(t)
+    return shapes
 
 
 def check_url(key: str, url: str) -> None:

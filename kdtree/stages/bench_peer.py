@@ -5,6 +5,10 @@ bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and k
     pip install -e '.[peer]'                                  # llama-cpp-python: compiles llama.cpp, ~15 min
     python -m kdtree.run pipeline=bench_peer backend=cpu      # 1 thread; bench_peer.json in the run dir
     python -m kdtree.run pipeline=bench_peer backend=cpu bench_peer.threads=2 tree=chain tree.depth=7
+    python -m kdtree.run pipeline=bench_peer backend=cpu tree.budget=8 'bench_peer.trees=[ddtree-w4-d7-b6,chain-d7]'
+
+With bench_peer.trees, every shape (`tree` first) runs in the same alternating rounds, and the fastest is the one
+reported as tree_tokens_per_s / tree_vs_peer: the best shape is chosen against the same llama.cpp figures.
 
 The prompt is tokenized with the project's tokenizer and fed to llama.cpp as ids (the GGUF's ids are the
 project's), so both engines see the same ids; tokens_equal says whether llama.cpp's greedy tokens equal
@@ -25,6 +29,7 @@ from typing import Dict, List
 import numpy as np
 from omegaconf import OmegaConf
 
+from kdtree.config.validate import peer_tree_shapes
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
@@ -32,7 +37,7 @@ from kdtree.stages.bench import _run_set, load_prompts, provenance
 from kdtree.stages.export_gguf import export
 
 SIDE = "host"
-PARAMS = {"prompts": str, "max_new_tokens": int, "rounds": int, "threads": int, "gguf": str}
+PARAMS = {"prompts": str, "max_new_tokens": int, "rounds": int, "threads": int, "gguf": str, "trees": list}
 INSTALL = "pip install -e '.[peer]'"
 
 
@@ -123,8 +128,12 @@ def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> 
     return float(np.abs(peer - ours).max())
 
 
+def _shape_name(t) -> str:
+    return "ar" if t.kind == "ar" else f"{t.kind} w{t.width} d{t.depth} b{t.budget}"
+
+
 def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threads: int = 1,
-        gguf: str = "") -> dict:
+        gguf: str = "", trees: list = ()) -> dict:
     _llama_cpp()                                                # before any work: the one-line install hint
     cfg = ctx.cfg
     if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:
@@ -146,25 +155,33 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
     llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32))
-    has_tree = cfg.tree.kind != "ar"
+    shapes = peer_tree_shapes(OmegaConf.merge(cfg, {"bench_peer": {"trees": list(trees)}}))
+    names = [_shape_name(t) for t in shapes]
     best: Dict[str, dict] = {}
     load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
-    for _ in range(max(1, rounds)):                             # alternate: machine drift hits all three alike
+    for _ in range(max(1, rounds)):                             # alternate: machine drift hits every engine alike
         runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
                 "ar": _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)}
-        runs["tree"] = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree) if has_tree else runs["ar"]
+        for name, t in zip(names, shapes):
+            runs[name] = _run_set(engine, prompts_ids, max_new_tokens, t)
         for k, r in runs.items():
             if k not in best or r["seconds"] < best[k]["seconds"]:
                 best[k] = r
-    peer, ar, tree = best["peer"], best["ar"], best["tree"]
+    peer, ar = best["peer"], best["ar"]
+    fastest = max(range(len(names)), key=lambda i: best[names[i]]["tokens_per_s"]) if names else None
+    tree = ar if fastest is None else best[names[fastest]]
+    has_tree = fastest is not None
     logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads)
     first_diff = [_first_difference(p["tokens"], a["tokens"]) for p, a in zip(peer["per_prompt"], ar["per_prompt"])]
     tokens_equal = all(d < 0 for d in first_diff)
-    lossless = all(t["tokens"] == a["tokens"] for t, a in zip(tree["per_prompt"], ar["per_prompt"]))
+    lossless_by = {n: all(t["tokens"] == a["tokens"] for t, a in zip(best[n]["per_prompt"], ar["per_prompt"]))
+                   for n in names}
+    lossless = all(lossless_by.values())
     out = {
         "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 F32 GGUF, greedy",
         "gguf": str(path), "backend": cfg.backend.name, "model": cfg.model.name, "quant": cfg.quant.method,
-        "tree": OmegaConf.to_container(cfg.tree, resolve=True), "threads": threads, "threads_set": set_threads,
+        "tree": OmegaConf.to_container(shapes[fastest] if has_tree else AR_TREE, resolve=True),
+        "threads": threads, "threads_set": set_threads,
         "prompts": texts, "max_new_tokens": max_new_tokens, "rounds": rounds,
         "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],   # before, after the rounds
         "peer_ar_tokens_per_s": peer["tokens_per_s"],
@@ -178,28 +195,34 @@ def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threa
         "prompt_logits_max_abs_diff": logits_diff,          # llama.cpp vs kdtree, prefill of the first prompt
         "outputs_equal_ar": lossless,
         "mean_acceptance_length": tree["mean_acceptance_length"],
+        "trees": [{"tree": OmegaConf.to_container(t, resolve=True), "tokens_per_s": best[n]["tokens_per_s"],
+                   "vs_peer": best[n]["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
+                   "vs_ar": best[n]["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+                   "mean_acceptance_length": best[n]["mean_acceptance_length"], "outputs_equal_ar": lossless_by[n]}
+                  for n, t in zip(names, shapes)],
         "peer_result": peer, "ar": ar, "result": tree,
         "provenance": provenance(ctx),
     }
     (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
-    t = cfg.tree
-    name = "ar" if not has_tree else f"{t.kind} w{t.width} d{t.depth} b{t.budget}"
     rows = [("llama.cpp F32 AR", peer["tokens_per_s"], 1.0),
-            (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"]),
-            (f"kdtree backend={cfg.backend.name} {name}", tree["tokens_per_s"], out["tree_vs_peer"])]
+            (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"])]
+    for i, (n, t) in enumerate(zip(names, out["trees"])):
+        rows.append((f"kdtree backend={cfg.backend.name} {n}" + (" (fastest)" if i == fastest and len(names) > 1
+                                                                  else ""), t["tokens_per_s"], t["vs_peer"]))
     print(f"bench_peer: {len(texts)} prompts x {max_new_tokens} new tokens, {threads} thread(s), best of {rounds} "
           f"alternating rounds, model={cfg.model.name}, load average {load_before[0]:.1f} on {os.cpu_count()} cores")
-    print(f"| {'engine':<40} | {'tokens/s':>9} | {'vs llama.cpp':>12} |")
-    print(f"|{'-' * 42}|{'-' * 11}|{'-' * 14}|")
+    print(f"| {'engine':<50} | {'tokens/s':>9} | {'vs llama.cpp':>12} |")
+    print(f"|{'-' * 52}|{'-' * 11}|{'-' * 14}|")
     for label, tps, ratio in rows:
-        print(f"| {label:<40} | {tps:>9.1f} | {ratio:>12.2f} |")
+        print(f"| {label:<50} | {tps:>9.1f} | {ratio:>12.2f} |")
     diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
         f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
     print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "
           f"(first prompt), tree lossless={lossless} "
           f"-> {Path(ctx.run_dir) / 'bench_peer.json'}")
     if not lossless:
-        raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
+        broken = ", ".join(n for n, ok in lossless_by.items() if not ok)
+        raise PipelineError(f"tree {broken}: output differs from AR on the bench prompts: the lossless invariant is "
                             f"broken (see {Path(ctx.run_dir) / 'bench_peer.json'}); report this as a bug")
     return {k: out[k] for k in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s", "ar_vs_peer",
                                 "tree_vs_peer", "tokens_equal")}

@@ -84,12 +84,26 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["load.throttle_mb_s=-5"], r"load.throttle_mb_s=-5.0 must be >= 0"),
     (["bench_load.gb=0"], r"bench_load.gb=0.0 must be positive; use e.g. bench_load.gb=0.01"),
     (["bench_peer.threads=0"], r"bench_peer.threads=0 must be >= 1; use e.g. bench_peer.threads=1"),
+    (["bench_peer.trees=[ddtree-w4-x7]"], r"bench_peer.trees item 'ddtree-w4-x7': part 'x7' is not one of wN, dN, bN"),
+    (["bench_peer.trees=[tree-w4]"], r"item 'tree-w4': starts with 'tree'; a shape starts with chain or ddtree"),
+    (["bench_peer.trees=[ddtree-d9]"], r"item 'ddtree-d9': tree.depth=9 is out of range for tree=ddtree; use 1..7"),
+    (["bench_peer.trees=[chain-w2-d5]"], r"item 'chain-w2-d5': a chain has width 1"),
+    (["tree=ar", "bench_peer.trees=[chain-d7]"], r"bench_peer.trees=\['chain-d7'\] with tree=ar: .* set tree=ddtree"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
     cfg = _compose(*overrides)
     with pytest.raises(ConfigError, match=match):
         validate(cfg, stages=["load"])
+
+
+def test_bench_peer_tree_shapes_start_with_tree_and_drop_duplicates():
+    from kdtree.config.validate import peer_tree_shapes
+    cfg = _compose("tree.budget=8", "bench_peer.trees=[ddtree-b6,ddtree-w2-d5-b5,chain-d5,ddtree-w4-d7-b8]")
+    got = [(t.kind, t.width, t.depth, t.budget) for t in peer_tree_shapes(cfg)]
+    # unset parts come from `tree` (w4 d7); a chain's budget is its depth; the last item repeats `tree`
+    assert got == [("ddtree", 4, 7, 8), ("ddtree", 4, 7, 6), ("ddtree", 2, 5, 5), ("chain", 1, 5, 5)]
+    assert peer_tree_shapes(_compose("tree=ar")) == []
 
 
 def test_backend_cuda_without_a_device_names_the_fix():
