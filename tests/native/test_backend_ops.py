@@ -380,6 +380,12 @@ for n_in, group in [(96, 32), (40, 8), (256, 128)]:
     x = rng.standard_normal((3, n_in), dtype=np.float32)
     out[f"w4_{n_in}_T1"] = ops.linear(x[:1], w)
     out[f"w4_{n_in}_T3"] = ops.linear(x, w)
+# exp (silu, the attention's softmax): eight lanes and the tail, the range ends, subnormal results, NaN
+g = (rng.standard_normal((3, 37)) * 30).astype(np.float32)
+g.flat[:10] = [0.0, -90.0, 90.0, -1e-20, 103.5, -103.5, 88.7, -88.8, 95.0, np.nan]
+out["silu"] = ops.silu_mul(g, rng.standard_normal((3, 37)).astype(np.float32))
+q, kv = rng.standard_normal((3, 2, 24)).astype(np.float32), rng.standard_normal((16, 24)).astype(np.float32)
+out["mla"] = ops.mla_attention(q * 4, kv, 13, None, 0.3, 16)
 np.savez(sys.argv[1], **out)
 """
 

@@ -124,6 +124,28 @@ static int kd_use_avx2(void) {
 }
 
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* elements [0, n - n % 8) of kd_silu_mul_span; returns how many */
+__attribute__((target("avx2"))) static int64_t kd_silu_mul_avx2(const float *gate, const float *up, float *out,
+                                                                int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = _mm256_loadu_ps(gate + i);
+    __m256 e = kd_expf8_avx2(_mm256_xor_ps(g, sign));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  return i;
+}
+
+/* elements [0, n - n % 8) of kd_exp_inplace; returns how many */
+__attribute__((target("avx2"))) static int64_t kd_exp_avx2(float *p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, kd_expf8_avx2(_mm256_loadu_ps(p + i)));
+  return i;
+}
+#endif
+
 /* ---- multi-row dot kernels ------------------------------------------------------------------------------
  * A [rows x outputs] block of dot products, each one EXACTLY kd_dot_f32(w_o, x_t): element k to lane k % 16 in
  * ascending k (plain multiply then add, no FMA), the same tail, the same kd_lanes_sum. Blocking only decides
@@ -763,6 +785,24 @@ KD_CLONES int kd_rms_norm(const float *x, const float *w, float *out, int64_t T,
   return KD_OK;
 }
 
+/* out[i] = kd_silu_mul_cpu(gate[i], up[i]); eight at a time with AVX2 (the same operations per element) */
+static void kd_silu_mul_span(const float *gate, const float *up, float *out, int64_t n) {
+  int64_t i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) i = kd_silu_mul_avx2(gate, up, out, n);
+#endif
+  for (; i < n; i++) out[i] = kd_silu_mul_cpu(gate[i], up[i]);
+}
+
+/* p[i] = kd_expf(p[i]) for i < n (AVX2 eight at a time, same bits) */
+void kd_exp_inplace(float *p, int64_t n) {
+  int64_t i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_use_avx2()) i = kd_exp_avx2(p, n);
+#endif
+  for (; i < n; i++) p[i] = kd_expf(p[i]);
+}
+
 int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64_t I, void *stream) {
   (void)stream;
   kd_clear_error();
@@ -771,13 +811,12 @@ int kd_silu_mul(const float *gate, const float *up, float *out, int64_t T, int64
   KD_CHECK_PTR("kd_silu_mul", gate);
   KD_CHECK_PTR("kd_silu_mul", up);
   KD_CHECK_PTR("kd_silu_mul", out);
-  if (kd_par_worth(T * I * 8, T)) { /* element-wise (an expf ~ 8 multiply-adds): rows split, same bits */
+  if (kd_par_worth(T * I * 8, T)) { /* element-wise (an exp ~ 8 multiply-adds): rows split, same bits */
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t i = t * I; i < (t + 1) * I; i++) out[i] = kd_silu_mul1(gate[i], up[i]);
+    for (int64_t t = 0; t < T; t++) kd_silu_mul_span(gate + t * I, up + t * I, out + t * I, I);
     return KD_OK;
   }
-  for (int64_t i = 0; i < T * I; i++) out[i] = kd_silu_mul1(gate[i], up[i]);
+  kd_silu_mul_span(gate, up, out, T * I);
   return KD_OK;
 }
 
@@ -792,10 +831,9 @@ static void kd_softmax_rows(float *p, int64_t H, int64_t n) {
     float *ph = p + h * n, m = -INFINITY, sum = 0.0f;
     for (int64_t i = 0; i < n; i++)
       if (ph[i] > m) m = ph[i];
-    for (int64_t i = 0; i < n; i++) {
-      ph[i] = expf(ph[i] - m);
-      sum += ph[i];
-    }
+    for (int64_t i = 0; i < n; i++) ph[i] = ph[i] - m;
+    kd_exp_inplace(ph, n);
+    for (int64_t i = 0; i < n; i++) sum += ph[i];
     for (int64_t i = 0; i < n; i++) ph[i] = ph[i] / sum;
   }
 }

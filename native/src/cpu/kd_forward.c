@@ -416,7 +416,7 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
     return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE scratch, %lld rows)", (long long)N);
   float *choice = rl + N * E, *gscore = choice + E;
   KD_TRY(kd_linear_f32(x, ly->router, rl, N, D, E, NULL));
-  for (int64_t i = 0; i < N * E; i++) rl[i] = 1.0f / (1.0f + expf(-rl[i]));
+  for (int64_t i = 0; i < N * E; i++) rl[i] = kd_sigmoid_cpu(rl[i]);
   for (int64_t t = 0; t < N; t++)
     kd_route(d, rl + t * E, ly->router_bias, choice, gscore, taken, ex + t * k, ew + t * k);
   memset(cnt, 0, sizeof(int64_t) * (size_t)(E + 1));
@@ -849,10 +849,9 @@ static void kd_drafter_attention_head(const kd_drafter_desc *d, const float *q, 
     p[j] = kd_fdot(qr, kr, hd) * scale;
     if (p[j] > m) m = p[j];
   }
-  for (int64_t j = 0; j < S; j++) {
-    p[j] = expf(p[j] - m);
-    sum += p[j];
-  }
+  for (int64_t j = 0; j < S; j++) p[j] = p[j] - m;
+  kd_exp_inplace(p, S);
+  for (int64_t j = 0; j < S; j++) sum += p[j];
   float *orow = o + (t * d->hq + hh) * hd;
   for (int64_t i = 0; i < hd; i++) orow[i] = 0.0f;
   for (int64_t j = 0; j < S; j++) {
