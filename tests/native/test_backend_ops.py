@@ -386,6 +386,13 @@ g.flat[:10] = [0.0, -90.0, 90.0, -1e-20, 103.5, -103.5, 88.7, -88.8, 95.0, np.na
 out["silu"] = ops.silu_mul(g, rng.standard_normal((3, 37)).astype(np.float32))
 q, kv = rng.standard_normal((3, 2, 24)).astype(np.float32), rng.standard_normal((16, 24)).astype(np.float32)
 out["mla"] = ops.mla_attention(q * 4, kv, 13, None, 0.3, 16)
+# the draft top-k's max, exp-sum and selection scan: K2's vocabulary plus a tail, ties, a NaN row, a short row
+lg = (3 * rng.standard_normal((4, 163845))).astype(np.float32)
+lg[1, 100:200] = lg[1].max()
+lg[2, 77] = np.nan
+for V in (163845, 5):
+    lp, ids = ops.draft_topk(np.ascontiguousarray(lg[:, :V]), 4)
+    out[f"topk_lp_{V}"], out[f"topk_ids_{V}"] = lp.copy(), ids.copy()
 np.savez(sys.argv[1], **out)
 """
 

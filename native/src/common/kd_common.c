@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kd_common.h"
+#include "kd_exp.h"
 
 static _Thread_local char kd_err[512];
 
@@ -92,6 +93,115 @@ static void kd_heap_pop(kd_heap_node *h, int64_t *n) {
   if (--(*n) > 0) kd_heap_replace_top(h, *n, h[*n]);
 }
 
+/* ---- draft top-k: one row of kd_draft_topk ----------------------------------------------------------------
+ * max (NaN if any entry is NaN, as numpy's max), sum of exp(x - max) in double over eight fixed lanes (element v to
+ * lane v % 8, lanes combined pairwise), then the selection. The AVX2 helpers run the same operations on eight
+ * elements at a time and leave the tail to the scalar loops, so both paths give the same bits. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KD_TOPK_X86 1
+static int kd_topk_avx2(void) {
+  static int use = -1;
+  if (use < 0) {
+    const char *env = getenv("KDTREE_CPU_GENERIC");
+    use = !(env && env[0] == '1') && __builtin_cpu_supports("avx2");
+  }
+  return use;
+}
+
+/* elements [0, V - V % 8): the max and whether any is NaN; returns how many */
+__attribute__((target("avx2"))) static int64_t kd_topk_max_avx2(const float *x, int64_t V, float *m, int *nan) {
+  if (V < 8) return 0;
+  __m256 mx = _mm256_loadu_ps(x), un = _mm256_cmp_ps(mx, mx, _CMP_UNORD_Q);
+  int64_t v = 8;
+  for (; v + 8 <= V; v += 8) {
+    __m256 a = _mm256_loadu_ps(x + v);
+    mx = _mm256_max_ps(mx, a);
+    un = _mm256_or_ps(un, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  float t[8];
+  _mm256_storeu_ps(t, mx);
+  float r = t[0];
+  for (int i = 1; i < 8; i++) r = t[i] > r ? t[i] : r;
+  *m = r, *nan = _mm256_movemask_ps(un) != 0;
+  return v;
+}
+
+/* acc[l] += exp(x[v] - m) for v in [0, V - V % 8), v % 8 == l, ascending v; returns how many */
+__attribute__((target("avx2"))) static int64_t kd_topk_expsum_avx2(const float *x, int64_t V, float m, double *acc) {
+  __m256d lo = _mm256_loadu_pd(acc), hi = _mm256_loadu_pd(acc + 4);
+  __m256 mv = _mm256_set1_ps(m);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    __m256 e = kd_expf8_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + v), mv));
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  _mm256_storeu_pd(acc, lo), _mm256_storeu_pd(acc + 4, hi);
+  return v;
+}
+
+/* the first v >= v0 (a multiple of 8 from v0) whose val = (x[v] - m) - c > thr, or the end of the whole chunks */
+__attribute__((target("avx2"))) static int64_t kd_topk_next_avx2(const float *x, int64_t v0, int64_t V, float m,
+                                                                 float c, float thr) {
+  __m256 mv = _mm256_set1_ps(m), cv = _mm256_set1_ps(c), tv = _mm256_set1_ps(thr);
+  int64_t v = v0;
+  for (; v + 8 <= V; v += 8) {
+    __m256 val = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + v), mv), cv);
+    int bits = _mm256_movemask_ps(_mm256_cmp_ps(val, tv, _CMP_GT_OQ));
+    if (bits) return v + __builtin_ctz((unsigned)bits);
+  }
+  return v;
+}
+#endif
+
+static void kd_draft_topk_row(const float *x, int64_t V, int64_t w, float *lp, int32_t *id) {
+  float m = x[0];
+  int64_t v = 0;
+  int nan = 0;
+#ifdef KD_TOPK_X86
+  if (kd_topk_avx2()) v = kd_topk_max_avx2(x, V, &m, &nan);
+#endif
+  for (; v < V; v++) {
+    if (x[v] > m) m = x[v];
+    if (x[v] != x[v]) nan = 1;
+  }
+  if (nan) m = NAN; /* numpy's max */
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  v = 0;
+#ifdef KD_TOPK_X86
+  if (kd_topk_avx2()) v = kd_topk_expsum_avx2(x, V, m, acc);
+#endif
+  for (; v < V; v++) acc[v % 8] += (double)kd_expf(x[v] - m);
+  for (int h = 4; h >= 1; h /= 2)
+    for (int i = 0; i < h; i++) acc[i] += acc[i + h];
+  float c = (float)log(acc[0]);
+  /* selection: a sorted run of the best n <= w so far; scanning ids upward and entering only on a strictly
+   * larger value keeps equal log-probs in ascending id; NaN never compares larger */
+  int64_t n = 0;
+  for (v = 0; v < V; v++) {
+#ifdef KD_TOPK_X86
+    if (n == w && (v & 7) == 0 && kd_topk_avx2()) { /* skip whole chunks with nothing above the w-th best */
+      v = kd_topk_next_avx2(x, v, V, m, c, lp[w - 1]);
+      if (v >= V) break;
+    }
+#endif
+    float val = (x[v] - m) - c;
+    if (n == w && !(val > lp[w - 1])) continue;
+    if (n < w && val != val) continue;
+    int64_t j = n < w ? n++ : w - 1;
+    while (j > 0 && val > lp[j - 1]) {
+      lp[j] = lp[j - 1], id[j] = id[j - 1];
+      j--;
+    }
+    lp[j] = val, id[j] = (int32_t)v;
+  }
+  for (v = 0; n < w && v < V; v++) { /* fewer than w numbers: the NaN entries follow, by id */
+    float val = (x[v] - m) - c;
+    if (val != val) lp[n] = val, id[n++] = (int32_t)v;
+  }
+}
+
 int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width, float *logp, int32_t *ids) {
   kd_clear_error();
   if (n_rows < 0 || V <= 0 || width <= 0)
@@ -102,35 +212,10 @@ int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width,
   KD_CHECK_PTR("kd_draft_topk", logp);
   KD_CHECK_PTR("kd_draft_topk", ids);
   int64_t w = width < V ? width : V;
-  for (int64_t r = 0; r < n_rows; r++) {
-    const float *x = logits + r * V;
-    float *lp = logp + r * w;
-    int32_t *id = ids + r * w;
-    float m = x[0]; /* numpy's max: NaN if any entry is NaN */
-    for (int64_t v = 1; v < V && m == m; v++)
-      if (x[v] > m || x[v] != x[v]) m = x[v];
-    double sum = 0.0;
-    for (int64_t v = 0; v < V; v++) sum += (double)expf(x[v] - m);
-    float c = (float)log(sum);
-    /* selection: a sorted run of the best n <= w so far; scanning ids upward and entering only on a strictly
-     * larger value keeps equal log-probs in ascending id; NaN never compares larger */
-    int64_t n = 0;
-    for (int64_t v = 0; v < V; v++) {
-      float val = (x[v] - m) - c;
-      if (n == w && !(val > lp[w - 1])) continue;
-      if (n < w && val != val) continue;
-      int64_t j = n < w ? n++ : w - 1;
-      while (j > 0 && val > lp[j - 1]) {
-        lp[j] = lp[j - 1], id[j] = id[j - 1];
-        j--;
-      }
-      lp[j] = val, id[j] = (int32_t)v;
-    }
-    for (int64_t v = 0; n < w && v < V; v++) { /* fewer than w numbers: the NaN entries follow, by id */
-      float val = (x[v] - m) - c;
-      if (val != val) lp[n] = val, id[n++] = (int32_t)v;
-    }
-  }
+#ifdef _OPENMP /* the CPU build: rows over the threads when the vocabulary is large (each row one thread's) */
+#pragma omp parallel for schedule(static) num_threads(kd_threads()) if (V >= 32768 && n_rows > 1 && kd_threads() > 1)
+#endif
+  for (int64_t r = 0; r < n_rows; r++) kd_draft_topk_row(logits + r * V, V, w, logp + r * w, ids + r * w);
   return KD_OK;
 }
 
