@@ -32,6 +32,8 @@ KD_HD int kd_int4_at(uint32_t word, int j) { return (int)((word >> (4u * (unsign
 /* Dequantized weight: one rounding, exactly numpy's q.astype(float32) * scale. */
 KD_HD float kd_int4_weight(uint32_t word, int j, float scale) { return (float)kd_int4_at(word, j) * scale; }
 
+/* the CUDA kernels' silu (the device's expf); the CPU build runs the same formula with kd_expf (kd_exp.h), whose
+ * AVX2 and portable paths agree bit for bit */
 KD_HD float kd_silu_mul1(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* Is block key k visible to the query whose packed row is `row`? */
