@@ -97,18 +97,25 @@ static void kd_heap_pop(kd_heap_node *h, int64_t *n) {
  * max (NaN if any entry is NaN, as numpy's max), sum of exp(x - max) in double over eight fixed lanes (element v to
  * lane v % 8, lanes combined pairwise), then the selection. The AVX2 helpers run the same operations on eight
  * elements at a time and leave the tail to the scalar loops, so both paths give the same bits. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define KD_TOPK_X86 1
-static int kd_topk_avx2(void) {
+/* The host code's SIMD dispatch, both builds (kd_exp.h): AVX2 + FMA present, and KDTREE_CPU_GENERIC=1 not set (it
+ * forces the portable loops; the tests compare both paths bit for bit). */
+int kd_host_avx2(void) {
   static int use = -1;
   if (use < 0) {
     const char *env = getenv("KDTREE_CPU_GENERIC");
-    use = !(env && env[0] == '1') && __builtin_cpu_supports("avx2");
+#if defined(__x86_64__) && defined(__GNUC__)
+    use = !(env && env[0] == '1') && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    (void)env;
+    use = 0;
+#endif
   }
   return use;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KD_TOPK_X86 1
 /* elements [0, V - V % 8): the max and whether any is NaN; returns how many */
 __attribute__((target("avx2"))) static int64_t kd_topk_max_avx2(const float *x, int64_t V, float *m, int *nan) {
   if (V < 8) return 0;
@@ -160,7 +167,8 @@ static void kd_draft_topk_row(const float *x, int64_t V, int64_t w, float *lp, i
   int64_t v = 0;
   int nan = 0;
 #ifdef KD_TOPK_X86
-  if (kd_topk_avx2()) v = kd_topk_max_avx2(x, V, &m, &nan);
+  const int avx2 = kd_host_avx2();
+  if (avx2) v = kd_topk_max_avx2(x, V, &m, &nan);
 #endif
   for (; v < V; v++) {
     if (x[v] > m) m = x[v];
@@ -170,7 +178,7 @@ static void kd_draft_topk_row(const float *x, int64_t V, int64_t w, float *lp, i
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   v = 0;
 #ifdef KD_TOPK_X86
-  if (kd_topk_avx2()) v = kd_topk_expsum_avx2(x, V, m, acc);
+  if (avx2) v = kd_topk_expsum_avx2(x, V, m, acc);
 #endif
   for (; v < V; v++) acc[v % 8] += (double)kd_expf(x[v] - m);
   for (int h = 4; h >= 1; h /= 2)
@@ -181,7 +189,7 @@ static void kd_draft_topk_row(const float *x, int64_t V, int64_t w, float *lp, i
   int64_t n = 0;
   for (v = 0; v < V; v++) {
 #ifdef KD_TOPK_X86
-    if (n == w && (v & 7) == 0 && kd_topk_avx2()) { /* skip whole chunks with nothing above the w-th best */
+    if (avx2 && n == w && (v & 7) == 0) { /* skip whole chunks with nothing above the w-th best */
       v = kd_topk_next_avx2(x, v, V, m, c, lp[w - 1]);
       if (v >= V) break;
     }

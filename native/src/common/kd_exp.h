@@ -12,6 +12,9 @@
  * same operations on eight lanes, so the AVX2 and portable loops agree bit for bit, and libm's scalar expf (a
  * function call per element, 10 % of a tree verify in perf) is out of the hot loops. NaN stays NaN; overflow is
  * +inf past ln(FLT_MAX); below -103.97 (under half the least subnormal) the result is +0. */
+/* 1 when the AVX2 + FMA paths run (the CPU has them and KDTREE_CPU_GENERIC=1 is not set); kd_common.c */
+__attribute__((visibility("hidden"))) int kd_host_avx2(void);
+
 #define KD_EXP_HI 88.72283935546875f
 #define KD_EXP_LO -103.97207641601562f
 #define KD_EXP_LOG2E 1.44269504088896341f

@@ -106,25 +106,6 @@ __attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, floa
   return _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s));
 }
 
-#endif
-
-/* KDTREE_CPU_GENERIC=1 forces the portable loops (the tests compare both paths bit for bit). */
-static int kd_use_avx2(void) {
-  static int use = -1;
-  if (use < 0) {
-    const char *env = getenv("KDTREE_CPU_GENERIC");
-#if defined(__x86_64__) && defined(__GNUC__)
-    use = !(env && env[0] == '1') && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    (void)env;
-    use = 0;
-#endif
-  }
-  return use;
-}
-
-
-#if defined(__x86_64__) && defined(__GNUC__)
 /* elements [0, n - n % 8) of kd_silu_mul_span; returns how many */
 __attribute__((target("avx2"))) static int64_t kd_silu_mul_avx2(const float *gate, const float *up, float *out,
                                                                 int64_t n) {
@@ -278,14 +259,14 @@ __attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, con
 
 static float kd_dot(const float *w, const float *x, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) return kd_dot_avx2(w, x, n);
+  if (kd_host_avx2()) return kd_dot_avx2(w, x, n);
 #endif
   return kd_dot_f32(w, x, n);
 }
 
 static void kd_dot_1x4(const float *w, const float *x, int64_t n, float *r) { /* x rows t..t+3, stride n */
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) {
+  if (kd_host_avx2()) {
     kd_dot_1x4_avx2(w, x, x + n, x + 2 * n, x + 3 * n, n, r);
     return;
   }
@@ -295,7 +276,7 @@ static void kd_dot_1x4(const float *w, const float *x, int64_t n, float *r) { /*
 
 static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, float *r) { /* w rows, stride ws */
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) {
+  if (kd_host_avx2()) {
     kd_dot_4x1_avx2(w, ws, x, n, r);
     return;
   }
@@ -679,13 +660,13 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", out);
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (T >= 2 && kd_use_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
+  if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
     kd_linear_direct(x, n_in, w, n_in, out, n_out, T, n_in, n_out);
     return KD_OK;
   }
-  if (T >= 2 && kd_use_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
+  if (T >= 2 && kd_host_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
     return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
-  if (kd_use_avx2()) {
+  if (kd_host_avx2()) {
     kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
   }
@@ -733,7 +714,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   const uint32_t *qp = (const uint32_t *)packed;
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) {
+  if (kd_host_avx2()) {
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
       int64_t n3 = (n_out + 2) / 3;
@@ -802,7 +783,7 @@ KD_CLONES int kd_rms_norm(const float *x, const float *w, float *out, int64_t T,
 static void kd_silu_mul_span(const float *gate, const float *up, float *out, int64_t n) {
   int64_t i = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) i = kd_silu_mul_avx2(gate, up, out, n);
+  if (kd_host_avx2()) i = kd_silu_mul_avx2(gate, up, out, n);
 #endif
   for (; i < n; i++) out[i] = kd_silu_mul_cpu(gate[i], up[i]);
 }
@@ -811,7 +792,7 @@ static void kd_silu_mul_span(const float *gate, const float *up, float *out, int
 void kd_exp_inplace(float *p, int64_t n) {
   int64_t i = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kd_use_avx2()) i = kd_exp_avx2(p, n);
+  if (kd_host_avx2()) i = kd_exp_avx2(p, n);
 #endif
   for (; i < n; i++) p[i] = kd_expf(p[i]);
 }
@@ -908,7 +889,7 @@ void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visi
     memset(ot, 0, sizeof(float) * (size_t)(H * L));
     if (n == 0) continue;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (kd_use_avx2()) { /* the same dots and sums as below, in register tiles */
+    if (kd_host_avx2()) { /* the same dots and sums as below, in register tiles */
       kd_mla_row_avx2(qt, kv, keys, n, n_prefix, p, ot, H, L, E, scale);
       continue;
     }
@@ -1018,7 +999,7 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
   KD_CHECK_PTR("kd_head_linear_f32", w);
   KD_CHECK_PTR("kd_head_linear_f32", out);
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (T >= 2 && n_in <= KD_KC && kd_use_avx2()) { /* the same dots as below, in register tiles over the rows */
+  if (T >= 2 && n_in <= KD_KC && kd_host_avx2()) { /* the same dots as below, in register tiles over the rows */
     if (kd_par_worth(T * H * n_in * n_out, H)) { /* whole heads per thread */
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
       for (int64_t h = 0; h < H; h++)
