@@ -31,7 +31,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeT
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 5  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 6  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -472,21 +472,31 @@ class NativeOps(Ops):
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         # whole-model forwards in one library call (cpu: kd_forward.c; cuda: kd_forward.cu, on a device only);
-        # False = the per-op path (same kernels). The CUDA build has no drafter forward yet: it drafts per op.
-        self.native_forward = hasattr(self._c, "kd_model_forward") and (self._host or self.lib.device_count > 0)
-        self.native_drafter_forward = self._host and hasattr(self._c, "kd_drafter_create")
+        # False = the per-op path (same kernels). The drafter likewise (kd_drafter_*; backend.drafter_forward=per_op
+        # keeps the CUDA drafter on the per-op path).
+        runs = self._host or self.lib.device_count > 0
+        self.native_forward = hasattr(self._c, "kd_model_forward") and runs
+        self.native_drafter_forward = hasattr(self._c, "kd_drafter_create") and runs
 
     def native_target(self, model: Any) -> Optional[Any]:
         """K2Model's weights registered for kd_model_forward (NativeTarget), or None where it does not apply."""
         if not self.native_forward:
             return None
-        return NativeTarget(model, self.lib)
+        target = NativeTarget(model, self.lib)
+        self._targets = [r for r in getattr(self, "_targets", []) if r() is not None] + [weakref.ref(target)]
+        return target
 
     def native_drafter(self, drafter: Any) -> Optional[Any]:
-        """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None."""
+        """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None. A drafter over
+        the very embed and lm_head arrays of a target registered here shares that target's (device) copies."""
         if not self.native_drafter_forward:
             return None
-        return NativeDrafter(drafter, self.lib)
+        target = None
+        for ref in getattr(self, "_targets", []):
+            t = ref()
+            if t is not None and t.embed_src is drafter.embed and t.lm_head_src is drafter.lm_head:
+                target = t
+        return NativeDrafter(drafter, self.lib, target)
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:
@@ -716,6 +726,12 @@ def make_ops(kind: str, backend_cfg: Any) -> Ops:
         raise ConfigError(f"backend.threads={getattr(backend_cfg, 'threads', None)!r} must be an integer >= 0 "
                           f"(0 = every core, or OMP_NUM_THREADS); e.g. backend.threads=4")
     ops.lib.set_threads(threads)
+    mode = "native" if isinstance(backend_cfg, str) else str(getattr(backend_cfg, "drafter_forward", "") or "native")
+    if mode not in ("native", "per_op"):
+        raise ConfigError(f"backend.drafter_forward={mode!r}; use native (one library call per drafter extend / "
+                          f"draft) or per_op (one call per op)")
+    if mode == "per_op":
+        ops.native_drafter_forward = False
     return ops
 
 

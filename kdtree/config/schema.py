@@ -108,6 +108,7 @@ class BackendConfig:
     library: str = ""
     device: str = "cpu"
     threads: int = 0     # cpu: OpenMP threads of the native forward (0 = every core; serve keeps one for HTTP)
+    drafter_forward: str = "native"  # cpu|cuda: native (kd_drafter_*, one call per extend / draft) | per_op
 
 
 @dataclass

@@ -314,6 +314,10 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
         raise ConfigError(f"host.supervisor={cfg.host.supervisor} is unknown; use nohup or systemd")
     if cfg.backend.name not in BACKENDS:
         raise ConfigError(f"backend.name={cfg.backend.name} is unknown; use backend=numpy, cpu or cuda")
+    drafter_forward = cfg.backend.get("drafter_forward", "native")
+    if drafter_forward not in ("native", "per_op"):
+        raise ConfigError(f"backend.drafter_forward={drafter_forward} is unknown; use native (one library call per "
+                          f"drafter extend / draft) or per_op")
     validate_load(cfg)
     validate_serve(cfg)
     validate_bench_load(cfg)

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 5   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 6   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -225,8 +225,9 @@ int kd_model_reserve(kd_model *m, int64_t rows);
  * the model on the device: kd_model_create uploads every weight once (f32 tensors whose values are all exact
  * bfloat16 are kept as BF16 and widened exactly in the kernels; INT4 stays packed, scales BF16 when exact), so the
  * caller's arrays are not needed after it returns. Cache slots and scratch are device memory; kd_cache_rows gives
- * a DEVICE pointer (read it with kd_memcpy_d2h). all_reduce gets a pinned host copy of x. The drafter calls fail
- * with KD_EINVAL there (not ported yet). */
+ * a DEVICE pointer (read it with kd_memcpy_d2h). all_reduce gets a pinned host copy of x. The drafter's
+ * forward runs on the device too (its feats and logits stay HOST arrays); desc.target shares the target's embed
+ * and lm_head. */
 
 /* CUDA graphs: forwards of exactly rows[i] rows (i < n <= 16) are captured once per output shape (n_out, logits,
  * argmax, hidden layers) and replayed; other row counts launch eagerly (stderr says so once). Replaces the previous
@@ -254,6 +255,9 @@ typedef struct {
   const float *embed;                        /* [V, D] (the target's) */
   kd_weight lm_head;                         /* [V, D] (the target's) */
   const kd_drafter_layer *layers;            /* [n_layers], copied at create */
+  const kd_model *target;                    /* CUDA: the target whose DEVICE embed / lm_head these are (it must
+                                                outlive the drafter), so they are not uploaded twice; NULL = the
+                                                drafter's own copies. The CPU build reads embed / lm_head above. */
 } kd_drafter_desc;
 
 typedef struct kd_drafter kd_drafter;

@@ -90,6 +90,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["bench_peer.trees=[chain-w2-d5]"], r"item 'chain-w2-d5': a chain has width 1"),
     (["tree=ar", "bench_peer.trees=[chain-d7]"], r"bench_peer.trees=\['chain-d7'\] with tree=ar: .* set tree=ddtree"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
+    (["backend=cuda", "backend.drafter_forward=fast"], r"backend.drafter_forward=fast is unknown; use native .* or per_op"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
     cfg = _compose(*overrides)

@@ -1,6 +1,6 @@
 """The CUDA whole-model forward (native/src/cuda/kd_forward.cu) on a device: parity with the numpy reference,
-batch invariance of the whole forward, CUDA graph replay == eager launch, the drafter's per-op CUDA path, and the
-decode-step times gpu_check.sh prints. Every test is marked gpu and skipped here with "no CUDA device: ...".
+batch invariance of the whole forward, CUDA graph replay == eager launch, the drafter's forward (native and per
+op), and the decode-step times gpu_check.sh prints. Every test is marked gpu and skipped here with "no CUDA device: ...".
 
 Tolerances: the CUDA kernels sum in warp lane order (kd_cuda.cu), not numpy's BLAS order; through the tiny model's
 layers that stays within the CPU build's 1e-4 (the same float32 formulas, a different summation order).
@@ -99,22 +99,59 @@ def test_cuda_graph_replay_equals_eager(tiny_cfg, tiny_weights):
     assert eager._native.graph_stats()["graphs"] == 0
 
 
-def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights):
-    """The drafter on backend=cuda (per-op CUDA kernels: its whole forward is not ported yet) vs numpy."""
+@pytest.mark.parametrize("quant", ["fp32", "int4"])
+def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
+    """The drafter's whole forward on the device (kd_drafter_extend / kd_drafter_draft of kd_forward.cu) vs numpy,
+    over several context chunks and a truncation; and the per-op CUDA path (backend.drafter_forward=per_op) too."""
     from kdtree.backends.numpy_ops import NumpyOps
     from kdtree.model.drafter import DFlashDrafter
     from kdtree.model.names import drafter_tensor_shapes, init_weights
+    weights = dict(tiny_weights)
+    if quant == "int4":   # the shared lm_head packed: the drafter takes it packed
+        from kdtree.quant import int4
+        packed, scale, shape = int4.quantize_weight(tiny_weights["lm_head.weight"], 32)
+        weights["lm_head.weight"] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
-    embed, head = tiny_weights["model.embed_tokens.weight"], tiny_weights["lm_head.weight"]
+    embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     ref = DFlashDrafter(tiny_cfg, dw, NumpyOps(), embed, head)
     cu = DFlashDrafter(tiny_cfg, dw, native.NativeOps("cuda"), embed, head)
+    per_op_ops = native.NativeOps("cuda")
+    per_op_ops.native_drafter_forward = False
+    po = DFlashDrafter(tiny_cfg, dw, per_op_ops, embed, head)
+    assert cu._native is not None and po._native is None
     rng = np.random.default_rng(0)
-    chunk = {i: rng.standard_normal((6, tiny_cfg.hidden_size)).astype(np.float32)
+    chunks = [{i: rng.standard_normal((n, tiny_cfg.hidden_size)).astype(np.float32)
+               for i in tiny_cfg.drafter.target_layer_ids} for n in (6, 1, 3)]
+    rc, cc, pc = ref.new_cache(32), cu.new_cache(32), po.new_cache(32)
+    for chunk in chunks:
+        ref.extend(rc, chunk), cu.extend(cc, chunk), po.extend(pc, chunk)
+        assert cc.length == rc.length
+        for bonus in (5, 200):
+            want = ref.draft(rc, bonus)
+            np.testing.assert_allclose(cu.draft(cc, bonus), want, **TOL)
+            np.testing.assert_allclose(po.draft(pc, bonus), want, **TOL)
+    cc.truncate(4), rc.truncate(4)
+    assert cc.length == 4
+    np.testing.assert_allclose(cu.draft(cc, 9), ref.draft(rc, 9), **TOL)
+
+
+def test_cuda_drafter_shares_the_targets_device_embed_and_lm_head(tiny_cfg, tiny_weights):
+    """from_target on backend=cuda: the drafter reads the target model's device embed / lm_head (desc.target) and
+    drafts the same bits as a drafter with its own uploaded copies."""
+    from kdtree.model.drafter import DFlashDrafter
+    from kdtree.model.names import drafter_tensor_shapes, init_weights
+    model = _cuda_model(tiny_cfg, tiny_weights)
+    dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
+    shared = DFlashDrafter.from_target(model, dw)
+    alone = DFlashDrafter(tiny_cfg, dw, model.ops, model.embed_tokens.copy(), model.lm_head_w.copy())
+    assert shared._native._target is model._native and alone._native._target is None
+    rng = np.random.default_rng(4)
+    chunk = {i: rng.standard_normal((5, tiny_cfg.hidden_size)).astype(np.float32)
              for i in tiny_cfg.drafter.target_layer_ids}
-    rc, cc = ref.new_cache(32), cu.new_cache(32)
-    ref.extend(rc, chunk), cu.extend(cc, chunk)
-    for bonus in (5, 200):
-        np.testing.assert_allclose(cu.draft(cc, bonus), ref.draft(rc, bonus), **TOL)
+    cs, ca = shared.new_cache(16), alone.new_cache(16)
+    shared.extend(cs, chunk), alone.extend(ca, chunk)
+    for bonus in (3, 77):
+        np.testing.assert_array_equal(shared.draft(cs, bonus), alone.draft(ca, bonus))
 
 
 def test_cuda_decode_step_times(tiny_cfg, tiny_weights):

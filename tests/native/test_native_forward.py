@@ -174,9 +174,60 @@ def test_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     assert nc.length == 4
 
 
+def test_drafter_forward_per_op_knob_drafts_the_same(tiny_cfg, tiny_weights):
+    """backend.drafter_forward=per_op (make_ops) keeps the drafter on the per-op path, the fallback for a device
+    where the native drafter misbehaves: no native handle, and the same drafts within the suite's tolerance."""
+    from types import SimpleNamespace
+    from kdtree.model.drafter import DFlashDrafter
+    dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
+    embed, head = tiny_weights["model.embed_tokens.weight"], tiny_weights["lm_head.weight"]
+    drafters = {}
+    for mode in ("native", "per_op"):
+        ops = native.make_ops("cpu", SimpleNamespace(library="", threads=0, drafter_forward=mode))
+        drafters[mode] = DFlashDrafter(tiny_cfg, dw, ops, embed, head)
+    assert drafters["native"]._native is not None and drafters["per_op"]._native is None
+    rng = np.random.default_rng(3)
+    chunk = {i: rng.standard_normal((5, tiny_cfg.hidden_size)).astype(np.float32)
+             for i in tiny_cfg.drafter.target_layer_ids}
+    caches = {k: d.new_cache(16) for k, d in drafters.items()}
+    for k, d in drafters.items():
+        d.extend(caches[k], chunk)
+    np.testing.assert_allclose(drafters["per_op"].draft(caches["per_op"], 7),
+                               drafters["native"].draft(caches["native"], 7), **TOL)
+    with pytest.raises(native.ConfigError, match=r"backend.drafter_forward='fast'; use native .* or per_op"):
+        native.make_ops("cpu", SimpleNamespace(library="", threads=0, drafter_forward="fast"))
+
+
+def test_drafter_from_target_shares_the_targets_embed_and_lm_head(tiny_cfg, tiny_weights):
+    """DFlashDrafter.from_target over a native model hands the model's handle to kd_drafter_create (desc.target:
+    the CUDA build then reads the target's device embed / lm_head instead of a second copy; the CPU build reads
+    the same host arrays either way), keeps the target alive, and drafts as a drafter built without it."""
+    import gc
+    import weakref
+    from kdtree.model.drafter import DFlashDrafter
+    from kdtree.model.k2 import K2Model
+    ops = native.NativeOps("cpu")
+    model = K2Model(tiny_cfg, tiny_weights, ops)
+    dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
+    shared = DFlashDrafter.from_target(model, dw)
+    alone = DFlashDrafter(tiny_cfg, dw, ops, model.embed_tokens.copy(), model.lm_head_w.copy())
+    assert shared._native._target is model._native and shared._native._desc.target == model._native.handle
+    assert alone._native._target is None
+    rng = np.random.default_rng(4)
+    chunk = {i: rng.standard_normal((4, tiny_cfg.hidden_size)).astype(np.float32)
+             for i in tiny_cfg.drafter.target_layer_ids}
+    cs, ca = shared.new_cache(16), alone.new_cache(16)
+    shared.extend(cs, chunk), alone.extend(ca, chunk)
+    target = weakref.ref(model._native)
+    del model
+    gc.collect()
+    assert target() is not None   # the drafter keeps the target it reads alive
+    np.testing.assert_array_equal(shared.draft(cs, 11), alone.draft(ca, 11))
+
+
 def test_cuda_forward_without_a_device_fails_in_one_clear_line():
     """libkdtree_cuda.so has the whole-model forward (kd_forward.cu); with no device, creating a model fails with
-    KD_ENODEV and one line naming the cause and the fix, and the drafter (not ported yet) says so."""
+    KD_ENODEV and one line naming the cause and the fix; the drafter's likewise."""
     path = native.library_path("cuda")
     if not path.exists():
         pytest.skip("libkdtree_cuda.so not built (no nvcc)")
@@ -192,9 +243,16 @@ def test_cuda_forward_without_a_device_fails_in_one_clear_line():
     else:
         assert rc == -1 and "bad sizes" in lib.last_error()   # an empty descriptor
     dh = lib.ffi.new("kd_drafter **")
-    assert lib.c.kd_drafter_create(lib.ffi.new("kd_drafter_desc *"), dh) == -1
-    assert "not in the CUDA build yet" in lib.last_error()
-    assert native.NativeOps("cuda").native_forward == (lib.device_count > 0)
+    rc = lib.c.kd_drafter_create(lib.ffi.new("kd_drafter_desc *"), dh)
+    assert dh[0] == lib.ffi.NULL
+    if lib.device_count == 0:
+        msg = lib.last_error()
+        assert rc == -2 and msg.startswith("kd_drafter_create: no CUDA device (") and msg.endswith("use backend=cpu")
+        assert "\n" not in msg
+    else:
+        assert rc == -1 and "bad sizes" in lib.last_error()
+    ops = native.NativeOps("cuda")
+    assert ops.native_forward == ops.native_drafter_forward == (lib.device_count > 0)
 
 
 def test_cpu_build_accepts_graph_buckets_and_reports_no_graphs(tiny_cfg, tiny_weights):

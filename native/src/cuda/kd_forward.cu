@@ -26,8 +26,7 @@
  * INT4 stays packed; its scales are kept BF16 when exact (compressed-tensors stores them BF16), else float32.
  * Tensor parallel: desc.all_reduce is called on a pinned host copy (D2H, callback, H2D); with it set, graphs are
  * off (a host callback cannot be captured). NCCL on the stream is the next step.
- * The DFlash drafter (kd_drafter_*) is not ported yet: those entry points fail with a clear message and the
- * engine drafts through the per-op path. */
+ * The DFlash drafter (kd_drafter_*, at the end of this file) runs on the device too, eagerly (no graphs yet). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
@@ -102,7 +101,7 @@ struct kd_model {
   const __nv_bfloat16 *embed_bf16;
   fw_w lm_head;
   char *arena;                          /* every weight, one allocation */
-  size_t arena_bytes, arena_used;
+  size_t arena_bytes;
   fw_slot *slots;
   int64_t n_slots;
   float *pool;          /* kd_model_reserve: pool_rows x n_layers x (L+R) floats, slots carved as row ranges */
@@ -541,10 +540,12 @@ __global__ void fw_keep_kernel(float *__restrict__ kv, int64_t max_len, int64_t 
 
 /* ---- weight upload: every tensor into one device arena (pass 0 sizes it, pass 1 copies) ---------------- */
 typedef struct {
-  kd_model *m;
+  char *arena;      /* pass 1: the device allocation of `need` bytes, filled from `used` on */
+  size_t used;
   int pass;
   size_t need;
   int rc;
+  const char *fn;   /* the entry point, for errors */
 } fw_up;
 
 static int fw_bf16_exact(const float *a, int64_t n) {
@@ -562,13 +563,12 @@ static void *fw_put(fw_up *u, const void *src, size_t bytes) {
     u->need += fw_align(bytes);
     return NULL;
   }
-  kd_model *m = u->m;
-  void *dst = m->arena + m->arena_used;
-  m->arena_used += fw_align(bytes);
+  void *dst = u->arena + u->used;
+  u->used += fw_align(bytes);
   cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
   if (e != cudaSuccess) {
     cudaGetLastError(); /* reported here, not by a later launch's check */
-    u->rc = kd_fail(KD_ECUDA, "kd_model_create: weight upload: %s", cudaGetErrorString(e));
+    u->rc = kd_fail(KD_ECUDA, "%s: weight upload: %s", u->fn, cudaGetErrorString(e));
   }
   return dst;
 }
@@ -580,7 +580,7 @@ static const void *fw_put_f32(fw_up *u, const float *src, int64_t n, int allow_b
   if (u->pass == 0) return fw_put(u, src, 2 * (size_t)n);
   uint16_t *tmp = (uint16_t *)malloc(2 * (size_t)n + 2);
   if (!tmp) {
-    u->rc = kd_fail(KD_ENOMEM, "kd_model_create: out of host memory (%lld values)", (long long)n);
+    u->rc = kd_fail(KD_ENOMEM, "%s: out of host memory (%lld values)", u->fn, (long long)n);
     return NULL;
   }
   for (int64_t i = 0; i < n; i++) {
@@ -785,7 +785,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   kd_model_desc full = *d; /* uploads read the caller's descriptor */
   kd_model_desc keep = m->d;
   m->d = full;
-  fw_up u = {m, 0, 0, 0};
+  fw_up u = {NULL, 0, 0, 0, 0, "kd_model_create"};
   int rc = fw_upload(m, &u);
   if (!rc) {
     e = cudaMalloc((void **)&m->arena, u.need ? u.need : 1);
@@ -797,6 +797,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
                                 "device", u.need, cudaGetErrorString(e));
     }
     m->arena_bytes = u.need;
+    u.arena = m->arena;
     u.pass = 1;
     rc = fw_upload(m, &u);
     /* a pageable cudaMemcpy may return before its last DMA lands, and m->stream (non-blocking) does not wait for
@@ -899,19 +900,29 @@ static int fw_reserve_vis(kd_model *m, int64_t words) {
 }
 
 /* ---- the kernel sequence of one forward (eager or under capture) --------------------------------------- */
-static int fw_lin(kd_model *m, const fw_w *w, const float *x, float *out, int64_t T) {
+/* out[T, n_out] = x[T, n_in] w^T on stream st (fn names the entry point in an error) */
+static int fw_lin_on(cudaStream_t st, const char *fn, const fw_w *w, const float *x, float *out, int64_t T) {
   if (T == 0) return KD_OK;
   dim3 grid((unsigned)((w->n_out + FW_WARPS - 1) / FW_WARPS), (unsigned)T);
-  fw_linear_kernel<<<grid, 32 * FW_WARPS, 0, m->stream>>>(*w, x, w->n_in, out, w->n_out);
-  return fw_launched("linear");
+  fw_linear_kernel<<<grid, 32 * FW_WARPS, 0, st>>>(*w, x, w->n_in, out, w->n_out);
+  return fw_err_in(fn, cudaGetLastError(), "linear");
+}
+
+static int fw_lin(kd_model *m, const fw_w *w, const float *x, float *out, int64_t T) {
+  return fw_lin_on(m->stream, "kd_model_forward", w, x, out, T);
+}
+
+static int fw_mlp_rows_on(cudaStream_t st, const char *fn, const fw_mlp *p, const float *x, float *y, int64_t n,
+                          float *g, float *u) {
+  int64_t I = p->gate.n_out;
+  FW_TRY(fw_lin_on(st, fn, &p->gate, x, g, n));
+  FW_TRY(fw_lin_on(st, fn, &p->up, x, u, n));
+  FW_TRY(kd_silu_mul(g, u, g, n, I, st));
+  return fw_lin_on(st, fn, &p->down, g, y, n);
 }
 
 static int fw_mlp_rows(kd_model *m, const fw_mlp *p, const float *x, float *y, int64_t n, float *g, float *u) {
-  int64_t I = p->gate.n_out;
-  FW_TRY(fw_lin(m, &p->gate, x, g, n));
-  FW_TRY(fw_lin(m, &p->up, x, u, n));
-  FW_TRY(kd_silu_mul(g, u, g, n, I, m->stream));
-  return fw_lin(m, &p->down, g, y, n);
+  return fw_mlp_rows_on(m->stream, "kd_model_forward", p, x, y, n, g, u);
 }
 
 static int fw_reduce(kd_model *m, float *x, int64_t n) {
@@ -1400,39 +1411,471 @@ extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   return KD_OK;
 }
 
-/* ---- the DFlash drafter: not ported to CUDA yet (the engine drafts through the per-op path) -------------- */
-#define FW_NO_DRAFTER(fn) \
-  kd_fail(KD_EINVAL, "%s: the DFlash drafter forward is not in the CUDA build yet; the engine drafts per op", fn)
+/* ---- the DFlash drafter (kd_forward.c's kd_drafter_*, the same order of operations) ------------------------
+ * Weights uploaded once into its own arena (embed / lm_head are the target's tensors: with desc.target the
+ * drafter reads the target model's device copies, else it uploads its own), per-slot K/V context caches on the
+ * device, grow-only device scratch, one stream. feats and logits are HOST arrays, as in the CPU build: one H2D
+ * of the context rows per extend, one D2H of the block's logits per sequence. Its linears are fw_linear_kernel's
+ * warp dots; the attention is one block per (query, head) over the cached + block keys (scores in scratch,
+ * softmax, weighted values: kd_forward.c's formulas in a different summation order, so parity is within the
+ * suite's tolerance, as the CPU build's). No CUDA graphs yet: a draft is ~20 launches per layer. */
+typedef struct {
+  const float *in_norm, *post_norm, *q_norm, *k_norm; /* device */
+  fw_w q, k, v, o;
+  fw_mlp mlp;
+} fw_dlayer;
+
+typedef struct {
+  float *k, *v; /* device [n_layers][max_len][Hkv*hd] each */
+  int64_t max_len, length;
+  int used;
+} fw_dslot;
+
+struct kd_drafter {
+  kd_drafter_desc d; /* sizes only: the caller's pointers are read during create */
+  fw_dlayer *layers; /* host array of device pointers */
+  fw_w fc, lm_head;
+  const float *hidden_norm, *final_norm, *embed_f32;
+  const __nv_bfloat16 *embed_bf16;
+  char *arena;
+  size_t arena_bytes;
+  fw_dslot *slots;
+  int64_t n_slots, kvw, inter;
+  cudaStream_t stream;
+  char *scratch; /* device, grow-only */
+  size_t scratch_bytes;
+  char *host; /* host staging of rope tables and block tokens, grow-only */
+  size_t host_bytes;
+};
+
+/* x [T, H, hd] in place: (a c - b s, b c + a s) over the two halves (kd_forward.c's kd_rope_half); grid T * H */
+__global__ void fw_rope_half_kernel(float *__restrict__ x, const float *__restrict__ cs, int64_t H, int64_t hd) {
+  const int64_t r = blockIdx.x / H, half = hd / 2;
+  float *v = x + (int64_t)blockIdx.x * hd;
+  const float *c = cs + r * hd, *s = c + half;
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    float a = v[i], b = v[i + half];
+    v[i] = a * c[i] + -b * s[i];
+    v[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+/* the drafter's non-causal GQA: block u = (query t, head hh) over n cached + B block keys; p: ps floats per block */
+__global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__restrict__ kc, const float *__restrict__ vc,
+                                const float *__restrict__ kb, const float *__restrict__ vb, int64_t n, int64_t B,
+                                int64_t hq, int64_t hkv, int64_t hd, float scale, float *__restrict__ p, int64_t ps,
+                                float *__restrict__ o) {
+  __shared__ float red[FW_ATT_THREADS];
+  const int64_t u = blockIdx.x, t = u / hq, hh = u % hq, W = hkv * hd, kvh = hh / (hq / hkv), S = n + B;
+  const float *qr = q + (t * hq + hh) * hd;
+  float *pr = p + u * ps;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
+  for (int64_t j = warp; j < S; j += nwarps) {
+    const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
+    float s = 0.0f;
+    for (int64_t d = lane; d < hd; d += 32) s += qr[d] * kr[d];
+    s = fw_warp_sum(s);
+    if (lane == 0) pr[j] = s * scale;
+  }
+  __syncthreads();
+  float m = -INFINITY;
+  for (int64_t j = tid; j < S; j += FW_ATT_THREADS) m = fmaxf(m, pr[j]);
+  red[tid] = m;
+  __syncthreads();
+  for (int s = FW_ATT_THREADS / 2; s >= 1; s >>= 1) {
+    if (tid < s) red[tid] = fmaxf(red[tid], red[tid + s]);
+    __syncthreads();
+  }
+  m = red[0];
+  __syncthreads();
+  float sum = 0.0f;
+  for (int64_t j = tid; j < S; j += FW_ATT_THREADS) {
+    float e = expf(pr[j] - m);
+    pr[j] = e;
+    sum += e;
+  }
+  red[tid] = sum;
+  __syncthreads();
+  for (int s = FW_ATT_THREADS / 2; s >= 1; s >>= 1) {
+    if (tid < s) red[tid] += red[tid + s];
+    __syncthreads();
+  }
+  sum = red[0];
+  float *orow = o + (t * hq + hh) * hd;
+  for (int64_t d = tid; d < hd; d += FW_ATT_THREADS) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < S; j++) {
+      const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
+      acc += (pr[j] / sum) * vr[d];
+    }
+    orow[d] = acc;
+  }
+}
+
+static int fw_dweights_ok(const kd_drafter_desc *d) {
+  int64_t D = d->hidden, hd = d->head_dim;
+  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && fw_weight_ok(&d->lm_head, d->vocab, D) &&
+           d->fc.n_out == D && d->fc.n_in > 0 && fw_weight_ok(&d->fc, D, d->fc.n_in);
+  for (int64_t i = 0; ok && i < d->n_layers; i++) {
+    const kd_drafter_layer *ly = &d->layers[i];
+    ok = ly->in_norm && ly->post_norm && ly->q_norm && ly->k_norm && fw_weight_ok(&ly->q, d->hq * hd, D) &&
+         fw_weight_ok(&ly->k, d->hkv * hd, D) && fw_weight_ok(&ly->v, d->hkv * hd, D) &&
+         fw_weight_ok(&ly->o, D, d->hq * hd) && fw_mlp_ok(&ly->mlp, D);
+  }
+  return ok;
+}
+
+/* one pass over the drafter's descriptor: pass 0 sizes, pass 1 uploads (embed / lm_head: the target's, if given) */
+static int fw_dupload(kd_drafter *dr, const kd_drafter_desc *d, fw_up *u) {
+  int64_t D = d->hidden, hd = d->head_dim;
+  if (d->target) {
+    dr->embed_f32 = d->target->embed_f32, dr->embed_bf16 = d->target->embed_bf16;
+    dr->lm_head = d->target->lm_head;
+  } else {
+    int bf;
+    const void *emb = fw_put_f32(u, d->embed, d->vocab * D, 1, &bf);
+    dr->embed_f32 = bf ? NULL : (const float *)emb;
+    dr->embed_bf16 = bf ? (const __nv_bfloat16 *)emb : NULL;
+    fw_weight(u, &d->lm_head, &dr->lm_head);
+  }
+  dr->hidden_norm = fw_vec(u, d->hidden_norm, D), dr->final_norm = fw_vec(u, d->final_norm, D);
+  fw_weight(u, &d->fc, &dr->fc);
+  for (int64_t i = 0; i < d->n_layers && !u->rc; i++) {
+    const kd_drafter_layer *ly = &d->layers[i];
+    fw_dlayer *fl = &dr->layers[i];
+    fl->in_norm = fw_vec(u, ly->in_norm, D), fl->post_norm = fw_vec(u, ly->post_norm, D);
+    fl->q_norm = fw_vec(u, ly->q_norm, hd), fl->k_norm = fw_vec(u, ly->k_norm, hd);
+    fw_weight(u, &ly->q, &fl->q);
+    fw_weight(u, &ly->k, &fl->k);
+    fw_weight(u, &ly->v, &fl->v);
+    fw_weight(u, &ly->o, &fl->o);
+    fw_mlp_up(u, &ly->mlp, &fl->mlp);
+  }
+  return u->rc;
+}
+
+extern "C" int kd_drafter_destroy(kd_drafter *dr) {
+  if (!dr) return KD_OK;
+  if (dr->stream) cudaStreamSynchronize(dr->stream);
+  for (int64_t s = 0; s < dr->n_slots; s++) {
+    if (dr->slots[s].k) cudaFree(dr->slots[s].k);
+    if (dr->slots[s].v) cudaFree(dr->slots[s].v);
+  }
+  free(dr->slots);
+  if (dr->scratch) cudaFree(dr->scratch);
+  if (dr->arena) cudaFree(dr->arena);
+  if (dr->stream) cudaStreamDestroy(dr->stream);
+  free(dr->host);
+  free(dr->layers);
+  free(dr);
+  return KD_OK;
+}
 
 extern "C" int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
-  (void)desc;
-  if (out) *out = NULL;
-  return FW_NO_DRAFTER("kd_drafter_create");
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_create", desc);
+  KD_CHECK_PTR("kd_drafter_create", out);
+  *out = NULL;
+  if (kd_device_count() <= 0) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", kd_last_error()); /* kd_fail writes the buffer kd_last_error reads */
+    return kd_fail(KD_ENODEV, "kd_drafter_create: no CUDA device (%s); use backend=cpu", why);
+  }
+  const kd_drafter_desc *d = desc;
+  int64_t D = d->hidden, hd = d->head_dim;
+  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || d->hq <= 0 || d->hkv <= 0 || d->hq % d->hkv || hd <= 0 ||
+      hd % 2 || d->block_size < 2)
+    return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
+                   (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
+  if (!fw_dweights_ok(d))
+    return kd_fail(KD_EINVAL, "kd_drafter_create: a weight is missing or its shape disagrees with the sizes");
+  if (d->target && (d->target->d.vocab != d->vocab || d->target->d.hidden != D ||
+                    d->target->lm_head.n_out != d->lm_head.n_out || d->target->lm_head.n_in != d->lm_head.n_in))
+    return kd_fail(KD_EINVAL, "kd_drafter_create: desc.target's embed / lm_head (V=%lld, D=%lld) are not the "
+                              "drafter's (V=%lld, D=%lld); pass the drafter's own target or NULL",
+                   (long long)d->target->d.vocab, (long long)d->target->d.hidden, (long long)d->vocab, (long long)D);
+  kd_drafter *dr = (kd_drafter *)calloc(1, sizeof(kd_drafter));
+  if (!dr || !(dr->layers = (fw_dlayer *)calloc((size_t)d->n_layers, sizeof(fw_dlayer)))) {
+    free(dr);
+    return kd_fail(KD_ENOMEM, "kd_drafter_create: out of memory");
+  }
+  dr->d = *d;
+  dr->d.layers = NULL, dr->d.embed = NULL, dr->d.hidden_norm = dr->d.final_norm = NULL, dr->d.target = NULL;
+  dr->kvw = d->hkv * hd;
+  for (int64_t i = 0; i < d->n_layers; i++)
+    if (d->layers[i].mlp.gate.n_out > dr->inter) dr->inter = d->layers[i].mlp.gate.n_out;
+  cudaError_t e = cudaStreamCreateWithFlags(&dr->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    dr->stream = NULL;
+    kd_drafter_destroy(dr);
+    return kd_fail(KD_ECUDA, "kd_drafter_create: cudaStreamCreate: %s", cudaGetErrorString(e));
+  }
+  fw_up u = {NULL, 0, 0, 0, 0, "kd_drafter_create"};
+  int rc = fw_dupload(dr, d, &u);
+  if (!rc) {
+    e = cudaMalloc((void **)&dr->arena, u.need ? u.need : 1);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      dr->arena = NULL;
+      kd_drafter_destroy(dr);
+      return kd_fail(KD_ENOMEM, "kd_drafter_create: cudaMalloc(%zu bytes of drafter weights): %s", u.need,
+                     cudaGetErrorString(e));
+    }
+    dr->arena_bytes = u.need;
+    u.arena = dr->arena;
+    u.pass = 1;
+    rc = fw_dupload(dr, d, &u);
+    if (!rc) rc = fw_err_in("kd_drafter_create", cudaDeviceSynchronize(), "weight upload"); /* see kd_model_create */
+  }
+  if (rc) {
+    kd_drafter_destroy(dr);
+    return rc;
+  }
+  *out = dr;
+  return KD_OK;
 }
-extern "C" int kd_drafter_destroy(kd_drafter *dr) { return dr ? FW_NO_DRAFTER("kd_drafter_destroy") : KD_OK; }
+
+static fw_dslot *fw_dslot_get(kd_drafter *dr, int64_t slot, const char *fn) {
+  if (!dr || slot < 0 || slot >= dr->n_slots || !dr->slots[slot].used) {
+    kd_fail(KD_EINVAL, "%s: drafter cache slot %lld is not allocated", fn, (long long)slot);
+    return NULL;
+  }
+  return &dr->slots[slot];
+}
+
 extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *slot) {
-  (void)dr, (void)max_len, (void)slot;
-  return FW_NO_DRAFTER("kd_drafter_cache_alloc");
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_cache_alloc", dr);
+  KD_CHECK_PTR("kd_drafter_cache_alloc", slot);
+  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
+  int64_t s = 0;
+  while (s < dr->n_slots && dr->slots[s].used) s++;
+  if (s == dr->n_slots) {
+    fw_dslot *grown = (fw_dslot *)realloc(dr->slots, sizeof(fw_dslot) * (size_t)(dr->n_slots + 1));
+    if (!grown) return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory");
+    dr->slots = grown;
+    memset(&dr->slots[dr->n_slots++], 0, sizeof(fw_dslot));
+  }
+  size_t bytes = sizeof(float) * (size_t)(dr->d.n_layers * max_len * dr->kvw);
+  float *k = NULL, *v = NULL;
+  cudaError_t e = cudaMalloc((void **)&k, bytes);
+  if (e == cudaSuccess) e = cudaMalloc((void **)&v, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    if (k) cudaFree(k);
+    return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: 2 x %zu bytes of device memory for a drafter context of %lld "
+                              "rows: %s", bytes, (long long)max_len, cudaGetErrorString(e));
+  }
+  fw_dslot c = {k, v, max_len, 0, 1};
+  dr->slots[s] = c;
+  *slot = s;
+  return KD_OK;
 }
+
 extern "C" int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
-  (void)dr, (void)slot;
-  return FW_NO_DRAFTER("kd_drafter_cache_free");
+  kd_clear_error();
+  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_free");
+  if (!c) return KD_EINVAL;
+  cudaStreamSynchronize(dr->stream); /* no draft still reads it */
+  cudaFree(c->k), cudaFree(c->v);
+  memset(c, 0, sizeof *c);
+  return KD_OK;
 }
+
 extern "C" int kd_drafter_cache_length(kd_drafter *dr, int64_t slot, int64_t *length) {
-  (void)dr, (void)slot, (void)length;
-  return FW_NO_DRAFTER("kd_drafter_cache_length");
+  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_length");
+  if (!c) return KD_EINVAL;
+  KD_CHECK_PTR("kd_drafter_cache_length", length);
+  *length = c->length;
+  return KD_OK;
 }
+
 extern "C" int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
-  (void)dr, (void)slot, (void)n;
-  return FW_NO_DRAFTER("kd_drafter_cache_truncate");
+  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_truncate");
+  if (!c) return KD_EINVAL;
+  if (n < 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_truncate(%lld): n must be >= 0", (long long)n);
+  if (n < c->length) c->length = n;
+  return KD_OK;
 }
+
+/* grow-only device scratch and host staging (a growth waits for the stream: a queued kernel may still read them) */
+static int fw_dreserve(kd_drafter *dr, const char *fn, size_t dev_bytes, size_t host_bytes) {
+  if (dev_bytes > dr->scratch_bytes) {
+    cudaStreamSynchronize(dr->stream);
+    if (dr->scratch) cudaFree(dr->scratch);
+    dr->scratch = NULL, dr->scratch_bytes = 0;
+    cudaError_t e = cudaMalloc((void **)&dr->scratch, dev_bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      dr->scratch = NULL;
+      return kd_fail(KD_ENOMEM, "%s: drafter scratch of %zu bytes: %s", fn, dev_bytes, cudaGetErrorString(e));
+    }
+    dr->scratch_bytes = dev_bytes;
+  }
+  if (host_bytes > dr->host_bytes) {
+    cudaStreamSynchronize(dr->stream);
+    char *h = (char *)realloc(dr->host, host_bytes);
+    if (!h) return kd_fail(KD_ENOMEM, "%s: out of host memory (%zu bytes)", fn, host_bytes);
+    dr->host = h, dr->host_bytes = host_bytes;
+  }
+  return KD_OK;
+}
+
+/* rotate_half RoPE tables of T positions from `start` (kd_forward.c's kd_rope_half_table): cs [T, hd] */
+static void fw_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta) {
+  int64_t half = hd / 2;
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t i = 0; i < half; i++) {
+      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)hd), ang = (double)(start + r) * inv;
+      cs[r * hd + i] = (float)cos(ang);
+      cs[r * hd + half + i] = (float)sin(ang);
+    }
+}
+
+/* k, v of T rows h [T, D] into kb, vb [T, Hkv*hd]: linear, k_norm, rope (kd_forward.c's kd_drafter_kv) */
+static int fw_dkv(kd_drafter *dr, const char *fn, const fw_dlayer *ly, const float *h, float *kb, float *vb,
+                  int64_t T, const float *cs) {
+  const kd_drafter_desc *d = &dr->d;
+  FW_TRY(fw_lin_on(dr->stream, fn, &ly->k, h, kb, T));
+  FW_TRY(fw_lin_on(dr->stream, fn, &ly->v, h, vb, T));
+  FW_TRY(kd_rms_norm(kb, ly->k_norm, kb, T * d->hkv, d->head_dim, d->eps, dr->stream));
+  fw_rope_half_kernel<<<(unsigned)(T * d->hkv), 64, 0, dr->stream>>>(kb, cs, d->hkv, d->head_dim);
+  return fw_err_in(fn, cudaGetLastError(), "rope");
+}
+
 extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
                                  const float *feats) {
-  (void)dr, (void)n_seqs, (void)slots, (void)row_start, (void)feats;
-  return FW_NO_DRAFTER("kd_drafter_extend");
+  static const char *fn = "kd_drafter_extend";
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_extend", dr);
+  if (n_seqs <= 0 || !slots || !row_start || row_start[0] != 0)
+    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with slots and row_start from 0 required",
+                   (long long)n_seqs);
+  const kd_drafter_desc *d = &dr->d;
+  int64_t N = row_start[n_seqs], D = d->hidden, W = dr->kvw, hd = d->head_dim, F = dr->fc.n_in;
+  for (int64_t s = 0; s < n_seqs; s++) {
+    fw_dslot *c = fw_dslot_get(dr, slots[s], fn);
+    if (!c) return KD_EINVAL;
+    int64_t T = row_start[s + 1] - row_start[s];
+    if (T < 0 || c->length + T > c->max_len)
+      return kd_fail(KD_EINVAL, "kd_drafter_extend: drafter context %lld + %lld exceeds its cache max_len=%lld",
+                     (long long)c->length, (long long)T, (long long)c->max_len);
+  }
+  if (N == 0) return KD_OK;
+  KD_CHECK_PTR("kd_drafter_extend", feats);
+  size_t o = 0, f_at = fw_take(&o, sizeof(float) * (size_t)(N * F));
+  size_t ctx_at = fw_take(&o, sizeof(float) * (size_t)(N * D)), cs_at = fw_take(&o, sizeof(float) * (size_t)(N * hd));
+  size_t kb_at = fw_take(&o, sizeof(float) * (size_t)(N * W)), vb_at = fw_take(&o, sizeof(float) * (size_t)(N * W));
+  FW_TRY(fw_dreserve(dr, fn, o, sizeof(float) * (size_t)(N * hd)));
+  char *sb = dr->scratch;
+  float *fd = (float *)(sb + f_at), *ctx = (float *)(sb + ctx_at), *cs = (float *)(sb + cs_at);
+  float *kb = (float *)(sb + kb_at), *vb = (float *)(sb + vb_at), *csh = (float *)dr->host;
+  for (int64_t s = 0; s < n_seqs; s++)
+    fw_rope_half_table(csh + row_start[s] * hd, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s], hd,
+                       d->rope_theta);
+  cudaStream_t st = dr->stream;
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(fd, feats, sizeof(float) * (size_t)(N * F), cudaMemcpyHostToDevice, st),
+                   "context upload"));
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(cs, csh, sizeof(float) * (size_t)(N * hd), cudaMemcpyHostToDevice, st),
+                   "rope upload"));
+  FW_TRY(fw_lin_on(st, fn, &dr->fc, fd, ctx, N)); /* ctx = hidden_norm(fc(feats)) */
+  FW_TRY(kd_rms_norm(ctx, dr->hidden_norm, ctx, N, D, d->eps, st));
+  for (int64_t li = 0; li < d->n_layers; li++) {
+    FW_TRY(fw_dkv(dr, fn, &dr->layers[li], ctx, kb, vb, N, cs));
+    for (int64_t s = 0; s < n_seqs; s++) {
+      fw_dslot *c = &dr->slots[slots[s]];
+      int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
+      if (!T) continue;
+      size_t off = (size_t)((li * c->max_len + c->length) * W), bytes = sizeof(float) * (size_t)(T * W);
+      cudaError_t e = cudaMemcpyAsync(c->k + off, kb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
+      if (e == cudaSuccess) e = cudaMemcpyAsync(c->v + off, vb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
+      FW_TRY(fw_err_in(fn, e, "cache write"));
+    }
+  }
+  FW_TRY(fw_err_in(fn, cudaStreamSynchronize(st), "synchronize")); /* the host staging is reused by the next call */
+  for (int64_t s = 0; s < n_seqs; s++) dr->slots[slots[s]].length += row_start[s + 1] - row_start[s];
+  return KD_OK;
 }
+
 extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus,
                                 float *logits) {
-  (void)dr, (void)n_seqs, (void)slots, (void)bonus, (void)logits;
-  return FW_NO_DRAFTER("kd_drafter_draft");
+  static const char *fn = "kd_drafter_draft";
+  kd_clear_error();
+  KD_CHECK_PTR("kd_drafter_draft", dr);
+  KD_CHECK_PTR("kd_drafter_draft", logits);
+  if (n_seqs <= 0 || !slots || !bonus)
+    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with slots and bonus required", (long long)n_seqs);
+  const kd_drafter_desc *d = &dr->d;
+  int64_t B = d->block_size, D = d->hidden, hd = d->head_dim, W = dr->kvw, QW = d->hq * hd, V = d->vocab, maxn = 0;
+  for (int64_t s = 0; s < n_seqs; s++) {
+    fw_dslot *c = fw_dslot_get(dr, slots[s], fn);
+    if (!c) return KD_EINVAL;
+    if (bonus[s] < 0 || bonus[s] >= V)
+      return kd_fail(KD_EINVAL, "kd_drafter_draft: bonus token %d outside the vocabulary of %lld", bonus[s],
+                     (long long)V);
+    if (c->length > maxn) maxn = c->length;
+  }
+  int64_t I = dr->inter, ps = maxn + B;
+  size_t o = 0;
+#define FW_D(name, n) size_t name##_at = fw_take(&o, sizeof(float) * (size_t)(n))
+  FW_D(x, B * D); FW_D(hb, B * D); FW_D(q, B * QW); FW_D(kb, B * W); FW_D(vb, B * W); FW_D(ob, B * QW);
+  FW_D(t, B * D); FW_D(g, B * I); FW_D(u, B * I); FW_D(p, B * d->hq * ps); FW_D(fo, B * D); FW_D(lg, (B - 1) * V);
+  FW_D(cs, n_seqs * B * hd); FW_D(tok, n_seqs * B);
+#undef FW_D
+  size_t host_bytes = sizeof(float) * (size_t)(n_seqs * B * hd) + sizeof(int32_t) * (size_t)(n_seqs * B);
+  FW_TRY(fw_dreserve(dr, fn, o, host_bytes));
+  char *sb = dr->scratch;
+  float *x = (float *)(sb + x_at), *hb = (float *)(sb + hb_at), *q = (float *)(sb + q_at), *kb = (float *)(sb + kb_at);
+  float *vb = (float *)(sb + vb_at), *ob = (float *)(sb + ob_at), *t = (float *)(sb + t_at), *g = (float *)(sb + g_at);
+  float *u = (float *)(sb + u_at), *p = (float *)(sb + p_at), *fo = (float *)(sb + fo_at), *lg = (float *)(sb + lg_at);
+  float *cs = (float *)(sb + cs_at);
+  int32_t *tok = (int32_t *)(sb + tok_at);
+  float *csh = (float *)dr->host;
+  int32_t *tokh = (int32_t *)(dr->host + sizeof(float) * (size_t)(n_seqs * B * hd));
+  for (int64_t s = 0; s < n_seqs; s++) { /* block = [bonus, MASK x (B-1)] at positions n..n+B-1 */
+    fw_rope_half_table(csh + s * B * hd, dr->slots[slots[s]].length, B, hd, d->rope_theta);
+    for (int64_t r = 0; r < B; r++) tokh[s * B + r] = r ? d->mask_token : bonus[s];
+  }
+  cudaStream_t st = dr->stream;
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(cs, csh, sizeof(float) * (size_t)(n_seqs * B * hd), cudaMemcpyHostToDevice,
+                                       st), "rope upload"));
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(tok, tokh, sizeof(int32_t) * (size_t)(n_seqs * B), cudaMemcpyHostToDevice, st),
+                   "token upload"));
+  float scale = (float)(1.0 / sqrt((double)hd));
+  for (int64_t s = 0; s < n_seqs; s++) {
+    fw_dslot *c = &dr->slots[slots[s]];
+    int64_t n = c->length;
+    const float *css = cs + s * B * hd;
+    if (dr->embed_bf16)
+      fw_embed_kernel<<<fw_blocks(B * D), 256, 0, st>>>(dr->embed_bf16, tok + s * B, x, B, D);
+    else
+      fw_embed_kernel<<<fw_blocks(B * D), 256, 0, st>>>(dr->embed_f32, tok + s * B, x, B, D);
+    FW_TRY(fw_err_in(fn, cudaGetLastError(), "embed"));
+    for (int64_t li = 0; li < d->n_layers; li++) {
+      const fw_dlayer *ly = &dr->layers[li];
+      FW_TRY(kd_rms_norm(x, ly->in_norm, hb, B, D, d->eps, st));
+      FW_TRY(fw_lin_on(st, fn, &ly->q, hb, q, B));
+      FW_TRY(kd_rms_norm(q, ly->q_norm, q, B * d->hq, hd, d->eps, st));
+      fw_rope_half_kernel<<<(unsigned)(B * d->hq), 64, 0, st>>>(q, css, d->hq, hd);
+      FW_TRY(fw_err_in(fn, cudaGetLastError(), "rope"));
+      FW_TRY(fw_dkv(dr, fn, ly, hb, kb, vb, B, css));
+      size_t off = (size_t)(li * c->max_len * W);
+      fw_dattn_kernel<<<(unsigned)(B * d->hq), FW_ATT_THREADS, 0, st>>>(q, c->k + off, c->v + off, kb, vb, n, B, d->hq,
+                                                                         d->hkv, hd, scale, p, ps, ob);
+      FW_TRY(fw_err_in(fn, cudaGetLastError(), "attention"));
+      FW_TRY(fw_lin_on(st, fn, &ly->o, ob, t, B));
+      fw_add_kernel<<<fw_blocks(B * D), 256, 0, st>>>(x, t, B * D);
+      FW_TRY(fw_err_in(fn, cudaGetLastError(), "residual"));
+      FW_TRY(kd_rms_norm(x, ly->post_norm, hb, B, D, d->eps, st));
+      FW_TRY(fw_mlp_rows_on(st, fn, &ly->mlp, hb, t, B, g, u));
+      fw_add_kernel<<<fw_blocks(B * D), 256, 0, st>>>(x, t, B * D);
+      FW_TRY(fw_err_in(fn, cudaGetLastError(), "residual"));
+    }
+    FW_TRY(kd_rms_norm(x + D, dr->final_norm, fo, B - 1, D, d->eps, st)); /* rows 1..B-1 */
+    FW_TRY(fw_lin_on(st, fn, &dr->lm_head, fo, lg, B - 1));
+    FW_TRY(fw_err_in(fn, cudaMemcpyAsync(logits + s * (B - 1) * V, lg, sizeof(float) * (size_t)((B - 1) * V),
+                                         cudaMemcpyDeviceToHost, st), "logits download"));
+  }
+  return fw_err_in(fn, cudaStreamSynchronize(st), "synchronize");
 }
