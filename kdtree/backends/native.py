@@ -31,7 +31,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeT
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 6  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 7  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -110,6 +110,9 @@ def _c_contig(a: np.ndarray, dtype, name: str, ndim: int) -> np.ndarray:
     return a
 
 
+_NO_TREE = (None,) * 6   # tree_build_fast's "no previous build to repeat" (nothing `is` None there)
+
+
 class NativeLibrary:
     """One loaded libkdtree_*.so: version/backend/device count read at load, typed wrappers over host arrays."""
 
@@ -123,6 +126,7 @@ class NativeLibrary:
         self.device_count = int(c.kd_device_count())
         self.device_reason = self.last_error() if self.device_count == 0 else ""
         self._local = threading.local()  # per-thread tree_build / tree_accept output buffers
+        self._tree_job = c.kd_tree_build_job
         self._fb_raw = ffi._backend.from_buffer                         # skips ffi's type-string parsing
         self._f32a, self._i32a = ffi.typeof("float[]"), ffi.typeof("int32_t[]")
         self._weights: Dict[int, Tuple[Any, "DeviceArray"]] = {}  # cuda: id -> (weakref to array, device copy)
@@ -198,42 +202,69 @@ class NativeLibrary:
         _c_contig(ids, np.int32, "tree_build ids", 2)
         if logp.shape != ids.shape:
             raise NativeError(f"tree_build: logp {logp.shape} and ids {ids.shape} differ; both are [depth, width]")
-        args, tree = self._tree_slot(logp.shape, budget)
+        job, tree = self._tree_slot(logp.shape, budget)
+        job.logp, job.ids = self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False)
+        self._local.last_tree = _NO_TREE
         t0 = time.perf_counter()
-        rc = self.c.kd_tree_build(self._fb_raw(self._f32a, logp, False), self._fb_raw(self._i32a, ids, False), *args)
+        rc = self._tree_job(job)
         LIBRARY_CLOCK.seconds += time.perf_counter() - t0
         self.check(rc, "tree_build")
+        self._local.last_tree = (logp, ids, budget, logp.shape, job, tree)
         return tree
 
     def tree_build_fast(self, logp: Any, ids: Any, budget: Any):
         """The per-round path: C-contiguous f32/i32 arrays of a shape seen before on this thread -> Tree; None
-        where anything differs (tree_build then checks, allocates and reports). Costs a dict lookup and the call."""
+        where anything differs (tree_build then checks, allocates and reports).
+
+        A decode round passes the same two arrays every time (draft_topk's buffers): when logp and ids are the
+        very arrays of this thread's previous build, with the same shape, dtypes and budget, the call is one
+        pointer to a kd_tree_job that already holds every pointer (the arrays are kept referenced by the job's
+        slot, so their memory cannot move or be reused). Otherwise a dict lookup by shape and the two pointers
+        are set first."""
         try:
-            if logp.dtype is _F32 and ids.dtype is _I32 and logp.shape == ids.shape:
-                args, tree = self._local.trees[(logp.shape, budget)]
-                fb = self._fb_raw   # raises ValueError for a non-contiguous array
-                p_logp, p_ids = fb(self._f32a, logp, False), fb(self._i32a, ids, False)
+            last = self._local.last_tree
+            if (logp is last[0] and ids is last[1] and budget == last[2] and logp.shape == last[3] == ids.shape
+                    and logp.dtype is _F32 and ids.dtype is _I32):
                 t0 = time.perf_counter()
-                rc = self.c.kd_tree_build(p_logp, p_ids, *args)
+                rc = self._tree_job(last[4])
                 LIBRARY_CLOCK.seconds += time.perf_counter() - t0
                 if rc == 0:
+                    return last[5]
+                return None
+        except AttributeError:
+            pass
+        try:
+            if logp.dtype is _F32 and ids.dtype is _I32 and logp.shape == ids.shape:
+                job, tree = self._local.trees[(logp.shape, budget)]
+                fb = self._fb_raw   # raises ValueError for a non-contiguous array
+                job.logp, job.ids = fb(self._f32a, logp, False), fb(self._i32a, ids, False)
+                self._local.last_tree = _NO_TREE   # not reusable if the call below fails
+                t0 = time.perf_counter()
+                rc = self._tree_job(job)
+                LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+                if rc == 0:
+                    self._local.last_tree = (logp, ids, budget, logp.shape, job, tree)
                     return tree
         except (AttributeError, KeyError, TypeError, ValueError):
             pass
         return None
 
     def _tree_slot(self, shape: Tuple[int, int], budget: int):
-        """(C arguments after logp/ids, Tree of views) for one (depth, width, budget) on this thread."""
+        """(kd_tree_job with every pointer but logp / ids set, Tree of views) for one (depth, width, budget) on
+        this thread."""
         if not isinstance(budget, (int, np.integer)) or budget < 0:
             raise NativeError(f"tree_build: budget={budget!r}; expected an int >= 0")
         depth, width = shape
         n = _max_nodes(depth, width, int(budget))           # the C op writes exactly this many nodes
         ints = np.zeros((3, max(n, 1)), np.int32)           # tokens, parents, depths
         vis = np.zeros((n + 1, (n + 1 + 63) // 64), np.uint64)
-        fb, p_n = self.ffi.from_buffer, self.ffi.new("int64_t *")
-        args = (depth, width, n, fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]), fb("int32_t[]", ints[2]),
-                n, fb("uint64_t[]", vis), p_n)
-        slot = (args, _Tree(tokens=ints[0, :n], parents=ints[1, :n], depths=ints[2, :n], visibility=vis))
+        fb = self.ffi.from_buffer
+        job = self.ffi.new("kd_tree_job *")
+        job.n_depth, job.width, job.budget, job.cap = depth, width, n, n
+        job.tokens, job.parents, job.depths = fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]), fb("int32_t[]", ints[2])
+        job.visibility = fb("uint64_t[]", vis)
+        # the job's output pointers point into ints / vis, which the Tree's views keep alive with the slot
+        slot = (job, _Tree(tokens=ints[0, :n], parents=ints[1, :n], depths=ints[2, :n], visibility=vis))
         if getattr(self._local, "trees", None) is None:
             self._local.trees = {}
         self._local.trees[(shape, budget)] = slot

@@ -51,6 +51,21 @@ def test_repeated_builds_equal_the_reference_and_reuse_the_buffers():
                  tree_ref.tree_build(logp, ids, 40))
 
 
+def test_the_same_arrays_refilled_build_each_new_tree():
+    """A decode round refills the same two arrays (draft_topk's buffers) and builds again: the repeat path (one
+    pointer to a prepared kd_tree_job) sees the new contents, a new budget, and an array reshaped in place."""
+    ops = native.NativeOps("cpu")
+    logp, ids = _draft(0, depth=4, width=6)
+    for budget in (20, 7):
+        for seed in range(1, 6):
+            new_logp, new_ids = _draft(seed, depth=4, width=6)
+            logp[...], ids[...] = new_logp, new_ids           # in place: same objects, same memory
+            _assert_tree(ops.tree_build(logp, ids, budget), tree_ref.tree_build(logp, ids, budget))
+    logp.shape, ids.shape = (6, 4), (6, 4)                    # same memory, another shape
+    logp[...] = -np.sort(-logp, axis=1)                       # rows sorted again for the new width
+    _assert_tree(ops.tree_build(logp, ids, 7), tree_ref.tree_build(logp, ids, 7))
+
+
 def test_threads_build_into_their_own_buffers():
     ops = native.NativeOps("cpu")
     errors = []

@@ -317,6 +317,15 @@ int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_node
   return KD_OK;
 }
 
+int kd_tree_build_job(kd_tree_job *j) {
+  if (!j) {
+    kd_clear_error();
+    return kd_fail(KD_EINVAL, "kd_tree_build_job: job is NULL");
+  }
+  return kd_tree_build(j->logp, j->ids, j->n_depth, j->width, j->budget, j->tokens, j->parents, j->depths, j->cap,
+                       j->visibility, &j->n_nodes);
+}
+
 /* ---- kd_model_forward's argument checks (both builds) ------------------------------------------------ */
 int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
                           int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *)) {
