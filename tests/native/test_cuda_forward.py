@@ -9,6 +9,7 @@ Run: .venv/bin/python -m pytest -q -m gpu tests/native/test_cuda_forward.py -rs
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -133,6 +134,14 @@ def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     cc.truncate(4), rc.truncate(4)
     assert cc.length == 4
     np.testing.assert_allclose(cu.draft(cc, 9), ref.draft(rc, 9), **TOL)
+    # a freed context's device allocation is reused by the next smaller one (rows at the old stride)
+    slot = cc.slot
+    del cc
+    gc.collect()
+    c2, r2 = cu.new_cache(16), ref.new_cache(16)
+    assert c2.slot == slot and c2.length == 0
+    cu.extend(c2, chunks[0]), ref.extend(r2, chunks[0])
+    np.testing.assert_allclose(cu.draft(c2, 5), ref.draft(r2, 5), **TOL)
 
 
 def test_cuda_drafter_shares_the_targets_device_embed_and_lm_head(tiny_cfg, tiny_weights):

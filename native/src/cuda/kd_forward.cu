@@ -1426,9 +1426,10 @@ typedef struct {
 } fw_dlayer;
 
 typedef struct {
-  float *k, *v; /* device [n_layers][max_len][Hkv*hd] each */
+  float *k, *v;   /* device [n_layers][cap][Hkv*hd] each */
+  int64_t cap;    /* rows per layer of the allocation (>= max_len when reused) */
   int64_t max_len, length;
-  int used;
+  int used;       /* 0 with k != NULL: a freed slot whose allocation waits to be reused */
 } fw_dslot;
 
 struct kd_drafter {
@@ -1649,25 +1650,55 @@ extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *
   KD_CHECK_PTR("kd_drafter_cache_alloc", dr);
   KD_CHECK_PTR("kd_drafter_cache_alloc", slot);
   if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
-  int64_t s = 0;
-  while (s < dr->n_slots && dr->slots[s].used) s++;
+  int64_t s = 0; /* a free entry for a new allocation: an empty one first, else a cached one, else a new one */
+  while (s < dr->n_slots && (dr->slots[s].used || dr->slots[s].k)) s++;
+  if (s == dr->n_slots) {
+    s = 0;
+    while (s < dr->n_slots && dr->slots[s].used) s++;
+  }
   if (s == dr->n_slots) {
     fw_dslot *grown = (fw_dslot *)realloc(dr->slots, sizeof(fw_dslot) * (size_t)(dr->n_slots + 1));
     if (!grown) return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory");
     dr->slots = grown;
     memset(&dr->slots[dr->n_slots++], 0, sizeof(fw_dslot));
   }
+  /* a freed allocation that is large enough (the smallest such) is reused: a server allocates one context per
+   * request, and cudaFree would wait for the whole device (the target's forwards too) at every request's end */
+  int64_t best = -1;
+  for (int64_t i = 0; i < dr->n_slots; i++)
+    if (!dr->slots[i].used && dr->slots[i].k && dr->slots[i].cap >= max_len &&
+        (best < 0 || dr->slots[i].cap < dr->slots[best].cap))
+      best = i;
+  if (best >= 0) {
+    fw_dslot *c = &dr->slots[best];
+    c->max_len = max_len, c->length = 0, c->used = 1;
+    *slot = best;
+    return KD_OK;
+  }
+  if (dr->slots[s].k) { /* s is free but too small: release it for a new allocation */
+    cudaFree(dr->slots[s].k), cudaFree(dr->slots[s].v);
+    memset(&dr->slots[s], 0, sizeof(fw_dslot));
+  }
   size_t bytes = sizeof(float) * (size_t)(dr->d.n_layers * max_len * dr->kvw);
   float *k = NULL, *v = NULL;
-  cudaError_t e = cudaMalloc((void **)&k, bytes);
-  if (e == cudaSuccess) e = cudaMalloc((void **)&v, bytes);
-  if (e != cudaSuccess) {
+  cudaError_t e = cudaSuccess;
+  for (int attempt = 0; attempt < 2; attempt++) {
+    e = cudaMalloc((void **)&k, bytes);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&v, bytes);
+    if (e == cudaSuccess) break;
     cudaGetLastError();
     if (k) cudaFree(k);
+    k = v = NULL;
+    for (int64_t i = 0; i < dr->n_slots; i++) /* out of memory: give the cached free allocations back, retry */
+      if (!dr->slots[i].used && dr->slots[i].k) {
+        cudaFree(dr->slots[i].k), cudaFree(dr->slots[i].v);
+        memset(&dr->slots[i], 0, sizeof(fw_dslot));
+      }
+  }
+  if (e != cudaSuccess)
     return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: 2 x %zu bytes of device memory for a drafter context of %lld "
                               "rows: %s", bytes, (long long)max_len, cudaGetErrorString(e));
-  }
-  fw_dslot c = {k, v, max_len, 0, 1};
+  fw_dslot c = {k, v, max_len, max_len, 0, 1};
   dr->slots[s] = c;
   *slot = s;
   return KD_OK;
@@ -1677,9 +1708,8 @@ extern "C" int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
   kd_clear_error();
   fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_free");
   if (!c) return KD_EINVAL;
-  cudaStreamSynchronize(dr->stream); /* no draft still reads it */
-  cudaFree(c->k), cudaFree(c->v);
-  memset(c, 0, sizeof *c);
+  c->used = 0, c->length = 0; /* the allocation stays for the next kd_drafter_cache_alloc (every call that reads it
+                                 has synchronized before returning); kd_drafter_destroy frees it */
   return KD_OK;
 }
 
@@ -1787,7 +1817,7 @@ extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *
       fw_dslot *c = &dr->slots[slots[s]];
       int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
       if (!T) continue;
-      size_t off = (size_t)((li * c->max_len + c->length) * W), bytes = sizeof(float) * (size_t)(T * W);
+      size_t off = (size_t)((li * c->cap + c->length) * W), bytes = sizeof(float) * (size_t)(T * W);
       cudaError_t e = cudaMemcpyAsync(c->k + off, kb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
       if (e == cudaSuccess) e = cudaMemcpyAsync(c->v + off, vb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
       FW_TRY(fw_err_in(fn, e, "cache write"));
@@ -1860,7 +1890,7 @@ extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *s
       fw_rope_half_kernel<<<(unsigned)(B * d->hq), 64, 0, st>>>(q, css, d->hq, hd);
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "rope"));
       FW_TRY(fw_dkv(dr, fn, ly, hb, kb, vb, B, css));
-      size_t off = (size_t)(li * c->max_len * W);
+      size_t off = (size_t)(li * c->cap * W);
       fw_dattn_kernel<<<(unsigned)(B * d->hq), FW_ATT_THREADS, 0, st>>>(q, c->k + off, c->v + off, kb, vb, n, B, d->hq,
                                                                          d->hkv, hd, scale, p, ps, ob);
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "attention"));
