@@ -15,7 +15,8 @@ Groups (min times; compare within a group):
                            several weight copies (> 2x the 32 MiB L3 in all), so every call reads from memory.
   linear(T=t,...)          the batch-invariant native linear (FP32 and W4A16) vs numpy's BLAS GEMM (not invariant).
   tree_build(budget=B)     plain-Python heapq reference (kdtree/tree.py) vs NativeOps.tree_build (cffi
-                           wrapper + C) vs the bare C call on preallocated buffers; depth 7, width 8 (K2.6 DFlash).
+                           wrapper + C) vs the bare C call on preallocated buffers (kd_tree_build_job: one
+                           pointer, as the wrapper calls it); depth 7, width 8 (K2.6 DFlash).
   draft_topk(7xV, width=4) the drafter block's log-softmax + top-w: numpy reference vs kd_draft_topk, V = 260, 163840.
   mla_attention(...)       native vs numpy reference, one verify block (T=33 = root + budget 32).
   cuda_*                   the CUDA kernels on device buffers (gpu marker), synchronized per call, with GB/s.
@@ -86,11 +87,12 @@ def test_tree_build(benchmark, impl, budget):
         ffi = lib.ffi
         ints = np.empty((3, budget), np.int32)
         vis = np.empty((budget + 1) * ((budget + 64) // 64), np.uint64)
-        n = ffi.new("int64_t *")
-        args = (ffi.from_buffer("float[]", logp), ffi.from_buffer("int32_t[]", ids), 7, 8, budget,
-                ffi.from_buffer("int32_t[]", ints[0]), ffi.from_buffer("int32_t[]", ints[1]),
-                ffi.from_buffer("int32_t[]", ints[2]), budget, ffi.from_buffer("uint64_t[]", vis), n)
-        assert benchmark(lib.c.kd_tree_build, *args) == 0
+        job = ffi.new("kd_tree_job *")   # the one-pointer call the wrapper makes
+        fb = ffi.from_buffer
+        job.logp, job.ids, job.n_depth, job.width, job.budget = fb("float[]", logp), fb("int32_t[]", ids), 7, 8, budget
+        job.tokens, job.parents = fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1])
+        job.depths, job.cap, job.visibility = fb("int32_t[]", ints[2]), budget, fb("uint64_t[]", vis)
+        assert benchmark(lib.c.kd_tree_build_job, job) == 0
         got = tree_ref.Tree(tokens=ints[0], parents=ints[1], depths=ints[2],
                             visibility=vis.reshape(budget + 1, -1))
     for f in ("tokens", "parents", "depths", "visibility"):

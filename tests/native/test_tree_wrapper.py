@@ -66,6 +66,38 @@ def test_the_same_arrays_refilled_build_each_new_tree():
     _assert_tree(ops.tree_build(logp, ids, 7), tree_ref.tree_build(logp, ids, 7))
 
 
+_TIE_VALUES = {   # the draft rows kd_tree_build's queue path (sorted rows, all <= 0) and its heap path must agree on
+    "ties": [0, -0.5, -1, -np.inf, -0.0, -1.5],                      # equal path scores from different paths
+    "rounding": [-1e-8, -3e-8, -1.0, -1.0000001, -2 ** -24, -16777216.0, -0.1],   # sums that round together
+    "unsorted": [0, -0.5, -1, -np.inf, 0.5],                         # not sorted, a positive entry: the heap path
+    "positive": [2, 1, 0, -0.5, -1, -np.inf],                        # sorted but positive: the heap path
+}
+
+
+@pytest.mark.parametrize("kind", ["ties", "rounding", "thirds", "dirichlet", "unsorted", "positive"])
+def test_random_drafts_with_ties_build_the_reference_tree(kind):
+    """Random shapes (depth, width 1..8, budget 0..300) and draft rows full of ties and rounding coincidences: the
+    native build (its per-(depth, rank) queues where rows are sorted and <= 0, its heap elsewhere) pops the same
+    nodes in the same order as the Python heapq reference, ties broken by push order."""
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(["ties", "rounding", "thirds", "dirichlet", "unsorted", "positive"].index(kind))
+    for _ in range(150):
+        D, W = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+        budget = int(rng.choice([rng.integers(0, 20), rng.integers(0, 301)]))
+        if kind in _TIE_VALUES:
+            logp = rng.choice(np.array(_TIE_VALUES[kind], np.float32), (D, W))
+        elif kind == "thirds":
+            logp = -(rng.integers(0, 4, (D, W)) * np.float32(1 / 3) + rng.integers(0, 3, (D, W)) * np.float32(1e-7))
+            logp[rng.random((D, W)) < 0.1] = -np.inf
+        else:
+            logp = np.log(rng.dirichlet(np.ones(W), size=D))
+        if kind != "unsorted":
+            logp = -np.sort(-logp, axis=1)
+        logp = np.ascontiguousarray(logp, np.float32)
+        ids = rng.integers(0, 1000, (D, W)).astype(np.int32)
+        _assert_tree(ops.tree_build(logp, ids, budget), tree_ref.tree_build(logp, ids, budget))
+
+
 def test_threads_build_into_their_own_buffers():
     ops = native.NativeOps("cpu")
     errors = []

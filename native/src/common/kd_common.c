@@ -227,30 +227,133 @@ int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width,
   return KD_OK;
 }
 
-int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
-                  int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,
-                  int64_t *n_nodes) {
-  kd_clear_error();
-  if (!n_nodes) return kd_fail(KD_EINVAL, "kd_tree_build: n_nodes is NULL");
-  *n_nodes = 0;
-  if (n_depth < 0 || width < 0 || budget < 0)
-    return kd_fail(KD_EINVAL, "kd_tree_build: negative size (depth=%lld width=%lld budget=%lld)",
-                   (long long)n_depth, (long long)width, (long long)budget);
-  if (budget > cap)
-    return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld exceeds the output capacity cap=%lld",
-                   (long long)budget, (long long)cap);
-  if (budget > INT32_MAX - 1) return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld too large", (long long)budget);
-  if (n_depth == 0 || width == 0 || budget == 0) {
-    if (visibility) visibility[0] = 1u;
-    return KD_OK;
+/* ---- tree build, fast path: one FIFO queue per (depth, rank) ---------------------------------------------
+ * Where every row is non-increasing and its first entry <= 0 (so no NaN and no positive logp), every push scores
+ * <= the node just popped (a child adds logp <= 0; a sibling adds the next, smaller logp to the same base; float
+ * addition is monotone) and gets a larger counter, so the heap pops in (score desc, counter asc) order. The nodes
+ * at (depth d, rank r) are then pushed in that order too: the (d, 0) nodes as their parents pop (bases
+ * non-increasing), the (d, r+1) nodes as the (d, r) nodes pop, which by induction is the order they were pushed
+ * in, so their bases are non-increasing and base + logp[d][r+1] is too. Each (d, r) queue is sorted, and the best
+ * node in the heap is the best queue head: a sorted array of the non-empty queues' heads (at most depth * width,
+ * in practice ~10-20) replaces the heap over every pushed node. The order is total (unique counters), so the pops
+ * are the same nodes in the same order, ties included.
+ * A family = the children of one node (or of the root); its live entry is its next unpopped child. The families of
+ * a depth form a list in creation order, along which their ranks are non-increasing: the (d, r) queue is the run
+ * [head[d][r], head[d][r-1]) of that list (head[d][-1] = the list's end, a sentinel that the next new family of
+ * the depth fills in). */
+typedef struct {
+  double base;     /* the parent's path score */
+  uint32_t cnt;    /* push counter of the family's live entry */
+  int32_t parent;  /* output index of the parent, -1 = root */
+  int32_t next;    /* the next family of the same depth */
+  int32_t pad_;
+} kd_tree_family;
+
+#define KD_TREE_QMAX 256 /* depth * width limit of the fast path */
+#define KD_TREE_FAMS 600 /* families on the stack; more are allocated */
+
+/* a queue head: {score's bits, cnt << 32 | depth << 16 | rank}, moved as one 16-byte value */
+typedef uint64_t kd_qhead __attribute__((vector_size(16)));
+static inline double kd_qhead_score(kd_qhead e) {
+  uint64_t b = e[0];
+  double s;
+  memcpy(&s, &b, sizeof s);
+  return s;
+}
+static inline kd_qhead kd_qhead_make(double s, uint64_t meta) {
+  uint64_t b;
+  memcpy(&b, &s, sizeof b);
+  return (kd_qhead){b, meta};
+}
+/* heads a[0..k) sorted worst to best; x enters from the best end (it is never better than the node just popped,
+ * so it usually stops after a few steps). Equal scores: the lower counter (the meta's high half) is better. */
+static inline void kd_qhead_insert(kd_qhead *a, int *k, kd_qhead x) {
+  const double s = kd_qhead_score(x);
+  const uint64_t m = x[1];
+  int j = (*k)++;
+  while (j > 0 && (kd_qhead_score(a[j - 1]) > s || (kd_qhead_score(a[j - 1]) == s && a[j - 1][1] < m))) {
+    a[j] = a[j - 1];
+    j--;
   }
-  if (!logp || !ids || !tokens || !parents || !depths)
-    return kd_fail(KD_EINVAL, "kd_tree_build: NULL input or output pointer");
+  a[j] = x;
+}
+
+static int kd_tree_queues_ok(const float *logp, int64_t n_depth, int64_t width) {
+  if (n_depth > KD_TREE_QMAX || width > KD_TREE_QMAX || n_depth * width > KD_TREE_QMAX) return 0;
+  int ok = 1;
+  for (int64_t d = 0; d < n_depth; d++) {
+    const float *row = logp + d * width;
+    ok &= row[0] <= 0.0f; /* false for NaN */
+    for (int64_t r = 0; r + 1 < width; r++) ok &= row[r + 1] <= row[r];
+  }
+  return ok;
+}
+
+/* the fast path; returns the node count, or -1 when out of memory */
+static int64_t kd_tree_build_queues(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width,
+                                    int64_t budget, int32_t *tokens, int32_t *parents, int32_t *depths) {
+  const int D = (int)n_depth, W = (int)width;
+  int32_t head[KD_TREE_QMAX], end[KD_TREE_QMAX];
+  kd_qhead a[KD_TREE_QMAX];
+  kd_tree_family local[KD_TREE_FAMS];
+  const int64_t pool_n = (int64_t)D + 1 + budget; /* D list ends + the root's family + at most one per pop */
+  kd_tree_family *fam =
+      pool_n <= KD_TREE_FAMS ? local : (kd_tree_family *)malloc(sizeof(kd_tree_family) * (size_t)pool_n);
+  if (!fam) return -1;
+  for (int d = 0; d < D; d++) {
+    end[d] = d;
+    for (int r = 0; r < W; r++) head[d * W + r] = d;
+  }
+  int32_t npool = D;
+  uint32_t counter = 0;
+  int k = 0;
+  int64_t n = 0;
+  fam[end[0]] = (kd_tree_family){0.0, counter++, -1, npool, 0}; /* the root's family: depth 1 */
+  end[0] = npool++;
+  a[k++] = kd_qhead_make((double)logp[0], 0);
+  while (n < budget && k > 0) {
+    const kd_qhead t = a[--k]; /* the best head */
+    const double score = kd_qhead_score(t);
+    const uint64_t dr = t[1] & 0xffffffffu;
+    const int d = (int)(dr >> 16), r = (int)(dr & 0xffff), q = d * W + r;
+    const int32_t f = head[q];
+    const int32_t i = (int32_t)n++;
+    tokens[i] = ids[q];
+    parents[i] = fam[f].parent;
+    depths[i] = d + 1;
+    const double base = fam[f].base;
+    const int32_t nf = fam[f].next;
+    head[q] = nf;
+    if (nf != (r ? head[q - 1] : end[d])) /* the queue's next family */
+      kd_qhead_insert(a, &k, kd_qhead_make(fam[nf].base + (double)logp[q], (uint64_t)fam[nf].cnt << 32 | dr));
+    if (r + 1 < W) { /* the sibling (pushed before the child): the family moves to the end of queue (d, r+1) */
+      const uint32_t c = counter++;
+      fam[f].cnt = c;
+      if (head[q + 1] == f) /* the queue was empty: the family is its head */
+        kd_qhead_insert(a, &k, kd_qhead_make(base + (double)logp[q + 1], (uint64_t)c << 32 | (dr + 1)));
+    }
+    if (d + 1 < D) { /* the first child: a new family at the end of depth d+2's list */
+      const uint32_t c = counter++;
+      const int32_t g = end[d + 1];
+      fam[g] = (kd_tree_family){score, c, i, npool, 0};
+      end[d + 1] = npool++;
+      if (head[(d + 1) * W] == g)
+        kd_qhead_insert(a, &k, kd_qhead_make(score + (double)logp[(int64_t)(d + 1) * W],
+                                             (uint64_t)c << 32 | (uint64_t)(d + 1) << 16));
+    }
+  }
+  if (fam != local) free(fam);
+  return n;
+}
+
+/* the general path (any rows: unsorted, positive, NaN): a heap over every pushed node */
+static int64_t kd_tree_build_heap(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width,
+                                  int64_t budget, int32_t *tokens, int32_t *parents, int32_t *depths) {
   /* every pop pushes at most 2 and removes 1: the heap never holds more than budget + 1 nodes; a decode
    * round's budget (<= ~500) lives on the stack, no allocation per call */
   kd_heap_node local[512];
   kd_heap_node *heap = budget + 2 <= 512 ? local : (kd_heap_node *)malloc(sizeof(kd_heap_node) * (size_t)(budget + 2));
-  if (!heap) return kd_fail(KD_ENOMEM, "kd_tree_build: out of memory (budget=%lld)", (long long)budget);
+  if (!heap) return -1;
   int64_t hn = 0, counter = 0, n = 0;
   kd_heap_node first = {(double)logp[0], 0.0, counter++, 1, 0, -1};
   kd_heap_push(heap, &hn, first);
@@ -278,18 +381,127 @@ int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_
     }
   }
   if (heap != local) free(heap);
-  *n_nodes = n;
-  if (visibility) {
-    int64_t words = (n + 1 + 63) / 64;
-    memset(visibility, 0, sizeof(uint64_t) * (size_t)((n + 1) * words));
-    visibility[0] = 1u;
-    for (int64_t i = 0; i < n; i++) {
-      uint64_t *row = visibility + (i + 1) * words;
-      const uint64_t *up = visibility + (int64_t)(parents[i] + 1) * words;  /* parents precede children */
-      for (int64_t w = 0; w < words; w++) row[w] = up[w];
-      row[(i + 1) >> 6] |= (uint64_t)1 << ((i + 1) & 63);
+  return n;
+}
+
+/* ---- tree build: the visibility rows ---------------------------------------------------------------------
+ * row i+1 = its parent's row | bit i+1, every word written once (no memset pass). Rows of K <= 16 words run a
+ * loop specialised for K, whole 16 (32 with AVX2) byte words; the row's bit comes in through a one-hot mask
+ * (kd_vis_onehot[16 + w - bw] is all ones at the bit's word bw), so no word is written twice: a later row loading
+ * its parent's row as whole vectors then reads back what single stores wrote. */
+typedef uint64_t kd_vis2 __attribute__((vector_size(16)));
+static const uint64_t kd_vis_onehot[32] = {[16] = ~(uint64_t)0};
+
+static inline __attribute__((always_inline)) void kd_vis_rows(const int32_t *parents, int64_t n, uint64_t *vis,
+                                                              const int64_t K) {
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t *row = vis + (i + 1) * K;
+    const uint64_t *up = vis + ((int64_t)parents[i] + 1) * K; /* parents precede children */
+    const uint64_t bit = (uint64_t)1 << ((i + 1) & 63), *m = kd_vis_onehot + 16 - ((i + 1) >> 6);
+    const kd_vis2 b2 = {bit, bit};
+    int64_t w = 0;
+    for (; w + 2 <= K; w += 2) {
+      kd_vis2 x, mm;
+      memcpy(&x, up + w, sizeof x);
+      memcpy(&mm, m + w, sizeof mm);
+      x |= mm & b2;
+      memcpy(row + w, &x, sizeof x);
     }
+    if (K & 1) row[K - 1] = up[K - 1] | (m[K - 1] & bit);
   }
+}
+
+#define KD_VIS_CASES(F)                                                                                            \
+  F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15) F(16)
+
+#ifdef KD_TOPK_X86
+typedef uint64_t kd_vis4 __attribute__((vector_size(32)));
+static inline __attribute__((always_inline, target("avx2"))) void kd_vis_rows_avx2(const int32_t *parents,
+                                                                                  int64_t n, uint64_t *vis,
+                                                                                  const int64_t K) {
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t *row = vis + (i + 1) * K;
+    const uint64_t *up = vis + ((int64_t)parents[i] + 1) * K;
+    const uint64_t bit = (uint64_t)1 << ((i + 1) & 63), *m = kd_vis_onehot + 16 - ((i + 1) >> 6);
+    const kd_vis4 b4 = {bit, bit, bit, bit};
+    int64_t w = 0;
+    for (; w + 4 <= K; w += 4) {
+      kd_vis4 x, mm;
+      memcpy(&x, up + w, sizeof x);
+      memcpy(&mm, m + w, sizeof mm);
+      x |= mm & b4;
+      memcpy(row + w, &x, sizeof x);
+    }
+    if (K & 2) {
+      kd_vis2 x, mm;
+      memcpy(&x, up + w, sizeof x);
+      memcpy(&mm, m + w, sizeof mm);
+      x |= mm & (kd_vis2){bit, bit};
+      memcpy(row + w, &x, sizeof x);
+    }
+    if (K & 1) row[K - 1] = up[K - 1] | (m[K - 1] & bit);
+  }
+}
+
+__attribute__((target("avx2"))) static int kd_vis_avx2(const int32_t *parents, int64_t n, uint64_t *vis,
+                                                       int64_t words) {
+  switch (words) {
+#define KD_VIS_AVX2_CASE(K)                                                                                        \
+  case K: kd_vis_rows_avx2(parents, n, vis, K); return 1;
+    KD_VIS_CASES(KD_VIS_AVX2_CASE)
+#undef KD_VIS_AVX2_CASE
+    default: return 0;
+  }
+}
+#endif
+
+static void kd_tree_visibility(const int32_t *parents, int64_t n, uint64_t *vis) {
+  const int64_t words = (n + 1 + 63) / 64;
+  vis[0] = 1u; /* row 0: the root sees itself */
+  for (int64_t w = 1; w < words; w++) vis[w] = 0;
+#ifdef KD_TOPK_X86
+  if (kd_host_avx2() && kd_vis_avx2(parents, n, vis, words)) return;
+#endif
+  switch (words) {
+#define KD_VIS_CASE(K)                                                                                             \
+  case K: kd_vis_rows(parents, n, vis, K); return;
+    KD_VIS_CASES(KD_VIS_CASE)
+#undef KD_VIS_CASE
+    default:
+      for (int64_t i = 0; i < n; i++) {
+        uint64_t *row = vis + (i + 1) * words;
+        const uint64_t *up = vis + ((int64_t)parents[i] + 1) * words;
+        for (int64_t w = 0; w < words; w++) row[w] = up[w];
+        row[(i + 1) >> 6] |= (uint64_t)1 << ((i + 1) & 63);
+      }
+  }
+}
+
+int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_t width, int64_t budget,
+                  int32_t *tokens, int32_t *parents, int32_t *depths, int64_t cap, uint64_t *visibility,
+                  int64_t *n_nodes) {
+  kd_clear_error();
+  if (!n_nodes) return kd_fail(KD_EINVAL, "kd_tree_build: n_nodes is NULL");
+  *n_nodes = 0;
+  if (n_depth < 0 || width < 0 || budget < 0)
+    return kd_fail(KD_EINVAL, "kd_tree_build: negative size (depth=%lld width=%lld budget=%lld)",
+                   (long long)n_depth, (long long)width, (long long)budget);
+  if (budget > cap)
+    return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld exceeds the output capacity cap=%lld",
+                   (long long)budget, (long long)cap);
+  if (budget > INT32_MAX - 1) return kd_fail(KD_EINVAL, "kd_tree_build: budget=%lld too large", (long long)budget);
+  if (n_depth == 0 || width == 0 || budget == 0) {
+    if (visibility) visibility[0] = 1u;
+    return KD_OK;
+  }
+  if (!logp || !ids || !tokens || !parents || !depths)
+    return kd_fail(KD_EINVAL, "kd_tree_build: NULL input or output pointer");
+  const int64_t n = kd_tree_queues_ok(logp, n_depth, width)
+                        ? kd_tree_build_queues(logp, ids, n_depth, width, budget, tokens, parents, depths)
+                        : kd_tree_build_heap(logp, ids, n_depth, width, budget, tokens, parents, depths);
+  if (n < 0) return kd_fail(KD_ENOMEM, "kd_tree_build: out of memory (budget=%lld)", (long long)budget);
+  *n_nodes = n;
+  if (visibility) kd_tree_visibility(parents, n, visibility);
   return KD_OK;
 }
 
