@@ -86,7 +86,8 @@ for b in benches:
 try:
     steps = json.load(open(sys.argv[2]))
     print(f"\ntiny model decode step (CUDA forward, graphs; min of 50): AR {steps['ar_step']:.3f} ms, "
-          f"tree verify 33 rows {steps['tree_verify_33']:.3f} ms, graph capture {steps['graph_capture_s']:.3f} s")
+          f"tree verify 33 rows {steps['tree_verify_33']:.3f} ms, graph capture {steps['graph_capture_s']:.3f} s, "
+          f"drafter block draft {steps.get('drafter_draft', float('nan')):.3f} ms")
 except FileNotFoundError:
     print("\ntiny model decode step: no times (test_cuda_decode_step_times did not run)")
 PY

@@ -218,9 +218,9 @@ class NativeLibrary:
 
         A decode round passes the same two arrays every time (draft_topk's buffers): when logp and ids are the
         very arrays of this thread's previous build, with the same shape, dtypes and budget, the call is one
-        pointer to a kd_tree_job that already holds every pointer (the arrays are kept referenced by the job's
-        slot, so their memory cannot move or be reused). Otherwise a dict lookup by shape and the two pointers
-        are set first."""
+        pointer to a kd_tree_job that already holds every pointer (this thread's `last_tree` keeps the two arrays
+        referenced, so their memory cannot be freed or reused). Otherwise a dict lookup by shape and the two
+        pointers are set first."""
         try:
             last = self._local.last_tree
             if (logp is last[0] and ids is last[1] and budget == last[2] and logp.shape == last[3] == ids.shape
@@ -261,8 +261,8 @@ class NativeLibrary:
         fb = self.ffi.from_buffer
         job = self.ffi.new("kd_tree_job *")
         job.n_depth, job.width, job.budget, job.cap = depth, width, n, n
-        job.tokens, job.parents, job.depths = fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1]), fb("int32_t[]", ints[2])
-        job.visibility = fb("uint64_t[]", vis)
+        job.tokens, job.parents = fb("int32_t[]", ints[0]), fb("int32_t[]", ints[1])
+        job.depths, job.visibility = fb("int32_t[]", ints[2]), fb("uint64_t[]", vis)
         # the job's output pointers point into ints / vis, which the Tree's views keep alive with the slot
         slot = (job, _Tree(tokens=ints[0, :n], parents=ints[1, :n], depths=ints[2, :n], visibility=vis))
         if getattr(self._local, "trees", None) is None:
@@ -502,6 +502,7 @@ class NativeOps(Ops):
         self._head_linear = self._c.kd_head_linear_f32
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._targets: list = []   # weak references to the NativeTargets made here (a drafter may share one)
         # whole-model forwards in one library call (cpu: kd_forward.c; cuda: kd_forward.cu, on a device only);
         # False = the per-op path (same kernels). The drafter likewise (kd_drafter_*; backend.drafter_forward=per_op
         # keeps the CUDA drafter on the per-op path).
@@ -514,7 +515,7 @@ class NativeOps(Ops):
         if not self.native_forward:
             return None
         target = NativeTarget(model, self.lib)
-        self._targets = [r for r in getattr(self, "_targets", []) if r() is not None] + [weakref.ref(target)]
+        self._targets = [r for r in self._targets if r() is not None] + [weakref.ref(target)]
         return target
 
     def native_drafter(self, drafter: Any) -> Optional[Any]:
@@ -523,7 +524,7 @@ class NativeOps(Ops):
         if not self.native_drafter_forward:
             return None
         target = None
-        for ref in getattr(self, "_targets", []):
+        for ref in self._targets:
             t = ref()
             if t is not None and t.embed_src is drafter.embed and t.lm_head_src is drafter.lm_head:
                 target = t

@@ -185,6 +185,17 @@ def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
     st = m._native.graph_stats()
     assert st["graphs"] == 2 and st["replays"] >= 98, st
     times["graph_capture_s"] = st["capture_s"]
+    from kdtree.model.drafter import DFlashDrafter   # one block draft (kd_drafter_draft) after a 64-row context
+    from kdtree.model.names import drafter_tensor_shapes, init_weights
+    dr = DFlashDrafter.from_target(m, init_weights(drafter_tensor_shapes(tiny_cfg), seed=1))
+    dc = dr.new_cache(128)
+    dr.extend(dc, {i: np.ones((64, tiny_cfg.hidden_size), np.float32) for i in tiny_cfg.drafter.target_layer_ids})
+    best = float("inf")
+    for _ in range(50):
+        t0 = time.perf_counter()
+        dr.draft(dc, 5)
+        best = min(best, time.perf_counter() - t0)
+    times["drafter_draft"] = best * 1e3
     out = os.environ.get("OUT") or "/tmp"
     with open(os.path.join(out, "kd_gpu_steps.json"), "w") as f:
         json.dump(times, f)
