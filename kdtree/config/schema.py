@@ -97,6 +97,7 @@ class QuantConfig:
 class TPConfig:
     size: int = 1
     dist_backend: str = "auto"
+    collective: str = "auto"  # backend=cuda: nccl (on the forward's stream) | host (through Python) | auto
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     timeout_s: float = 300.0  # a collective that waits longer fails (a dead or hung rank), instead of hanging

@@ -82,6 +82,12 @@ def validate_tp(cfg: DictConfig) -> None:
     m, tp, q = cfg.model, int(cfg.tp.size), cfg.quant
     if tp < 1:
         raise ConfigError(f"tp.size={tp} must be >= 1; use tp=1, 2, 4 or 8")
+    collective = str(cfg.tp.get("collective", "auto"))
+    if collective not in ("auto", "host", "nccl"):
+        raise ConfigError(f"tp.collective={collective} is unknown; use auto, host or nccl (backend=cuda)")
+    if collective == "nccl" and cfg.backend.name != "cuda":
+        raise ConfigError(f"tp.collective=nccl with backend={cfg.backend.name}: NCCL on the stream is the CUDA "
+                          f"forward's; use tp.collective=auto or host")
     dims = {"num_attention_heads": m.num_attention_heads, "moe_intermediate_size": m.moe_intermediate_size,
             "intermediate_size": m.intermediate_size}
     for key, value in dims.items():

@@ -47,8 +47,20 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def ordered_all_reduce(world: int, dist_backend: str) -> Callable[[np.ndarray], np.ndarray]:
-    """x f32[...] (this rank's partial) -> sum over ranks f32[...], added in rank order (bit-identical everywhere)."""
+def resolve_collective(tp_cfg, backend_name: str) -> str:
+    """tp.collective (auto = nccl for backend=cuda, host otherwise) -> how the native CUDA forward all-reduces."""
+    c = str(getattr(tp_cfg, "collective", "auto") or "auto")
+    return ("nccl" if backend_name == "cuda" else "host") if c == "auto" else c
+
+
+def ordered_all_reduce(world: int, dist_backend: str, collective: str = "host",
+                       strict: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+    """x f32[...] (this rank's partial) -> sum over ranks f32[...], added in rank order (bit-identical everywhere).
+
+    The function carries `world`, `rank` and `collective`: with collective="nccl" the CUDA forward
+    (kdtree/backends/native_forward.py) does the same gather and rank-ordered sum on its own stream through NCCL
+    and this Python path is its fallback (`strict`: tp.collective=nccl was asked for explicitly, so a failure to
+    set NCCL up is an error, not a fallback)."""
     import torch
     import torch.distributed as dist
 
@@ -65,4 +77,6 @@ def ordered_all_reduce(world: int, dist_backend: str) -> Callable[[np.ndarray], 
             acc += parts[r]
         return acc.cpu().numpy().reshape(x.shape)
 
+    all_reduce.world, all_reduce.rank = world, dist.get_rank() if dist.is_initialized() else 0
+    all_reduce.collective, all_reduce.strict = collective, strict
     return all_reduce

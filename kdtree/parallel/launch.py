@@ -35,7 +35,7 @@ from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_byt
 from kdtree.config.validate import validate_tp
 from kdtree.errors import ConfigError
 from kdtree.model.k2 import K2Model
-from kdtree.parallel.comm import init_group, leave_group, ordered_all_reduce, resolve_dist_backend
+from kdtree.parallel.comm import init_group, leave_group, ordered_all_reduce, resolve_collective, resolve_dist_backend
 from kdtree.parallel.model import TPError, TPModel
 from kdtree.parallel.sharding import shard_fn
 
@@ -173,7 +173,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
     store = dist.TCPStore(str(cfg.tp.master_addr), int(cfg.tp.master_port), None, True,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     setup = {
-        "cfg": {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "quant", "backend", "load")},
+        "cfg": {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "quant", "backend", "load", "tp")},
         "checkpoint": str(checkpoint), "master_addr": str(cfg.tp.master_addr), "master_port": int(store.port),
         "dist_backend": dist_backend, "timeout_s": timeout_s,
     }
@@ -195,7 +195,9 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         rss0 = resident_bytes()
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
                                          progress=_watched(progress, workers, tp), **load_options(cfg.load))
-        local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(tp, dist_backend))
+        local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
+            tp, dist_backend, resolve_collective(cfg.tp, str(cfg.backend.name)),
+            strict=str(cfg.tp.get("collective", "auto")) == "nccl"))
         del weights
         rss0 = resident_bytes() - rss0
         ready = _await(workers, "ready", None)         # loading takes as long as it takes; a dead rank raises

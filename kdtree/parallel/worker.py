@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from kdtree.backends import get_ops
 from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.model.k2 import K2Model
-from kdtree.parallel.comm import init_group, ordered_all_reduce
+from kdtree.parallel.comm import init_group, ordered_all_reduce, resolve_collective
 from kdtree.parallel.sharding import shard_fn
 
 PR_SET_PDEATHSIG = 1
@@ -63,7 +63,9 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     rss0 = resident_bytes()
     weights, stats = load_checkpoint(setup["checkpoint"], cfg.model, cfg.quant, shard=shard_fn(cfg.model, rank, world),
                                      **load_options(cfg.load))
-    model = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(world, setup["dist_backend"]))
+    collective = resolve_collective(cfg.tp, str(cfg.backend.name))
+    model = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
+        world, setup["dist_backend"], collective, strict=str(cfg.tp.get("collective", "auto")) == "nccl"))
     del weights
     # rank 0 alone turns the last hidden state into logits (accept, drafter); skip lm_head's GEMV here
     model.return_logits = False

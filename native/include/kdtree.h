@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 7   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 8   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -250,6 +250,15 @@ int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n);
 /* stats i64[4]: graphs captured, graph replays, eager forwards, buckets set; *capture_seconds: time spent
  * capturing (may be NULL). The CPU build reports zeros (no graphs). */
 int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds);
+
+/* Tensor parallel on the device (CUDA build): the forward's all-reduce as an NCCL all-gather on its stream plus a
+ * rank-ordered sum kernel, ((p0 + p1) + p2) + ... elementwise (kdtree/parallel/comm.py's order: the host hook's
+ * bits, independent of the row count), so CUDA graphs stay on. NCCL is loaded at run time: dlopen of nccl_lib, or
+ * "libnccl.so.2" when NULL / empty. kd_nccl_unique_id writes rank 0's 128-byte id; every rank then calls
+ * kd_model_set_nccl with it (collective); id128 NULL drops the communicator (back to desc.all_reduce). The CPU
+ * build answers KD_EINVAL. */
+int kd_nccl_unique_id(const char *nccl_lib, uint8_t *id128);
+int kd_model_set_nccl(kd_model *m, const char *nccl_lib, const uint8_t *id128, int64_t nranks, int64_t rank);
 
 /* DFlash block drafter (kdtree/model/drafter.py): shares the target's embed and lm_head pointers. */
 typedef struct {

@@ -91,6 +91,8 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time():
     (["tree=ar", "bench_peer.trees=[chain-d7]"], r"bench_peer.trees=\['chain-d7'\] with tree=ar: .* set tree=ddtree"),
     (["load.mlock=true", "load.strategy=eager"], r"load.mlock=true with load.strategy=eager: .* use load.strategy=mmap"),
     (["backend=cuda", "backend.drafter_forward=fast"], r"backend.drafter_forward=fast is unknown; use native .* or per_op"),
+    (["tp.collective=mpi"], r"tp.collective=mpi is unknown; use auto, host or nccl"),
+    (["tp.collective=nccl"], r"tp.collective=nccl with backend=numpy: NCCL on the stream is the CUDA forward's"),
 ])
 def test_cross_field_rules_name_the_key_and_the_fix(overrides, match):
     cfg = _compose(*overrides)

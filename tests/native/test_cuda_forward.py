@@ -163,6 +163,34 @@ def test_cuda_drafter_shares_the_targets_device_embed_and_lm_head(tiny_cfg, tiny
         np.testing.assert_array_equal(shared.draft(cs, bonus), alone.draft(ca, bonus))
 
 
+def test_cuda_nccl_on_the_stream_one_rank_equals_the_plain_forward(tiny_cfg, tiny_weights):
+    """kd_model_set_nccl with one rank (all this device allows): every all-reduce becomes an ncclAllGather plus the
+    rank-ordered sum on the forward's stream, and the forward's bits, eager and replayed from CUDA graphs that now
+    contain the NCCL calls, are those of the model without it. (tp >= 2 needs a GPU per rank: the same code, with
+    the rank-ordered sum equal to kdtree/parallel/comm.py's by construction.)"""
+    from kdtree.backends.native_forward import nccl_library_path
+    plain, nccl = _cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights)
+    lib, ffi = nccl._native.lib, nccl._native.lib.ffi
+    path = ffi.new("char[]", nccl_library_path().encode())
+    uid = ffi.new("uint8_t[128]")
+    if lib.c.kd_nccl_unique_id(path, uid) != 0:
+        pytest.skip(f"NCCL does not load here: {lib.last_error()}")
+    assert lib.c.kd_model_set_nccl(nccl._native.handle, path, uid, 1, 0) == 0, lib.last_error()
+    nccl._native.set_graph_rows([1, 7])
+    outs = {}
+    for name, m in (("plain", plain), ("nccl", nccl)):
+        c = m.new_cache(64)
+        got = [m.forward(PROMPT, np.arange(len(PROMPT)), c)[0]]           # 7 rows: a graph bucket
+        for step in range(4):                                           # 1 row: captured, then replayed
+            got.append(m.forward(np.array([7 + step], np.int32), np.array([c.length]), c)[0])
+        outs[name] = got
+    for i, (a, b) in enumerate(zip(outs["plain"], outs["nccl"])):
+        np.testing.assert_array_equal(b, a, err_msg=f"forward {i}")
+    st = nccl._native.graph_stats()
+    assert st["graphs"] == 2 and st["replays"] >= 3, st
+    assert lib.c.kd_model_set_nccl(nccl._native.handle, path, ffi.NULL, 0, 0) == 0   # dropped again
+
+
 def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
     """AR step (1 row) and tree verify (33 rows) of the tiny model through CUDA graphs: times for gpu_check's table
     ($OUT/kd_gpu_steps.json); asserts only that replays happened, never a speed."""

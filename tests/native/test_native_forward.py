@@ -225,6 +225,32 @@ def test_drafter_from_target_shares_the_targets_embed_and_lm_head(tiny_cfg, tiny
     np.testing.assert_array_equal(shared.draft(cs, 11), alone.draft(ca, 11))
 
 
+def test_nccl_setup_falls_back_together_or_fails_when_asked_for(capfd):
+    """attach_nccl in a real (one-rank, gloo) torch.distributed group, with the CUDA build where NCCL or a device
+    is missing: the group agrees to keep the host all-reduce and says why once; with tp.collective=nccl (strict)
+    it is an error naming the rank and the fix. The CPU build refuses both NCCL calls in one line."""
+    import torch.distributed as dist
+    from kdtree.backends.native_forward import attach_nccl
+    cpu = native.load_library("cpu")
+    assert cpu.c.kd_model_set_nccl(cpu.ffi.NULL, cpu.ffi.NULL, cpu.ffi.NULL, 0, 0) == -1
+    assert "NCCL is the CUDA build's" in cpu.last_error()
+    if not native.library_path("cuda").exists():
+        pytest.skip("libkdtree_cuda.so not built (no nvcc)")
+    lib = native.load_library("cuda")
+    if lib.device_count > 0:
+        pytest.skip("a device is here: tests/native/test_cuda_forward.py covers NCCL")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert attach_nccl(lib, lib.ffi.NULL, 1, 0, strict=False) is False
+        err = capfd.readouterr().err
+        assert "NCCL on the forward's stream failed on rank 0" in err and "through the host" in err
+        with pytest.raises(native.NativeError, match=r"tp.collective=nccl: rank 0 could not set up NCCL .* use "
+                                                       r"tp.collective=host"):
+            attach_nccl(lib, lib.ffi.NULL, 1, 0, strict=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_cuda_forward_without_a_device_fails_in_one_clear_line():
     """libkdtree_cuda.so has the whole-model forward (kd_forward.cu); with no device, creating a model fails with
     KD_ENODEV and one line naming the cause and the fix; the drafter's likewise."""

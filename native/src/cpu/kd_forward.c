@@ -327,6 +327,16 @@ int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n) {
   return KD_OK;
 }
 
+/* NCCL on the stream is the CUDA build's: the CPU build's tensor parallel is desc.all_reduce */
+int kd_nccl_unique_id(const char *nccl_lib, uint8_t *id128) {
+  (void)nccl_lib, (void)id128;
+  return kd_fail(KD_EINVAL, "kd_nccl_unique_id: NCCL is the CUDA build's; the CPU build reduces through all_reduce");
+}
+int kd_model_set_nccl(kd_model *m, const char *nccl_lib, const uint8_t *id128, int64_t nranks, int64_t rank) {
+  (void)m, (void)nccl_lib, (void)id128, (void)nranks, (void)rank;
+  return kd_fail(KD_EINVAL, "kd_model_set_nccl: NCCL is the CUDA build's; the CPU build reduces through all_reduce");
+}
+
 int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
   KD_CHECK_PTR("kd_model_graph_stats", m);
   KD_CHECK_PTR("kd_model_graph_stats", stats);

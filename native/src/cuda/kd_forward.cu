@@ -24,11 +24,13 @@
  * Weights: float32 tensors whose every value is exactly a bfloat16 (a BF16 checkpoint widened by the loader) are
  * kept as BF16 on the device and widened exactly in the kernels: same bits as float32 weights, half the bytes.
  * INT4 stays packed; its scales are kept BF16 when exact (compressed-tensors stores them BF16), else float32.
- * Tensor parallel: desc.all_reduce is called on a pinned host copy (D2H, callback, H2D); with it set, graphs are
- * off (a host callback cannot be captured). NCCL on the stream is the next step.
+ * Tensor parallel: kd_model_set_nccl puts the all-reduce on the stream (an NCCL all-gather, dlopened, and a
+ * rank-ordered sum kernel; graphs stay on). Without it desc.all_reduce is called on a pinned host copy (D2H,
+ * callback, H2D) and graphs are off (a host callback cannot be captured).
  * The DFlash drafter (kd_drafter_*, at the end of this file) runs on the device too, eagerly (no graphs yet). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -119,6 +121,8 @@ struct kd_model {
   uint64_t *vis_h, *vis_d;
   int64_t cap_vis;                      /* words */
   float *host_reduce;                   /* pinned [cap_rows * D] for the all-reduce hook (only with one) */
+  struct fw_nccl_comm *nccl;            /* kd_model_set_nccl: the all-reduce on the stream (NULL = the hook) */
+  int64_t nccl_ranks, nccl_rank;
   /* graphs */
   int64_t graph_rows[FW_MAX_GRAPHS], n_graph_rows;
   fw_graph graphs[FW_MAX_GRAPHS];
@@ -538,6 +542,71 @@ __global__ void fw_keep_kernel(float *__restrict__ kv, int64_t max_len, int64_t 
   }
 }
 
+/* ---- NCCL, loaded at run time (tensor parallel on the stream) -------------------------------------------
+ * The five entry points of nccl.h this file uses, declared here so that building needs no NCCL: ncclUniqueId is
+ * 128 bytes passed by value, ncclResult_t / ncclDataType_t are ints (ncclSuccess = 0, ncclFloat32 = 7). */
+typedef struct {
+  char internal[128];
+} fw_nccl_id;
+typedef struct fw_nccl_comm *fw_nccl_comm_t;
+static struct {
+  void *lib;
+  int (*get_unique_id)(fw_nccl_id *);
+  int (*comm_init_rank)(fw_nccl_comm_t *, int, fw_nccl_id, int);
+  int (*all_gather)(const void *, void *, size_t, int, fw_nccl_comm_t, cudaStream_t);
+  int (*comm_destroy)(fw_nccl_comm_t);
+  const char *(*error_string)(int);
+} fw_nccl;
+#define FW_NCCL_FLOAT32 7
+
+/* dlopen NCCL once (`path`, else libnccl.so.2: a process that imported torch has it loaded already) */
+static int fw_nccl_load(const char *fn, const char *path) {
+  if (fw_nccl.lib) return KD_OK;
+  const char *name = path && path[0] ? path : "libnccl.so.2";
+  void *h = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+  if (!h) return kd_fail(KD_EINVAL, "%s: cannot load NCCL (%s): %s; set KDTREE_NCCL_LIB to libnccl.so.2's path or "
+                                    "tp.collective=host", fn, name, dlerror());
+  fw_nccl.get_unique_id = (int (*)(fw_nccl_id *))dlsym(h, "ncclGetUniqueId");
+  fw_nccl.comm_init_rank = (int (*)(fw_nccl_comm_t *, int, fw_nccl_id, int))dlsym(h, "ncclCommInitRank");
+  fw_nccl.all_gather = (int (*)(const void *, void *, size_t, int, fw_nccl_comm_t, cudaStream_t))dlsym(h, "ncclAllGather");
+  fw_nccl.comm_destroy = (int (*)(fw_nccl_comm_t))dlsym(h, "ncclCommDestroy");
+  fw_nccl.error_string = (const char *(*)(int))dlsym(h, "ncclGetErrorString");
+  if (!fw_nccl.get_unique_id || !fw_nccl.comm_init_rank || !fw_nccl.all_gather || !fw_nccl.comm_destroy ||
+      !fw_nccl.error_string) {
+    dlclose(h);
+    memset(&fw_nccl, 0, sizeof fw_nccl);
+    return kd_fail(KD_EINVAL, "%s: %s lacks an NCCL entry point (ncclGetUniqueId / ncclCommInitRank / ncclAllGather "
+                              "/ ncclCommDestroy / ncclGetErrorString)", fn, name);
+  }
+  fw_nccl.lib = h;
+  return KD_OK;
+}
+
+static int fw_nccl_err(const char *fn, int r, const char *what) {
+  if (r == 0) return KD_OK;
+  return kd_fail(KD_ECUDA, "%s: %s: NCCL error %d (%s)", fn, what, r, fw_nccl.error_string(r));
+}
+
+/* x[i] = ((g[0][i] + g[1][i]) + g[2][i]) + ...: kdtree/parallel/comm.py's rank order, elementwise in float32 (the
+ * host hook's bits, independent of the row count) */
+__global__ void fw_ordered_sum_kernel(const float *__restrict__ g, float *__restrict__ x, int64_t n, int64_t ranks) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float acc = g[i];
+    for (int64_t r = 1; r < ranks; r++) acc = acc + g[r * n + i];
+    x[i] = acc;
+  }
+}
+
+extern "C" int kd_nccl_unique_id(const char *nccl_lib, uint8_t *id128) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_nccl_unique_id", id128);
+  FW_TRY(fw_nccl_load("kd_nccl_unique_id", nccl_lib));
+  fw_nccl_id id;
+  FW_TRY(fw_nccl_err("kd_nccl_unique_id", fw_nccl.get_unique_id(&id), "ncclGetUniqueId"));
+  memcpy(id128, id.internal, sizeof id.internal);
+  return KD_OK;
+}
+
 /* ---- weight upload: every tensor into one device arena (pass 0 sizes it, pass 1 copies) ---------------- */
 typedef struct {
   char *arena;      /* pass 1: the device allocation of `need` bytes, filled from `used` on */
@@ -731,6 +800,7 @@ extern "C" int kd_model_destroy(kd_model *m) {
   if (m->stream) cudaStreamSynchronize(m->stream);
   fw_free_scratch(m);
   fw_free_vis(m);
+  if (m->nccl) fw_nccl.comm_destroy(m->nccl);
   for (int64_t s = 0; s < m->n_slots; s++)
     if (m->slots[s].kv && !m->slots[s].pooled) cudaFree(m->slots[s].kv);
   if (m->pool) cudaFree(m->pool);
@@ -815,7 +885,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
 
 /* ---- scratch and metadata of up to cap_rows rows ------------------------------------------------------ */
 typedef struct {
-  float *h, *x, *t, *qa, *q, *kva, *qf, *olat, *o, *rl, *work, *ew, *xs, *ys, *g, *u, *sh, *fo, *lg, *hid;
+  float *h, *x, *t, *qa, *q, *kva, *qf, *olat, *o, *rl, *work, *ew, *xs, *ys, *g, *u, *sh, *fo, *lg, *hid, *gather;
   int32_t *ex, *start, *src, *pos, *am;
   unsigned char *taken;
   /* metadata (device; the same offsets in the pinned staging) */
@@ -845,6 +915,7 @@ static void fw_layout(const kd_model *m, int64_t N, int64_t n_hidden, char *sbas
   FW_F(rl, N * Ex); FW_F(work, N * (Ex + G)); FW_F(ew, S); FW_F(xs, S * D); FW_F(ys, S * D);
   FW_F(g, N * m->gu_cols); FW_F(u, N * m->gu_cols); FW_F(sh, N * D); FW_F(fo, N * D); FW_F(lg, N * V);
   FW_F(hid, N * (n_hidden ? n_hidden : 1) * D);
+  FW_F(gather, m->nccl ? m->nccl_ranks * N * D : 1); /* the NCCL all-gather's [ranks, N * D] */
   FW_I(ex, S); FW_I(start, Ex + 1); FW_I(src, S); FW_I(pos, S); FW_I(am, N);
   b->taken = (unsigned char *)(sbase + fw_take(&o, (size_t)(N * (Ex > G ? Ex : G) + 1)));
 #undef FW_F
@@ -870,7 +941,7 @@ static int fw_reserve(kd_model *m, int64_t N, int64_t n_hidden) {
   cudaError_t e = cudaMalloc((void **)&m->scratch, sb);
   if (e == cudaSuccess) e = cudaMalloc((void **)&m->meta_d, mb);
   if (e == cudaSuccess) e = cudaMallocHost((void **)&m->meta_h, mb);
-  if (e == cudaSuccess && m->d.all_reduce)
+  if (e == cudaSuccess && m->d.all_reduce && !m->nccl)
     e = cudaMallocHost((void **)&m->host_reduce, sizeof(float) * (size_t)(rows * m->d.hidden));
   if (e != cudaSuccess) {
     fw_free_scratch(m);
@@ -925,7 +996,13 @@ static int fw_mlp_rows(kd_model *m, const fw_mlp *p, const float *x, float *y, i
   return fw_mlp_rows_on(m->stream, "kd_model_forward", p, x, y, n, g, u);
 }
 
-static int fw_reduce(kd_model *m, float *x, int64_t n) {
+static int fw_reduce(kd_model *m, const fw_bufs *b, float *x, int64_t n) {
+  if (m->nccl) { /* all-gather the partials on the stream, then add them in rank order: graph-capturable */
+    FW_TRY(fw_nccl_err("kd_model_forward", fw_nccl.all_gather(x, b->gather, (size_t)n, FW_NCCL_FLOAT32, m->nccl,
+                                                              m->stream), "ncclAllGather"));
+    fw_ordered_sum_kernel<<<fw_blocks(n), 256, 0, m->stream>>>(b->gather, x, n, m->nccl_ranks);
+    return fw_launched("ordered sum");
+  }
   if (!m->d.all_reduce) return KD_OK;
   cudaError_t e = cudaMemcpyAsync(m->host_reduce, x, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, m->stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(m->stream);
@@ -998,7 +1075,7 @@ static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, in
                                                          d->v_head, H);
     FW_TRY(fw_launched("absorbed v"));
     FW_TRY(fw_lin(m, &ly->o, b->o, b->t, N));
-    FW_TRY(fw_reduce(m, b->t, N * D));
+    FW_TRY(fw_reduce(m, b, b->t, N * D));
     fw_add_kernel<<<fw_blocks(N * D), 256, 0, st>>>(b->h, b->t, N * D);
     FW_TRY(fw_launched("residual"));
     /* MLP / MoE: h = h + mlp(norm(h)) */
@@ -1007,7 +1084,7 @@ static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, in
       FW_TRY(fw_moe(m, ly, b, b->x, b->t, N));
     else
       FW_TRY(fw_mlp_rows(m, &ly->mlp, b->x, b->t, N, b->g, b->u));
-    FW_TRY(fw_reduce(m, b->t, N * D));
+    FW_TRY(fw_reduce(m, b, b->t, N * D));
     fw_add_kernel<<<fw_blocks(N * D), 256, 0, st>>>(b->h, b->t, N * D);
     FW_TRY(fw_launched("residual"));
     for (int64_t j = 0; j < n_hidden; j++)
@@ -1219,6 +1296,45 @@ extern "C" int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t
   return KD_OK;
 }
 
+/* Tensor parallel on the stream: every rank of the group calls this with rank 0's id (kd_nccl_unique_id) and the
+ * same nranks (ncclCommInitRank is collective: it returns when all ranks have joined). From then on the forward's
+ * two all-reduces per layer are an ncclAllGather plus the rank-ordered sum, on the model's stream, and graphs stay
+ * on. id128 NULL (or nranks 0) drops the communicator: back to desc.all_reduce. */
+extern "C" int kd_model_set_nccl(kd_model *m, const char *nccl_lib, const uint8_t *id128, int64_t nranks,
+                                 int64_t rank) {
+  static const char *fn = "kd_model_set_nccl";
+  kd_clear_error();
+  KD_CHECK_PTR(fn, m);
+  if (id128 && nranks != 0 && (nranks < 1 || rank < 0 || rank >= nranks))
+    return kd_fail(KD_EINVAL, "%s: rank=%lld of nranks=%lld", fn, (long long)rank, (long long)nranks);
+  cudaStreamSynchronize(m->stream);
+  int64_t rows = m->cap_rows, hid = m->cap_hidden;
+  fw_free_scratch(m); /* the gather buffer's size changes: scratch (and the graphs) are made again below */
+  if (m->nccl) {
+    fw_nccl.comm_destroy(m->nccl);
+    m->nccl = NULL, m->nccl_ranks = 0, m->nccl_rank = 0;
+  }
+  int rc = KD_OK;
+  if (id128 && nranks != 0) {
+    rc = fw_nccl_load(fn, nccl_lib);
+    if (!rc) {
+      fw_nccl_id id;
+      memcpy(id.internal, id128, sizeof id.internal);
+      fw_nccl_comm_t comm = NULL;
+      rc = fw_nccl_err(fn, fw_nccl.comm_init_rank(&comm, (int)nranks, id, (int)rank), "ncclCommInitRank");
+      if (!rc) m->nccl = comm, m->nccl_ranks = nranks, m->nccl_rank = rank;
+    }
+  }
+  if (rows) { /* as large as before (set_graph_rows sized it for the largest bucket) */
+    char why[256];
+    snprintf(why, sizeof why, "%s", rc ? kd_last_error() : "");
+    int r2 = fw_reserve(m, rows, hid);
+    if (rc) return kd_fail(rc, "%s", why);
+    return r2;
+  }
+  return rc;
+}
+
 extern "C" int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
   KD_CHECK_PTR("kd_model_graph_stats", m);
   KD_CHECK_PTR("kd_model_graph_stats", stats);
@@ -1294,7 +1410,7 @@ static fw_graph *fw_find_graph(kd_model *m, const fw_graph *key) {
 }
 
 static int fw_graph_bucket(const kd_model *m, int64_t N) {
-  if (m->d.all_reduce) return 0; /* a host callback cannot be captured (NCCL on the stream can: later) */
+  if (m->d.all_reduce && !m->nccl) return 0; /* a host callback cannot be captured (NCCL on the stream can) */
   if (m->graphs_broken) return 0;
   for (int64_t i = 0; i < m->n_graph_rows; i++)
     if (m->graph_rows[i] == N) return 1;
