@@ -971,12 +971,16 @@ static int fw_reserve_vis(kd_model *m, int64_t words) {
 }
 
 /* ---- the kernel sequence of one forward (eager or under capture) --------------------------------------- */
-/* out[T, n_out] = x[T, n_in] w^T on stream st (fn names the entry point in an error) */
+/* out[T, n_out] = x[T, n_in] w^T on stream st (fn names the entry point in an error); rows in launches of at most
+ * 65535 (grid.y's limit: a drafter context extend may be longer) */
 static int fw_lin_on(cudaStream_t st, const char *fn, const fw_w *w, const float *x, float *out, int64_t T) {
-  if (T == 0) return KD_OK;
-  dim3 grid((unsigned)((w->n_out + FW_WARPS - 1) / FW_WARPS), (unsigned)T);
-  fw_linear_kernel<<<grid, 32 * FW_WARPS, 0, st>>>(*w, x, w->n_in, out, w->n_out);
-  return fw_err_in(fn, cudaGetLastError(), "linear");
+  for (int64_t t0 = 0; t0 < T; t0 += 65535) {
+    int64_t rows = T - t0 < 65535 ? T - t0 : 65535;
+    dim3 grid((unsigned)((w->n_out + FW_WARPS - 1) / FW_WARPS), (unsigned)rows);
+    fw_linear_kernel<<<grid, 32 * FW_WARPS, 0, st>>>(*w, x + t0 * w->n_in, w->n_in, out + t0 * w->n_out, w->n_out);
+    FW_TRY(fw_err_in(fn, cudaGetLastError(), "linear"));
+  }
+  return KD_OK;
 }
 
 static int fw_lin(kd_model *m, const fw_w *w, const float *x, float *out, int64_t T) {
