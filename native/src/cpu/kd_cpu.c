@@ -515,17 +515,68 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
-/* Fused W4A16 GEMV (T = 1), four output rows per pass (one x load for four rows). 16 elements = 2 packed words
- * = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2, ..,
- * 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i
+/* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
+ * loads, so more rows gain nothing: 4 rows with the scales held in registers spilled an accumulator, and out of
+ * cache 2 rows (4 accumulators + each row's scale and -8 * scale broadcasts) ran 5-10 % faster than 3. */
+#define KD_W4_ROWS 2
+#define KD_W4_GW 64 /* groups per window of the staged -8 * scales: KD_W4_ROWS x 64 floats of stack */
+
+/* chunks [c0, c1) of the KD_W4_ROWS rows, all in one group: row r's weight (q - 8) * s formed as fma(q, sc[r], ns[r])
+ * with ns = -8 s: the fused product-sum is exact before its one rounding, and q s - 8 s = (q - 8) s (-8 s is exact,
+ * a power-of-two scaling), so the bits are kd_int4_weight's (finite scales). The products with x stay a plain
+ * multiply then add, as kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk
+ * reads per row). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chunks_avx2(
+    const uint32_t *const *wr, const float *xp, const char *next, int64_t c0, int64_t c1, const __m256 *sc,
+    const __m256 *ns, __m256 *ev, __m256 *od) {
+  const __m256i m15 = _mm256_set1_epi32(15);
+#pragma GCC unroll 1 /* unrolled, gcc interleaves two chunks and spills their weights */
+  for (int64_t c = c0; c < c1; c++) {
+    __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);
+    _mm_prefetch(next + 32 * c, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < KD_W4_ROWS; r++) {
+      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
+      __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc[r], ns[r]);
+      __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc[r], ns[r]);
+      ev[r] = _mm256_add_ps(ev[r], _mm256_mul_ps(we, xe));
+      od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));
+    }
+  }
+}
+
+/* even wpg: a group is cpg = wpg / 2 whole chunks. The scale and -8 * scale of each group are broadcast once per
+ * group from memory: -8 * scale is staged KD_W4_GW groups at a time (vector multiplies), so that the first chunk of
+ * a group waits on two loads, not a load and a multiply (the group-32 case has only two chunks per group). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_groups_avx2(
+    const uint32_t *const *wr, const float *const *sr, const float *xp, const char *next, int64_t nc, int64_t cpg,
+    __m256 *ev, __m256 *od) {
+  float nsb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32)));
+  const int64_t ng = (nc + cpg - 1) / cpg;
+  for (int64_t g0 = 0; g0 < ng; g0 += KD_W4_GW) {
+    int64_t gn = ng - g0 < KD_W4_GW ? ng - g0 : KD_W4_GW;
+    for (int r = 0; r < KD_W4_ROWS; r++)
+      for (int64_t g = 0; g < gn; g++) nsb[r][g] = -8.0f * sr[r][g0 + g];
+    for (int64_t g = 0; g < gn; g++) {
+      __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
+#pragma GCC unroll 4
+      for (int r = 0; r < KD_W4_ROWS; r++)
+        sc[r] = _mm256_broadcast_ss(sr[r] + g0 + g), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
+      int64_t c0 = (g0 + g) * cpg;
+      if (c0 + cpg <= nc) /* a whole group: a constant trip count (unrolled for cpg = 2) */
+        kd_w4_chunks_avx2(wr, xp, next, c0, c0 + cpg, sc, ns, ev, od);
+      else
+        kd_w4_chunks_avx2(wr, xp, next, c0, nc, sc, ns, ev, od);
+    }
+  }
+}
+
+/* Fused W4A16 GEMV (T = 1), KD_W4_ROWS output rows per pass (one x load for all of them). 16 elements = 2 packed
+ * words = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2,
+ * .., 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i
  * of `ev` is logical lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as
  * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
  * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
-/* Scales of chunk c when a chunk straddles two groups (odd wpg: group = 8, 24, ..). */
-__attribute__((target("avx2"))) static inline __m256 kd_w4_scale2_avx2(const float *sr, int64_t c, int64_t wpg) {
-  return _mm256_blend_ps(_mm256_broadcast_ss(sr + 2 * c / wpg), _mm256_broadcast_ss(sr + (2 * c + 1) / wpg), 0xF0);
-}
-
 __attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
                                                                const float *sr, const float *x, int64_t n_in,
                                                                int64_t wpg) {
@@ -539,65 +590,47 @@ __attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256
   return kd_lanes_sum(b);
 }
 
-/* outputs o .. o + 3 of the fused W4A16 GEMV (x permuted into xp) */
-__attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4_rows4_avx2(
+/* outputs o .. o + KD_W4_ROWS - 1 of the fused W4A16 GEMV (x permuted into xp) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4_rows_avx2(
     const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
     const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   const int64_t nc = n_in / KD_LANES;
-  const __m256i m15 = _mm256_set1_epi32(15);
-  const __m256 mm8 = _mm256_set1_ps(-8.0f);
-  /* the next four rows' words, two lines every other chunk: rows are short streams (2 KB at n_in = 4096), which
-   * the hardware prefetcher picks up too late (out of cache: 1.99 -> 1.63 ms at 4096 x 4096 with the fma below) */
-  const int prefetch = o + 4 < n_out;
-  const char *next = prefetch ? (const char *)(qp + (o + 4) * n_words) : NULL;
-  const uint32_t *wr[4];
-  const float *sr[4];
-  for (int r = 0; r < 4; r++) { /* past the last output: repeat it, result discarded */
+  /* the next rows' words: rows are short streams (2 KB at n_in = 4096), which the hardware prefetcher picks up
+   * too late (out of cache: 1.99 -> 1.63 ms at 4096 x 4096). Past the last rows it prefetches these rows again (a
+   * prefetch never faults) rather than branch in the loop. */
+  const char *next = (const char *)(qp + (o + KD_W4_ROWS < n_out ? o + KD_W4_ROWS : o) * n_words);
+  const uint32_t *wr[KD_W4_ROWS];
+  const float *sr[KD_W4_ROWS];
+  for (int r = 0; r < KD_W4_ROWS; r++) { /* past the last output: repeat it, result discarded */
     int64_t oo = o + r < n_out ? o + r : n_out - 1;
     wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
   }
-  __m256 ev[4], od[4];
+  __m256 ev[KD_W4_ROWS], od[KD_W4_ROWS];
 #pragma GCC unroll 4
-  for (int r = 0; r < 4; r++) ev[r] = od[r] = _mm256_setzero_ps();
-  /* chunks [c0, c1) of the four rows, row r's scale vector SCALE(r). The weight (q - 8) * s is formed as
-   * fma(q, s, -8 s): the fused product-sum is exact before its one rounding, and q s - 8 s = (q - 8) s, so the bits
-   * are kd_int4_weight's (finite scales) with one integer subtract fewer per eight weights. The products with x
-   * stay a plain multiply then add, as kd_dot_f32. */
-#define KD_W4_CHUNKS(c0, c1, SCALE)                                                                             \
-  for (int64_t c = (c0); c < (c1); c++) {                                                                      \
-    __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);                            \
-    if (prefetch && (c & 1) == 0) {                                                                            \
-      _mm_prefetch(next + 64 * c, _MM_HINT_T0);                                                                \
-      _mm_prefetch(next + 64 * c + 64, _MM_HINT_T0);                                                           \
-    }                                                                                                          \
-    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {                                                      \
-      __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));                    \
-      __m256 sc = SCALE(r); /* a broadcast load: keeps 4 registers for the accumulators */                     \
-      __m256 ns = _mm256_mul_ps(sc, mm8);                                                                      \
-      __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc, ns);                       \
-      __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc, ns);                        \
-      ev[r] = _mm256_add_ps(ev[r], _mm256_mul_ps(we, xe));                                                     \
-      od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));                                                     \
-    }                                                                                                          \
-  }
-  if (wpg % 2 == 0) { /* a group is cpg whole chunks: one broadcast scale per group, no division per chunk */
-    int64_t cpg = wpg / 2;
-    for (int64_t g = 0; g * cpg < nc; g++) {
-      int64_t c1 = (g + 1) * cpg < nc ? (g + 1) * cpg : nc;
-#define KD_SC(r) _mm256_broadcast_ss(sr[r] + g)
-      KD_W4_CHUNKS(g * cpg, c1, KD_SC)
-#undef KD_SC
-    }
-  } else {
-    for (int64_t cc = 0; cc < nc; cc++) {
-#define KD_SC(r) kd_w4_scale2_avx2(sr[r], cc, wpg)
-      KD_W4_CHUNKS(cc, cc + 1, KD_SC)
-#undef KD_SC
+  for (int r = 0; r < KD_W4_ROWS; r++) ev[r] = od[r] = _mm256_setzero_ps();
+  if (wpg == 4) /* group 32 (the K2 checkpoints'): two chunks per group, the chunk loop unrolled */
+    kd_w4_groups_avx2(wr, sr, xp, next, nc, 2, ev, od);
+  else if (wpg == 16) /* group 128 */
+    kd_w4_groups_avx2(wr, sr, xp, next, nc, 8, ev, od);
+  else if (wpg % 2 == 0)
+    kd_w4_groups_avx2(wr, sr, xp, next, nc, wpg / 2, ev, od);
+  else { /* odd wpg (group = 8, 24, ..): a chunk may straddle two groups, its scales blended per chunk */
+    const __m256 mm8 = _mm256_set1_ps(-8.0f);
+    int64_t ga = 0, ra = 0; /* word 2c is word ra of group ga: no division per chunk */
+    for (int64_t c = 0; c < nc; c++) {
+      int64_t gb = ra + 1 == wpg ? ga + 1 : ga; /* group of word 2c + 1 */
+      __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
+#pragma GCC unroll 4
+      for (int r = 0; r < KD_W4_ROWS; r++) {
+        sc[r] = _mm256_blend_ps(_mm256_broadcast_ss(sr[r] + ga), _mm256_broadcast_ss(sr[r] + gb), 0xF0);
+        ns[r] = _mm256_mul_ps(sc[r], mm8);
+      }
+      kd_w4_chunks_avx2(wr, xp, next, c, c + 1, sc, ns, ev, od);
+      for (ra += 2; ra >= wpg; ra -= wpg) ga++;
     }
   }
-#undef KD_W4_CHUNKS
 #pragma GCC unroll 4
-  for (int r = 0; r < 4; r++) /* unrolled: ev/od stay in registers */
+  for (int r = 0; r < KD_W4_ROWS; r++) /* unrolled: ev/od stay in registers */
     if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
 }
 
@@ -611,11 +644,11 @@ __attribute__((target("avx2,fma"))) static int kd_gemv_w4_avx2(const uint32_t *q
     for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
   if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += 4)
-      kd_gemv_w4_rows4_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += KD_W4_ROWS)
+      kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   } else {
-    for (int64_t o = 0; o < n_out; o += 4)
-      kd_gemv_w4_rows4_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += KD_W4_ROWS)
+      kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   }
   free(xp);
   return KD_OK;
