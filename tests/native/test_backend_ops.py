@@ -261,7 +261,11 @@ def case(fn, **kw):
 for T, n_in, n_out in [(1, 1, 1), (1, 37, 11), (5, 64, 33), (7, 129, 17), (3, 1000, 5), (16, 48, 70)]:
     case(case_linear, T=T, n_in=n_in, n_out=n_out)
 for T, n_in, n_out, g in [(1, 32, 3, 32), (5, 64, 7, 32), (3, 96, 5, 32), (2, 256, 9, 128), (4, 40, 6, 8),
-                          (1, 8, 1, 8), (9, 160, 13, 32), (2, 1024, 4, 32)]:
+                          (1, 8, 1, 8), (9, 160, 13, 32), (2, 1024, 4, 32),
+                          # the T = 1 GEMV: odd words per group (8, 24: chunks straddle groups), one chunk per
+                          # group (16), eight (128), odd n_out, a tail past the last 16 inputs, and one large
+                          # enough to split over the threads
+                          (1, 200, 7, 8), (1, 312, 5, 24), (1, 48, 3, 16), (1, 1152, 3, 128), (1, 4104, 257, 8)]:
     case(case_linear_w4a16, T=T, n_in=n_in, n_out=n_out, group=g)
 for T, n_in, n_out, g, act in [(1, 64, 5, 32, "f16"), (3, 256, 9, 128, "bf16"), (2, 40, 3, 8, "bf16")]:
     case(case_linear_w4a16_half, T=T, n_in=n_in, n_out=n_out, group=g, act=act)
