@@ -538,6 +538,46 @@ int kd_tree_build_job(kd_tree_job *j) {
                        j->visibility, &j->n_nodes);
 }
 
+/* ---- weight and drafter-descriptor checks, the drafter's RoPE table (both builds) --------------------------- */
+int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
+  if (w->n_out != n_out || w->n_in != n_in) return 0;
+  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
+  return w->f32 != NULL;
+}
+
+int kd_mlp_ok(const kd_mlp *p, int64_t D) {
+  int64_t I = p->gate.n_out;
+  return I > 0 && kd_weight_ok(&p->gate, I, D) && kd_weight_ok(&p->up, I, D) && kd_weight_ok(&p->down, D, I);
+}
+
+int kd_drafter_desc_check(const kd_drafter_desc *d) {
+  int64_t D = d->hidden, hd = d->head_dim;
+  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || d->hq <= 0 || d->hkv <= 0 || d->hq % d->hkv || hd <= 0 ||
+      hd % 2 || d->block_size < 2)
+    return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
+                   (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
+  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && kd_weight_ok(&d->lm_head, d->vocab, D) &&
+           d->fc.n_out == D && d->fc.n_in > 0 && kd_weight_ok(&d->fc, D, d->fc.n_in);
+  for (int64_t i = 0; ok && i < d->n_layers; i++) {
+    const kd_drafter_layer *ly = &d->layers[i];
+    ok = ly->in_norm && ly->post_norm && ly->q_norm && ly->k_norm && kd_weight_ok(&ly->q, d->hq * hd, D) &&
+         kd_weight_ok(&ly->k, d->hkv * hd, D) && kd_weight_ok(&ly->v, d->hkv * hd, D) &&
+         kd_weight_ok(&ly->o, D, d->hq * hd) && kd_mlp_ok(&ly->mlp, D);
+  }
+  if (!ok) return kd_fail(KD_EINVAL, "kd_drafter_create: a weight is missing or its shape disagrees with the sizes");
+  return KD_OK;
+}
+
+void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta) {
+  int64_t half = hd / 2;
+  for (int64_t r = 0; r < T; r++)
+    for (int64_t i = 0; i < half; i++) {
+      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)hd), ang = (double)(start + r) * inv;
+      cs[r * hd + i] = (float)cos(ang);
+      cs[r * hd + half + i] = (float)sin(ang);
+    }
+}
+
 /* ---- kd_model_forward's argument checks (both builds) ------------------------------------------------ */
 int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
                           int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *)) {

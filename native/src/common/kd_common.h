@@ -78,6 +78,16 @@ int kd_moe_check(const float *x, const int32_t *experts, const float *weights, c
  * adds its own limits after it (CUDA: rows per call, hidden layers). */
 int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
                           int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *));
+/* A kd_weight of [n_out, n_in] with its pointers (INT4: scales and a group that is a multiple of 8); a kd_mlp of
+ * hidden D (gate/up [I, D], down [D, I], I > 0). 1 = valid. Both builds' model and drafter create use them. */
+int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in);
+int kd_mlp_ok(const kd_mlp *p, int64_t D);
+/* kd_drafter_create's descriptor checks (sizes, then every weight), the same in both builds: KD_OK or KD_EINVAL
+ * with the message set. */
+int kd_drafter_desc_check(const kd_drafter_desc *d);
+/* rotate_half RoPE tables of T positions from `start` (kdtree/model/drafter.py's rope_cos_sin, float64 rounded
+ * once): cs [T, hd] = [hd/2 cos | hd/2 sin] per row. */
+void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta);
 #ifdef __cplusplus
 }
 #endif

@@ -45,12 +45,6 @@ static int kd_lin(const kd_weight *w, const float *x, float *out, int64_t T) {
   return kd_linear_f32(x, w->f32, out, T, w->n_in, w->n_out, NULL);
 }
 
-static int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
-  if (w->n_out != n_out || w->n_in != n_in) return 0;
-  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
-  return w->f32 != NULL;
-}
-
 /* numpy's float32 sum of a short contiguous row (pairwise_sum for n <= 128): sequential below 8 elements, else
  * eight partial sums combined ((0+1)+(2+3))+((4+5)+(6+7)), then the tail -- the reference's routing weights sum */
 static float kd_np_sum(const float *a, int64_t n) {
@@ -117,11 +111,6 @@ int kd_model_destroy(kd_model *m) {
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
   free(m);
   return KD_OK;
-}
-
-static int kd_mlp_ok(const kd_mlp *p, int64_t D) {
-  int64_t I = p->gate.n_out;
-  return I > 0 && kd_weight_ok(&p->gate, I, D) && kd_weight_ok(&p->up, I, D) && kd_weight_ok(&p->down, D, I);
 }
 
 int kd_model_create(const kd_model_desc *desc, kd_model **out) {
@@ -664,20 +653,8 @@ int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
   KD_CHECK_PTR("kd_drafter_create", out);
   *out = NULL;
   const kd_drafter_desc *d = desc;
-  int64_t D = d->hidden, hd = d->head_dim;
-  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || d->hq <= 0 || d->hkv <= 0 || d->hq % d->hkv || hd <= 0 ||
-      hd % 2 || d->block_size < 2)
-    return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
-                   (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
-  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && kd_weight_ok(&d->lm_head, d->vocab, D) &&
-           d->fc.n_out == D && kd_weight_ok(&d->fc, D, d->fc.n_in);
-  for (int64_t i = 0; ok && i < d->n_layers; i++) {
-    const kd_drafter_layer *ly = &d->layers[i];
-    ok = ly->in_norm && ly->post_norm && ly->q_norm && ly->k_norm && kd_weight_ok(&ly->q, d->hq * hd, D) &&
-         kd_weight_ok(&ly->k, d->hkv * hd, D) && kd_weight_ok(&ly->v, d->hkv * hd, D) &&
-         kd_weight_ok(&ly->o, D, d->hq * hd) && kd_mlp_ok(&ly->mlp, D);
-  }
-  if (!ok) return kd_fail(KD_EINVAL, "kd_drafter_create: a weight is missing or its shape disagrees with the sizes");
+  int rc = kd_drafter_desc_check(d);
+  if (rc) return rc;
   kd_drafter *dr = (kd_drafter *)calloc(1, sizeof(kd_drafter));
   if (!dr || !(dr->layers = (kd_drafter_layer *)malloc(sizeof(kd_drafter_layer) * (size_t)d->n_layers))) {
     free(dr);
@@ -686,7 +663,7 @@ int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
   dr->d = *d;
   memcpy(dr->layers, d->layers, sizeof(kd_drafter_layer) * (size_t)d->n_layers);
   dr->d.layers = dr->layers;
-  dr->kvw = d->hkv * hd;
+  dr->kvw = d->hkv * d->head_dim;
   *out = dr;
   return KD_OK;
 }
@@ -746,17 +723,6 @@ int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
   if (n < 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_truncate(%lld): n must be >= 0", (long long)n);
   if (n < c->length) c->length = n;
   return KD_OK;
-}
-
-/* rotate_half RoPE tables of T positions from `start` (drafter.rope_cos_sin): cs [T, hd/2 cos | hd/2 sin] */
-static void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta) {
-  int64_t half = hd / 2;
-  for (int64_t r = 0; r < T; r++)
-    for (int64_t i = 0; i < half; i++) {
-      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)hd), ang = (double)(start + r) * inv;
-      cs[r * hd + i] = (float)cos(ang);
-      cs[r * hd + half + i] = (float)sin(ang);
-    }
 }
 
 /* x [T, H, hd] rotated in place: x*cos + rotate_half(x)*sin (drafter.apply_rope_half) */

@@ -664,11 +664,6 @@ static const void *fw_put_f32(fw_up *u, const float *src, int64_t n, int allow_b
 
 static const float *fw_vec(fw_up *u, const float *src, int64_t n) { return (const float *)fw_put(u, src, 4 * (size_t)n); }
 
-static int fw_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
-  if (w->n_out != n_out || w->n_in != n_in) return 0;
-  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
-  return w->f32 != NULL;
-}
 
 static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
   dw->n_out = hw->n_out, dw->n_in = hw->n_in, dw->group = hw->group;
@@ -694,10 +689,6 @@ static void fw_mlp_up(fw_up *u, const kd_mlp *h, fw_mlp *d) {
   fw_weight(u, &h->down, &d->down);
 }
 
-static int fw_mlp_ok(const kd_mlp *p, int64_t D) {
-  int64_t I = p->gate.n_out;
-  return I > 0 && fw_weight_ok(&p->gate, I, D) && fw_weight_ok(&p->up, I, D) && fw_weight_ok(&p->down, D, I);
-}
 
 /* one pass over the descriptor: pass 0 validates and sizes, pass 1 uploads (expert tables last, per layer) */
 static int fw_upload(kd_model *m, fw_up *u) {
@@ -715,16 +706,16 @@ static int fw_upload(kd_model *m, fw_up *u) {
     int64_t H = ly->heads, ql = ly->q_a.n_out;
     if (u->pass == 0) {
       int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm && ly->w_uk_t &&
-               ly->w_uv && fw_weight_ok(&ly->q_a, ql, D) && fw_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
-               fw_weight_ok(&ly->kv_a, L + R, D) && fw_weight_ok(&ly->o, D, H * d->v_head);
+               ly->w_uv && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
+               kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
       if (ok && ly->is_moe) {
         ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
              ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
              d->topk_group <= d->n_group;
-        for (int64_t e = 0; ok && e < d->n_experts; e++) ok = fw_mlp_ok(&ly->experts[e], D);
-        if (ok && ly->has_shared) ok = fw_mlp_ok(&ly->shared, D);
+        for (int64_t e = 0; ok && e < d->n_experts; e++) ok = kd_mlp_ok(&ly->experts[e], D);
+        if (ok && ly->has_shared) ok = kd_mlp_ok(&ly->shared, D);
       } else if (ok) {
-        ok = fw_mlp_ok(&ly->mlp, D);
+        ok = kd_mlp_ok(&ly->mlp, D);
       }
       if (!ok)
         return kd_fail(KD_EINVAL, "kd_model_create: layer %lld has a missing weight or one whose shape disagrees "
@@ -831,7 +822,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   if (L > FW_ATT_THREADS * FW_ATT_MAX_DIMS)
     return kd_fail(KD_EINVAL, "kd_model_create: kv_lora_rank=%lld > %d supported by the CUDA attention kernel",
                    (long long)L, FW_ATT_THREADS * FW_ATT_MAX_DIMS);
-  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !fw_weight_ok(&d->lm_head, d->vocab, D))
+  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
     return kd_fail(KD_EINVAL, "kd_model_create: embed, final_norm, lm_head [V, D], layers and inv_freq are required");
   kd_model *m = (kd_model *)calloc(1, sizeof(kd_model));
   if (!m) return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
@@ -1633,19 +1624,6 @@ __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__rest
   }
 }
 
-static int fw_dweights_ok(const kd_drafter_desc *d) {
-  int64_t D = d->hidden, hd = d->head_dim;
-  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && fw_weight_ok(&d->lm_head, d->vocab, D) &&
-           d->fc.n_out == D && d->fc.n_in > 0 && fw_weight_ok(&d->fc, D, d->fc.n_in);
-  for (int64_t i = 0; ok && i < d->n_layers; i++) {
-    const kd_drafter_layer *ly = &d->layers[i];
-    ok = ly->in_norm && ly->post_norm && ly->q_norm && ly->k_norm && fw_weight_ok(&ly->q, d->hq * hd, D) &&
-         fw_weight_ok(&ly->k, d->hkv * hd, D) && fw_weight_ok(&ly->v, d->hkv * hd, D) &&
-         fw_weight_ok(&ly->o, D, d->hq * hd) && fw_mlp_ok(&ly->mlp, D);
-  }
-  return ok;
-}
-
 /* one pass over the drafter's descriptor: pass 0 sizes, pass 1 uploads (embed / lm_head: the target's, if given) */
 static int fw_dupload(kd_drafter *dr, const kd_drafter_desc *d, fw_up *u) {
   int64_t D = d->hidden, hd = d->head_dim;
@@ -1704,12 +1682,7 @@ extern "C" int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) 
   }
   const kd_drafter_desc *d = desc;
   int64_t D = d->hidden, hd = d->head_dim;
-  if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || d->hq <= 0 || d->hkv <= 0 || d->hq % d->hkv || hd <= 0 ||
-      hd % 2 || d->block_size < 2)
-    return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
-                   (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
-  if (!fw_dweights_ok(d))
-    return kd_fail(KD_EINVAL, "kd_drafter_create: a weight is missing or its shape disagrees with the sizes");
+  FW_TRY(kd_drafter_desc_check(d));
   if (d->target && (d->target->d.vocab != d->vocab || d->target->d.hidden != D ||
                     d->target->lm_head.n_out != d->lm_head.n_out || d->target->lm_head.n_in != d->lm_head.n_in))
     return kd_fail(KD_EINVAL, "kd_drafter_create: desc.target's embed / lm_head (V=%lld, D=%lld) are not the "
@@ -1872,17 +1845,6 @@ static int fw_dreserve(kd_drafter *dr, const char *fn, size_t dev_bytes, size_t 
   return KD_OK;
 }
 
-/* rotate_half RoPE tables of T positions from `start` (kd_forward.c's kd_rope_half_table): cs [T, hd] */
-static void fw_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double theta) {
-  int64_t half = hd / 2;
-  for (int64_t r = 0; r < T; r++)
-    for (int64_t i = 0; i < half; i++) {
-      double inv = 1.0 / pow(theta, (double)(2 * i) / (double)hd), ang = (double)(start + r) * inv;
-      cs[r * hd + i] = (float)cos(ang);
-      cs[r * hd + half + i] = (float)sin(ang);
-    }
-}
-
 /* k, v of T rows h [T, D] into kb, vb [T, Hkv*hd]: linear, k_norm, rope (kd_forward.c's kd_drafter_kv) */
 static int fw_dkv(kd_drafter *dr, const char *fn, const fw_dlayer *ly, const float *h, float *kb, float *vb,
                   int64_t T, const float *cs) {
@@ -1922,7 +1884,7 @@ extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *
   float *fd = (float *)(sb + f_at), *ctx = (float *)(sb + ctx_at), *cs = (float *)(sb + cs_at);
   float *kb = (float *)(sb + kb_at), *vb = (float *)(sb + vb_at), *csh = (float *)dr->host;
   for (int64_t s = 0; s < n_seqs; s++)
-    fw_rope_half_table(csh + row_start[s] * hd, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s], hd,
+    kd_rope_half_table(csh + row_start[s] * hd, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s], hd,
                        d->rope_theta);
   cudaStream_t st = dr->stream;
   FW_TRY(fw_err_in(fn, cudaMemcpyAsync(fd, feats, sizeof(float) * (size_t)(N * F), cudaMemcpyHostToDevice, st),
@@ -1984,7 +1946,7 @@ extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *s
   float *csh = (float *)dr->host;
   int32_t *tokh = (int32_t *)(dr->host + sizeof(float) * (size_t)(n_seqs * B * hd));
   for (int64_t s = 0; s < n_seqs; s++) { /* block = [bonus, MASK x (B-1)] at positions n..n+B-1 */
-    fw_rope_half_table(csh + s * B * hd, dr->slots[slots[s]].length, B, hd, d->rope_theta);
+    kd_rope_half_table(csh + s * B * hd, dr->slots[slots[s]].length, B, hd, d->rope_theta);
     for (int64_t r = 0; r < B; r++) tokh[s * B + r] = r ? d->mask_token : bonus[s];
   }
   cudaStream_t st = dr->stream;
