@@ -295,11 +295,12 @@ class NativeTarget:
         lib.check(lib.c.kd_model_create(d, h), "kd_model_create")
         self.handle = h[0]
         weakref.finalize(self, lib.c.kd_model_destroy, self.handle)
-        # backend=cuda under tp: the all-reduce on the forward's stream (NCCL) instead of the callback above
+        # backend=cuda under tp: the all-reduce on the forward's stream (NCCL) instead of the callback above, set up
+        # by attach_device_collective once every rank has loaded (its setup is a collective; see there)
         self.device_collective = False
         ar = model.all_reduce
-        if lib.kind == "cuda" and ar is not None and getattr(ar, "collective", "host") == "nccl":
-            self.device_collective = attach_nccl(lib, self.handle, ar.world, ar.rank, ar.strict)
+        self._nccl = ((ar.world, ar.rank, ar.strict) if lib.kind == "cuda" and ar is not None
+                      and getattr(ar, "collective", "host") == "nccl" else None)
         # reused per call: one argument block, one slot, one row range (one sequence per forward today)
         self._args = ffi.new("kd_forward_args *")
         self._seq = np.zeros(3, np.int64)                               # [slot, row_start 0, row_start 1]
@@ -310,6 +311,18 @@ class NativeTarget:
         self._fb = ffi._backend.from_buffer
         self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t", "uint64_t")}
         self._fwd = lib.c.kd_model_forward
+
+    def attach_device_collective(self) -> bool:
+        """backend=cuda, tp.collective=auto|nccl: move the all-reduce onto the forward's stream (attach_nccl); True
+        when it is there. A collective, so every rank calls it at the same point: after ALL ranks have loaded
+        (launch_tp), not when this one has. On a large checkpoint ranks finish loading minutes apart, and a rank that
+        met the others here right after its own load would wait in the collective past tp.timeout_s. Once; later
+        calls return the first answer."""
+        if self._nccl is not None:
+            world, rank, strict = self._nccl
+            self._nccl = None
+            self.device_collective = attach_nccl(self.lib, self.handle, world, rank, strict)
+        return self.device_collective
 
     def new_cache(self, max_len: int) -> NativeLatentCache:
         return NativeLatentCache(self, max_len)

@@ -213,6 +213,12 @@ class K2Model:
         """Residual stream f32[T, D] -> logits f32[T, V] (final norm, then lm_head)."""
         return self.lm_head(self.final_norm(h))
 
+    def attach_device_collective(self) -> bool:
+        """tp with backend=cuda: the all-reduce moves onto the forward's stream (NCCL); True when it did. A collective:
+        every rank calls it together, once all have loaded (kdtree/parallel/launch.py). False on other backends."""
+        attach = getattr(self._native, "attach_device_collective", None)
+        return bool(attach()) if attach is not None else False
+
     def reserve_cache_pool(self, rows: int) -> bool:
         """backend=cpu|cuda: one latent-cache arena of `rows` rows that every later new_cache is carved from (a
         full pool raises CachePoolBusy). False where caches are separate numpy arrays (the numpy reference: the

@@ -205,6 +205,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         model = TPModel(local, workers, tp, per_rank, store)
         model.resident_bytes_per_rank = [rss0] + [int(r.get("resident_bytes", 0)) for r in ready]  # load's growth
         _LIVE.add(model)
+        model.attach_device_collective()               # backend=cuda: NCCL on the stream, now that all have loaded
         total = sum(per_rank)
         return model, replace(stats, bytes_read=total, mb_s=total / 1e6 / max(stats.seconds, 1e-9))
     except BaseException:

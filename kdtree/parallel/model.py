@@ -145,6 +145,14 @@ class TPModel:
                 raise self._fail(f"forward_batch on rank 0: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''}")
 
+    def attach_device_collective(self) -> bool:
+        """backend=cuda: every rank moves its all-reduce onto the forward's stream (NCCL; K2Model's method). launch_tp
+        calls it once every rank has loaded: its setup is a collective, which a rank done loading minutes before the
+        slowest one would otherwise enter alone and leave at tp.timeout_s. True when NCCL is on the stream."""
+        with self._lock:
+            self._send("attach_device_collective")
+            return self.local.attach_device_collective()
+
     # -- plumbing --------------------------------------------------------------------------------------
     def _send(self, op: str, *args) -> None:
         if self._closed:

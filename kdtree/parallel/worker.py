@@ -95,6 +95,8 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
         elif op == "truncate":
             cid, n = args
             caches[cid].truncate(n)
+        elif op == "attach_device_collective":     # every rank has loaded (see TPModel.attach_device_collective)
+            model.attach_device_collective()
         elif op == "shutdown":
             return
         else:
