@@ -8,7 +8,7 @@ NVCC   ?= $(shell command -v nvcc 2>/dev/null)
 # sweep (README, Benchmarks). Production GPUs want bigger budgets: `python -m kdtree.run tree.budget=64 ...`.
 RUN_ARGS ?= backend=cpu tree.budget=8
 
-.PHONY: setup native run test bench clean
+.PHONY: setup native run test bench gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,15 @@ test: setup native
 
 bench: setup native
 	$(VPY) -m pytest -q tests/bench --benchmark-enable --benchmark-only --benchmark-autosave
+
+# The five wheels native/gpu_check.sh installs on the GPU image (python 3.12, no package registry there); then
+# run native/gpu_check.sh there with .whl/ carried along (the header of native/gpu_check.sh says how).
+gpu-wheels: setup
+	$(VPY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_17_x86_64 -d .whl cffi==2.1.1 pycparser==3.12 hydra-core==1.3.8 \
+	  omegaconf==2.3.1
+	$(VPY) -m pip wheel -q --disable-pip-version-check --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	@ls .whl
 
 clean:
 	rm -rf native/build runs multirun outputs .pytest_cache

@@ -10,7 +10,8 @@
 #
 # The device image's python3 (3.12) has numpy/pytest/pytest-benchmark/pyyaml/tiktoken but not cffi, pycparser,
 # omegaconf, hydra-core or antlr4-python3-runtime (4.9.3, sdist only on PyPI: build its wheel with `pip wheel`):
-# put those five wheels in .whl/ and carry it; they are installed into /tmp/kd_site for this run only.
+# put those five wheels in .whl/ (`make gpu-wheels` on the build machine) and carry it; they are installed into
+# /tmp/kd_site for this run only. By hand:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_17_x86_64 -d .whl cffi==2.1.1 pycparser==3.12 hydra-core==1.3.8 omegaconf==2.3.1
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3
