@@ -140,6 +140,10 @@ def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
         c.keep(2, [2, 3])
     with pytest.raises(ValueError, match="outside"):
         c.truncate(5)
+    n = int(tiny_cfg.num_hidden_layers)   # a layer that never comes: an error, not an unwritten (garbage) column
+    with pytest.raises(native.NativeError, match=rf"hidden_layers\[1\]={n} is not a layer of this model \(0..{n - 1}\)"):
+        m.forward(PROMPT[:1], np.array([3]), c, hidden_layers=[1, n])
+    assert c.length == 3                              # refused before anything ran
     _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its slot ids mean nothing here
     with pytest.raises(ValueError, match="not made by this model"):
         m.forward(PROMPT[:1], np.array([3]), other.new_cache(8))

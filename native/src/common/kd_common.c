@@ -579,7 +579,7 @@ void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double 
 }
 
 /* ---- kd_model_forward's argument checks (both builds) ------------------------------------------------ */
-int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
+int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab, int64_t n_layers,
                           int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *)) {
   if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
     return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
@@ -611,5 +611,9 @@ int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
                      (long long)a->out_rows[i], (long long)a->n_rows);
   if (a->n_hidden < 0 || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
     return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden", (long long)a->n_hidden);
+  for (int64_t j = 0; j < a->n_hidden; j++) /* a layer that never comes would leave its column unwritten */
+    if (a->hidden_layers[j] < 0 || a->hidden_layers[j] >= n_layers)
+      return kd_fail(KD_EINVAL, "kd_model_forward: hidden_layers[%lld]=%lld is not a layer of this model (0..%lld)",
+                     (long long)j, (long long)a->hidden_layers[j], (long long)(n_layers - 1));
   return KD_OK;
 }

@@ -76,7 +76,7 @@ int kd_moe_check(const float *x, const int32_t *experts, const float *weights, c
 /* kd_model_forward's arguments, checked the same way by both builds (the CPU tests exercise the CUDA build's
  * checks too). slot_room(m, slot, &length, &max_len): KD_OK, or the build's "not allocated" error. Each build
  * adds its own limits after it (CUDA: rows per call, hidden layers). */
-int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab,
+int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab, int64_t n_layers,
                           int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *));
 /* A kd_weight of [n_out, n_in] with its pointers (INT4: scales and a group that is a multiple of 8); a kd_mlp of
  * hidden D (gate/up [I, D], down [D, I], I > 0). 1 = valid. Both builds' model and drafter create use them. */

@@ -518,7 +518,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   kd_clear_error();
   KD_CHECK_PTR("kd_model_forward", m);
   KD_CHECK_PTR("kd_model_forward", a);
-  KD_TRY(kd_forward_args_check(m, a, m->d.vocab, kd_slot_room));
+  KD_TRY(kd_forward_args_check(m, a, m->d.vocab, m->d.n_layers, kd_slot_room));
   const kd_model_desc *d = &m->d;
   int64_t N = a->n_rows, D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, nope = d->nope;
   int64_t half = R / 2, Hmax = 0;

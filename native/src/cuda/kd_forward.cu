@@ -1353,7 +1353,7 @@ static int fw_slot_room(kd_model *m, int64_t slot, int64_t *length, int64_t *max
 }
 
 static int fw_check(kd_model *m, const kd_forward_args *a) {
-  int rc = kd_forward_args_check(m, a, m->d.vocab, fw_slot_room);
+  int rc = kd_forward_args_check(m, a, m->d.vocab, m->d.n_layers, fw_slot_room);
   if (rc) return rc;
   if (a->n_rows > 65535)
     return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld > 65535 rows per call on CUDA; split the batch "
@@ -1776,7 +1776,9 @@ extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *
   float *k = NULL, *v = NULL;
   cudaError_t e = cudaSuccess;
   for (int attempt = 0; attempt < 2; attempt++) {
+    k = v = NULL;
     e = cudaMalloc((void **)&k, bytes);
+    if (e != cudaSuccess) k = NULL; /* a failed cudaMalloc does not promise to leave the pointer alone */
     if (e == cudaSuccess) e = cudaMalloc((void **)&v, bytes);
     if (e == cudaSuccess) break;
     cudaGetLastError();
