@@ -230,6 +230,58 @@ def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
     print(f"\ntiny decode steps (min of 50, ms): {times}")
 
 
+def _tree_and_batch_speed(engine, new_tokens=128, batch=16, rounds=3):
+    """#16's and #18's figures on this backend (times only, the tokens checked): greedy AR vs DDTree tokens/s on the
+    engine's model and tree, and one forward of `batch` sequences' 9-row trees against one sequence's."""
+    from kdtree.engine import AR_TREE
+    ids = engine.tokenizer.encode("def __init__(self, ")
+    speed, tokens = {}, {}
+    for name, tree in (("ar", AR_TREE), ("tree", None)):
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            r = engine.generate(ids, new_tokens, tree=tree) if tree is not None else engine.generate(ids, new_tokens)
+            best = min(best, time.perf_counter() - t0)
+            tokens[name] = r.tokens
+        speed[f"{name}_tokens_per_s"] = len(tokens[name]) / best
+    assert tokens["tree"] == tokens["ar"]
+    speed["tree_vs_ar"] = speed["tree_tokens_per_s"] / speed["ar_tokens_per_s"]
+    m = engine.model
+    parents = np.array([-1, 0, 0, 1, 3, -1, 5, 6], np.int32)           # 8 nodes + the root: 9 rows
+    vis, toks = ancestor_visibility(parents), np.arange(9, dtype=np.int32)
+    pos = len(PROMPT) + np.array([0, 1, 2, 2, 3, 4, 1, 2, 3])
+    caches = [m.new_cache(64) for _ in range(batch)]
+    for c in caches:
+        m.forward(PROMPT, np.arange(len(PROMPT)), c)
+    for name, seqs in (("verify_9_ms", caches[:1]), (f"verify_{batch}x9_ms", caches)):
+        best = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            m.forward_batch([(toks, pos, c, vis) for c in seqs])
+            best = min(best, time.perf_counter() - t0)
+            for c in seqs:
+                c.truncate(len(PROMPT))
+        speed[name] = best * 1e3
+    speed["batch"] = batch
+    speed["batch_rows_per_s_vs_one"] = batch * speed["verify_9_ms"] / speed[f"verify_{batch}x9_ms"]
+    return speed
+
+
+def test_cuda_tree_vs_ar_and_batched_verify_times(compose_cfg):
+    """The figures #16 and #18 ask of a CPU, on the device, for gpu_check's table ($OUT/kd_gpu_speed.json): greedy
+    AR vs DDTree w4 d7 b8 tokens/s on the trained tiny model (128 tokens, graphs for the AR step and the verify
+    block), and one forward of 16 sequences' 9-row trees against one's. Asserts only DDTree == AR, never a speed."""
+    from kdtree.engine import Engine
+    engine = Engine.from_config(compose_cfg("backend=cuda", "tree=ddtree", "tree.width=4", "tree.depth=7",
+                                            "tree.budget=8", "load.progress=false"))
+    assert engine.graph_rows([1, 9, 144])
+    speed = _tree_and_batch_speed(engine)
+    out = os.environ.get("OUT") or "/tmp"
+    with open(os.path.join(out, "kd_gpu_speed.json"), "w") as f:
+        json.dump(speed, f)
+    print(f"\ntiny model on the device: {speed}")
+
+
 def test_warmup_buckets_are_captured_and_replayed(compose_cfg):
     """engine.graph_rows([1, budget + 1]) (what the warmup stage sets): the AR step and the verify block are
     captured once each, every later forward of those sizes replays, and a generation's tokens equal AR's."""
