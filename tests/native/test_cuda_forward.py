@@ -240,7 +240,7 @@ def _tree_and_batch_speed(engine, new_tokens=128, batch=16, rounds=3):
         best = float("inf")
         for _ in range(rounds):
             t0 = time.perf_counter()
-            r = engine.generate(ids, new_tokens, tree=tree) if tree is not None else engine.generate(ids, new_tokens)
+            r = engine.generate(ids, new_tokens, tree=tree)               # None: the configured tree
             best = min(best, time.perf_counter() - t0)
             tokens[name] = r.tokens
         speed[f"{name}_tokens_per_s"] = len(tokens[name]) / best

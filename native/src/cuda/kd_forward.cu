@@ -664,7 +664,6 @@ static const void *fw_put_f32(fw_up *u, const float *src, int64_t n, int allow_b
 
 static const float *fw_vec(fw_up *u, const float *src, int64_t n) { return (const float *)fw_put(u, src, 4 * (size_t)n); }
 
-
 static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
   dw->n_out = hw->n_out, dw->n_in = hw->n_in, dw->group = hw->group;
   int bf;
@@ -688,7 +687,6 @@ static void fw_mlp_up(fw_up *u, const kd_mlp *h, fw_mlp *d) {
   fw_weight(u, &h->up, &d->up);
   fw_weight(u, &h->down, &d->down);
 }
-
 
 /* one pass over the descriptor: pass 0 validates and sizes, pass 1 uploads (expert tables last, per layer) */
 static int fw_upload(kd_model *m, fw_up *u) {
@@ -1783,7 +1781,6 @@ extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *
     if (e == cudaSuccess) break;
     cudaGetLastError();
     if (k) cudaFree(k);
-    k = v = NULL;
     for (int64_t i = 0; i < dr->n_slots; i++) /* out of memory: give the cached free allocations back, retry */
       if (!dr->slots[i].used && dr->slots[i].k) {
         cudaFree(dr->slots[i].k), cudaFree(dr->slots[i].v);
