@@ -2,12 +2,16 @@
 
     engine = Engine.from_config(cfg, status=status_file)   # resolve/generate the checkpoint, load, build
     result = engine.generate(engine.tokenizer.encode("2+2="), max_new_tokens=16)
+    req = engine.submit(Request(ids, 16, sampling=params, on_tokens=send))   # the server's way in
     text = engine.tokenizer.decode(result.tokens)
     # sampling (HTTP front end): fields -> SamplingParams (one-line SamplingError naming the field, .param)
     params = SamplingParams.from_openai(body, defaults=engine.sampling_defaults())
     result = engine.generate(ids, 16, sampling=params)      # tokens, logprobs, seed, finish_reason
     results = engine.generate_n(ids, 16, sampling=params)   # params.n samples sharing one prefill
 
+The engine owns the one Scheduler (kdtree/decode/scheduler.py) that decides every token: generate, generate_n,
+the demo, warm-up, bench and the server all submit Requests to it (the server runs its thread; the others step it
+until their request is done), so warm-up warms exactly the shapes the server runs.
 Stages (load, generate, warmup, demo, serve, bench) share one Engine through EngineState.of(ctx).engine.
 """
 from __future__ import annotations
@@ -25,9 +29,11 @@ from kdtree.backends.native import auto_threads as native_auto_threads
 from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_drafter, load_options, resident_bytes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
-from kdtree.decode import generate, generate_n
+from kdtree.decode import generate_n, run_request
+from kdtree.decode.request import Request
 from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import SamplingParams
+from kdtree.decode.scheduler import Scheduler
 from kdtree.errors import ConfigError
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model
@@ -40,6 +46,7 @@ GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 # sampling.* keys that shape the distribution (server defaults); seed, logprobs, echo, n are per run/request
 DISTRIBUTION_KEYS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty")
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
+PENALTY_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 def resolve_checkpoint(cfg) -> Path:
@@ -79,6 +86,7 @@ class Engine:
         self.eos_id = int(cfg.model.eos_token_id)
         self.max_context = int(cfg.model.max_position_embeddings)
         self.model_name = cfg.serve.get("model_name", "") or cfg.model.name
+        self._scheduler: Optional[Scheduler] = None
 
     @classmethod
     def from_config(cls, cfg, status: Any = None,
@@ -142,7 +150,9 @@ class Engine:
         return nat.graph_stats()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (tp > 1); a no-op for tp=1. Idempotent."""
+        """Stop the scheduler's thread and the tensor-parallel workers (tp > 1). Idempotent."""
+        if self._scheduler is not None:
+            self._scheduler.stop()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
@@ -161,22 +171,35 @@ class Engine:
         """The generate/bench pipelines' sampling: greedy unless sampling.temperature is set (so their results
         stay the greedy ones by default); with it, unset fields as sampling_defaults(). Seed resolved."""
         conf = self.cfg.get("sampling") or {}
-        run = {k: conf.get(k) for k in ("seed", "logprobs", "echo", "n")}
+        run = {k: conf.get(k) for k in ("seed", "logprobs", "echo", "n") + PENALTY_KEYS}
         if conf.get("temperature") is None:
             return SamplingParams.merged(run, temperature=0.0)
         return SamplingParams.merged(self.sampling_defaults(), run).resolved()
 
-    def _request(self, prompt_ids: Sequence[int], max_new_tokens: int, tree: Any) -> tuple:
-        """(tree config, drafter) of a request after the prompt and context checks."""
-        tree = self.cfg.tree if tree is None else tree
-        if not prompt_ids:
-            raise ConfigError("prompt is empty; give at least one token")
-        drafter = self.drafter if str(tree.kind) != "ar" else None
-        budget = int(tree.budget) + 1 if drafter is not None else 0
-        if len(prompt_ids) + max_new_tokens + budget > self.max_context:
-            raise ConfigError(f"prompt of {len(prompt_ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                              f"context of {self.max_context} tokens (model={self.cfg.model.name}); shorten either")
-        return tree, drafter
+    @property
+    def scheduler(self) -> Scheduler:
+        """The one scheduler of this engine (built on first use: it reserves the latent-cache pool,
+        serve.kv_pool_tokens rows, with the continuous-batching knobs serve.max_batch_tokens / request_timeout_s /
+        speculate_max_batch)."""
+        if self._scheduler is None:
+            s = self.cfg.serve
+            self._scheduler = Scheduler(self.model, self.drafter, self.cfg.tree, self.eos_id, self.max_context,
+                                        max_batch_tokens=int(s.max_batch_tokens), pool_tokens=int(s.kv_pool_tokens),
+                                        request_timeout_s=float(s.request_timeout_s),
+                                        speculate_max_batch=int(s.speculate_max_batch))
+        return self._scheduler
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (any thread); it is decoded by whoever steps the scheduler (the server's engine thread,
+        or drive(req)). Shape errors (empty prompt, context, an unloaded drafter) raise here."""
+        return self.scheduler.submit(req)
+
+    def drive(self, req: Request) -> GenerationResult:
+        """Until `req` is done (stepping the scheduler here unless its thread runs); its result or its error."""
+        self.scheduler.drive(req)
+        if req.error is not None:
+            raise req.error
+        return req.result
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None,
@@ -185,20 +208,20 @@ class Engine:
         AR_TREE) instead; output is identical for all. sampling None / temperature 0: greedy; else sampled
         (result.seed = the seed used, result.logprobs when sampling.logprobs is set). on_tokens(new_ids) is
         called after each commit with the tokens it added (the server's live stream). n > 1: use generate_n."""
-        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
         if sampling is not None and sampling.n != 1:
             raise ConfigError(f"n={sampling.n}: Engine.generate returns one completion; use Engine.generate_n")
-        return generate(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens),
-                        eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, sampling=sampling)
+        req = Request(list(prompt_ids), int(max_new_tokens), sampling=sampling, tree=tree, stop_ids=tuple(stop_ids),
+                      on_tokens=on_tokens)
+        return run_request(self.scheduler, req)
 
     def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
                    stop_ids: Sequence[int] = (), on_tokens: Optional[Callable[[int, List[int]], None]] = None,
                    tree: Any = None) -> List[GenerationResult]:
         """sampling.n samples of one prompt sharing its prefill; sample i's seed = sampling.for_sample(i).seed
         (sample 0: the request's seed). on_tokens(i, new_ids) streams sample i."""
-        tree, drafter = self._request(prompt_ids, max_new_tokens, tree)
-        return generate_n(self.model, drafter, tree, list(prompt_ids), int(max_new_tokens), sampling,
-                          eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens)
+        tree = self.cfg.tree if tree is None else tree
+        return generate_n(self.model, self.drafter, tree, list(prompt_ids), int(max_new_tokens), sampling,
+                          eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, scheduler=self.scheduler)
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
         """Text in, (text out, GenerationResult)."""

@@ -162,7 +162,7 @@ class ServeConfig:
     max_queue: int = 256
     demo_prompt: str = "def __init__(self, "  # the demo stage's completion (tree vs AR) before serving
     demo_tokens: int = 48  # 0 = no demo
-    # continuous batching (kdtree/decode/batch.py): every running request is decoded in one target forward a step
+    # continuous batching (kdtree/decode/scheduler.py): every running request is decoded in one target forward a step
     max_batch_tokens: int = 512  # rows per step: every running request's verify block, then prefill chunks
     kv_pool_tokens: int = 16384  # latent-cache tokens of all running requests (prompt + max_tokens + tree each); more wait
     request_timeout_s: float = 0.0  # wall-clock limit of a request, queueing included (0 = none)

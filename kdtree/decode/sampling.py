@@ -17,8 +17,8 @@ Distribution (vLLM's documented order: penalties on the raw logits, then tempera
     top_p p < 1: keep a token iff the mass of the more probable tokens (equal probabilities: lower ids first)
                  is < p (vLLM drops the ascending-cumsum prefix <= 1 - p; the most likely token is always kept)
 The sample is the inverse CDF in ascending token id order (fixed, and needs no sort): the first kept token
-whose cumulative weight exceeds u * (kept total weight). Temperature 0 (below 1e-5) never comes here: the
-loops keep their greedy argmax path. Logprobs are the raw target distribution's (log-softmax of the logits).
+whose cumulative weight exceeds u * (kept total weight). Temperature 0 (below 1e-5) draws nothing: the decoder
+takes the argmax, of the penalised logits when penalties are set (vLLM's order: penalties, then the argmax). Logprobs are the raw target distribution's (log-softmax of the logits).
 
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7).resolved()
     s = Sampler(params, prompt_ids)              # per request (per sample of n)
@@ -93,8 +93,8 @@ def _integer(name: str, v: Any) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """One request's sampling. temperature 0 = greedy (the unchanged argmax path; other fields but logprobs,
-    echo and n are then ignored). Bounds are vLLM's/OpenAI's; validate() says which field is wrong."""
+    """One request's sampling. temperature 0 = greedy: the argmax (of the penalised logits when a penalty is set;
+    top_p, top_k and seed are then ignored). Bounds are vLLM's/OpenAI's; validate() says which field is wrong."""
     temperature: float = 1.0            # >= 0; 0 (anything < 1e-5) = greedy argmax
     top_p: float = 1.0                  # (0, 1]; 1 = all tokens
     top_k: int = 0                      # 0 or -1 = all tokens, else >= 1
@@ -325,17 +325,22 @@ def prompt_logprobs(prompt: Sequence[int], logits: np.ndarray, top: int) -> List
 
 class Sampler:
     """One sample's state: params (resolved seed), the prompt and output counts for the penalties, and the
-    output position. sample(row) draws with uniform(seed, position) and commits the token."""
+    output position. sample(row) draws with uniform(seed, position) and commits the token; at temperature 0
+    (penalties set) it takes the penalised argmax instead, as deterministic and as lossless under speculation."""
 
     def __init__(self, params: SamplingParams, prompt: Sequence[int]):
-        if params.seed is None:
+        if params.seed is None and not params.greedy:
             raise ValueError("Sampler needs resolved params (params.resolved()) so the seed can be reported")
-        self.params, self.seed, self.position = params, int(params.seed), 0
+        self.params, self.position = params, 0
+        self.seed = None if params.greedy else int(params.seed)
         self.prompt = sorted(set(int(t) for t in prompt)) if params.penalized else ()
         self.counts: Dict[int, int] = {}
 
     def peek(self, logits_row: np.ndarray) -> int:
-        """The token this position would draw, without committing it."""
+        """The token this position would draw, without committing it. Greedy (temperature 0) with penalties: the
+        argmax of the penalised logits (vLLM applies penalties before its greedy argmax; ties -> lowest id)."""
+        if self.seed is None:
+            return int(np.argmax(penalized_logits(logits_row, self.params, self.counts, self.prompt)))
         return sample_token(logits_row, self.params, uniform(self.seed, self.position), self.counts, self.prompt)
 
     def commit(self, token: int) -> None:

@@ -51,7 +51,7 @@ from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
 from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.metrics import Metrics
-from kdtree.decode.batch import ContextLengthExceeded, RequestTimeout
+from kdtree.decode.request import ContextLengthExceeded, RequestTimeout
 from kdtree.serve.batch_worker import BatchWorker
 from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
 from kdtree.serve.status import StatusFile, describe
@@ -136,12 +136,8 @@ class ServeApp:
         except ChatTemplateError as e:           # completions still work; chat answers why it cannot
             self.chat_template = e
             print(f"[serve] /v1/chat/completions disabled: {e}", file=sys.stderr, flush=True)
-        knobs = getattr(getattr(engine, "cfg", None), "serve", None) or {}   # continuous batching (decode/batch.py)
-        self.worker = BatchWorker(engine, self.max_queue, on_done=self.metrics.generation,
-                                  max_batch_tokens=int(knobs.get("max_batch_tokens", 512)),
-                                  kv_pool_tokens=int(knobs.get("kv_pool_tokens", 16384)),
-                                  request_timeout_s=float(knobs.get("request_timeout_s", 0.0)),
-                                  speculate_max_batch=int(knobs.get("speculate_max_batch", 0)))
+        # continuous batching: the engine's own scheduler (serve.max_batch_tokens, kv_pool_tokens, ...)
+        self.worker = BatchWorker(engine, self.max_queue, on_done=self.metrics.generation)
 
     def mark_ready(self) -> None:
         if self.worker is None:

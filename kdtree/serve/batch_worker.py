@@ -1,8 +1,8 @@
 """The server's engine thread with continuous batching: every accepted request is decoded together.
 
 The seam between the HTTP routes and the engine (submit(Job) / drain / depth / in_flight / finished): the routes
-submit a Job and wait on it; this worker turns it into a kdtree.decode.batch.BatchRequest and one thread runs
-BatchScheduler.step() while there is work. A job's cancel() (its client went away, its stream hit a stop string)
+submit a Job and wait on it; this worker turns it into a kdtree.decode.request.Request for the engine's own
+scheduler (the one generate, warm-up and bench drive) and starts that scheduler's thread. A job's cancel() (its client went away, its stream hit a stop string)
 ends it at the next step; its multi-token stop strings end generation in the step they complete in (the same
 tokens streamed or not, so usage agrees). Each request's tokens equal its solo run (tests/decode).
 """
@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from kdtree.decode.batch import BatchRequest, BatchScheduler, RequestCancelled
+from kdtree.decode.request import Request, RequestCancelled
 from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
 
 
@@ -53,23 +53,16 @@ def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
 
 
 class BatchWorker:
-    def __init__(self, engine: Any, max_queue: int = 256, on_done=None, max_batch_tokens: int = 512,
-                 kv_pool_tokens: int = 16384, request_timeout_s: float = 0.0, speculate_max_batch: int = 0):
+    def __init__(self, engine: Any, max_queue: int = 256, on_done=None):
         self.engine = engine
         self.on_done = on_done                     # fn(job) after each finished job (metrics)
         self.max_queue = max(1, int(max_queue))
-        self.scheduler = BatchScheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id,
-                                        engine.max_context, max_batch_tokens=max_batch_tokens,
-                                        pool_tokens=kv_pool_tokens, request_timeout_s=request_timeout_s,
-                                        speculate_max_batch=speculate_max_batch)
+        self.scheduler = engine.scheduler          # the engine's: serve.max_batch_tokens, kv_pool_tokens, ...
         self._accepting = True
         self._lock = threading.Lock()
         self.finished = 0                          # jobs ended with a result (metrics, drain report)
         self._jobs = {}                            # id(request) -> job, while it runs or waits
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self.scheduler.run, args=(self._stop,), name="engine-batch",
-                                        daemon=True)
-        self._thread.start()
+        self.scheduler.start()
 
     running = None                                 # no single running job: see snapshot()
 
@@ -91,7 +84,7 @@ class BatchWorker:
                 raise Draining()
             if self.scheduler.waiting >= self.max_queue:
                 raise QueueFull()
-            req = BatchRequest(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
+            req = Request(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
                                stop_check=stop_string_check(self.engine.tokenizer, getattr(job, "stops", ())),
                                on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled,
                                sampling=getattr(job, "sampling", None))
@@ -104,7 +97,7 @@ class BatchWorker:
                 raise
         return job
 
-    def _done(self, req: BatchRequest) -> None:
+    def _done(self, req: Request) -> None:
         job = self._jobs.pop(id(req))
         job.result = req.result
         job.error = Cancelled() if isinstance(req.error, RequestCancelled) else req.error
@@ -142,7 +135,5 @@ class BatchWorker:
             stop_by = time.monotonic() + 5.0
             while self._jobs and time.monotonic() < stop_by:
                 time.sleep(0.01)
-        self._stop.set()
-        self.scheduler.wake()
-        self._thread.join(5.0)
+        self.scheduler.stop()
         return finished

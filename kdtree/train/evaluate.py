@@ -21,8 +21,7 @@ import numpy as np
 from kdtree.backends.numpy_ops import NumpyOps
 from kdtree.checkpoint.loader import load_checkpoint, load_drafter
 from kdtree.config.schema import group_config
-from kdtree.decode.ar import generate_ar
-from kdtree.decode.ddtree import generate_ddtree
+from kdtree.decode import generate
 from kdtree.model.drafter import DFlashDrafter
 from kdtree.model.k2 import K2Model
 from kdtree.train.data import Corpus
@@ -43,6 +42,9 @@ def load_engine(ckpt: Path, cfg):
     return model, DFlashDrafter.from_target(model, dw)
 
 
+AR = SimpleNamespace(kind="ar", width=1, depth=0, budget=0)
+
+
 def heldout_prompts(n: int, length: int, seed: int = 0) -> List[List[int]]:
     return [list(map(int, p)) for p in Corpus().prompts(np.random.default_rng(seed), n, length, "heldout")]
 
@@ -51,7 +53,7 @@ def evaluate(model, drafter, prompts: List[List[int]], max_new: int, shapes=SHAP
     ar = []
     t0 = time.perf_counter()
     for p in prompts:
-        ar.append(generate_ar(model, p, max_new, eos_id=eos_id))
+        ar.append(generate(model, None, AR, p, max_new, eos_id=eos_id))
     ar_s = time.perf_counter() - t0
     rows = []
     for kind, width, depth, budget in shapes:
@@ -60,7 +62,7 @@ def evaluate(model, drafter, prompts: List[List[int]], max_new: int, shapes=SHAP
         same, new, fwd = True, 0, 0
         t0 = time.perf_counter()
         for p, ref in zip(prompts, ar):
-            r = generate_ddtree(model, drafter, tc, p, max_new, eos_id=eos_id)
+            r = generate(model, drafter, tc, p, max_new, eos_id=eos_id)
             same &= r.tokens == ref.tokens
             acc += r.acceptance_lengths
             new += len(r.tokens)

@@ -6,7 +6,7 @@
     measure the contention, not the exactness)
 
 Group batch(backend=B): the same 16 requests (64 tokens each, ddtree w4 d7 b8) decoded one after another
-(`solo`, what a one-request-at-a-time server does) and together by the BatchScheduler (`batched`).
+(`solo`, what a one-request-at-a-time server does) and together by the Scheduler (`batched`).
 Group exactness_cost(numpy): the batched run with the batch-invariant linear (one GEMV per row, every answer
 equals its solo run: asserted) against the same run with linear = one GEMM over the step's rows (linear_fast, not
 batch-invariant): the ratio of the two is what exactness costs here; extra_info counts the requests whose tokens
@@ -20,7 +20,8 @@ import json
 import pytest
 
 from kdtree.backends.numpy_ops import NumpyOps
-from kdtree.decode.batch import BatchRequest, BatchScheduler
+from kdtree.decode.request import Request
+from kdtree.decode.scheduler import Scheduler
 from kdtree.engine import Engine
 from tests.native_lib import CPU_ERROR, CPU_SKIPPED
 
@@ -44,8 +45,8 @@ def _prompts(engine):
 
 
 def _batched(engine, model, prompts):
-    s = BatchScheduler(model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context)
-    reqs = [s.submit(BatchRequest(p, N_TOKENS)) for p in prompts]
+    s = Scheduler(model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context)
+    reqs = [s.submit(Request(p, N_TOKENS)) for p in prompts]
     while s.step():
         pass
     return [r.result.tokens for r in reqs]

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from kdtree.decode.batch import (BatchRequest, BatchScheduler, ContextLengthExceeded, RequestCancelled,
-                                 RequestTimeout)
+from kdtree.decode.request import ContextLengthExceeded, Request, RequestCancelled, RequestTimeout
+from kdtree.decode.scheduler import Scheduler
 from kdtree.engine import AR_TREE, Engine
 from tests.native_lib import CPU_SKIPPED
 
@@ -41,9 +41,9 @@ def engine_for(compose_cfg, backend, quant) -> Engine:
     return _engines[key]
 
 
-def scheduler(engine, **kw) -> BatchScheduler:
+def scheduler(engine, **kw) -> Scheduler:
     kw.setdefault("max_batch_tokens", 48)      # small: long prompts are prefilled in chunks beside decoding rows
-    return BatchScheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context, **kw)
+    return Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context, **kw)
 
 
 def stop_check_for(tokenizer, stop: str):
@@ -110,8 +110,8 @@ def test_a_request_speculates_again_with_its_drafter_caught_up(compose_cfg, back
     engine = engine_for(compose_cfg, backend, "fp32")
     ids = engine.tokenizer.encode(TEXT[:40])
     sched = scheduler(engine, speculate_max_batch=1)
-    a = sched.submit(BatchRequest(ids, 40, tree=TREES["ddtree"]))
-    b = sched.submit(BatchRequest(engine.tokenizer.encode(TEXT[100:120]), 6, tree=TREES["ar"]))
+    a = sched.submit(Request(ids, 40, tree=TREES["ddtree"]))
+    b = sched.submit(Request(engine.tokenizer.encode(TEXT[100:120]), 6, tree=TREES["ar"]))
     while sched.step():
         pass
     got = a.result.acceptance_lengths
@@ -140,7 +140,7 @@ def run_under_load(engine, n, pool_tokens=900, speculate_max_batch=0):
     while step < 30 or any(r is not None and not r.done.is_set() for r in reqs):
         for i, s in enumerate(specs):
             if s["arrive"] == step:
-                reqs[i] = sched.submit(BatchRequest(
+                reqs[i] = sched.submit(Request(
                     s["ids"], s["max_new"], tree=s["tree"],
                     stop_check=stop_check_for(engine.tokenizer, s["stop"]) if s["stop"] else None))
             if s["cancel"] == step:
@@ -178,7 +178,7 @@ def test_all_at_once_in_one_step(compose_cfg, backend):
     engine = engine_for(compose_cfg, backend, "fp32")
     specs = random_specs(engine, np.random.default_rng(18), 14)
     sched = scheduler(engine, max_batch_tokens=100000)
-    reqs = [sched.submit(BatchRequest(s["ids"], s["max_new"], tree=s["tree"])) for s in specs]
+    reqs = [sched.submit(Request(s["ids"], s["max_new"], tree=s["tree"])) for s in specs]
     while sched.step():
         pass
     for s, r in zip(specs, reqs):
@@ -200,7 +200,7 @@ def test_threaded_clients_at_random_times_get_their_solo_tokens(compose_cfg):
 
     def client(i):
         time.sleep(specs[i]["arrive"] * 0.01)
-        reqs[i] = sched.submit(BatchRequest(specs[i]["ids"], specs[i]["max_new"], tree=specs[i]["tree"],
+        reqs[i] = sched.submit(Request(specs[i]["ids"], specs[i]["max_new"], tree=specs[i]["tree"],
                                             on_tokens=streamed[i].extend))
         reqs[i].wait(60)
 
@@ -219,20 +219,20 @@ def test_threaded_clients_at_random_times_get_their_solo_tokens(compose_cfg):
 def test_a_request_that_can_never_fit_is_refused(compose_cfg):
     engine = engine_for(compose_cfg, "numpy", "fp32")
     with pytest.raises(ContextLengthExceeded, match="exceeds the context of 2048 tokens; shorten the prompt") as e:
-        scheduler(engine, pool_tokens=100000).submit(BatchRequest([65] * 10, engine.max_context))
+        scheduler(engine, pool_tokens=100000).submit(Request([65] * 10, engine.max_context))
     assert e.value.code == "context_length_exceeded"
     sched = scheduler(engine, pool_tokens=300)
     with pytest.raises(ContextLengthExceeded, match=r"cache pool of 300 tokens \(serve.kv_pool_tokens\)"):
-        sched.submit(BatchRequest([65] * 250, 60))
+        sched.submit(Request([65] * 250, 60))
     with pytest.raises(ContextLengthExceeded, match=r"\+ tree budget 9 = 299"):    # 250 + 40 + 9 > 298
-        scheduler(engine, pool_tokens=298).submit(BatchRequest([65] * 250, 40))
+        scheduler(engine, pool_tokens=298).submit(Request([65] * 250, 40))
 
 
 def test_a_request_waits_for_the_pool_then_runs(compose_cfg):
     engine = engine_for(compose_cfg, "numpy", "fp32")
     sched = scheduler(engine, pool_tokens=100)
     ids = engine.tokenizer.encode("def __init__(self, ")
-    first, second = (sched.submit(BatchRequest(ids, 40)) for _ in range(2))   # 19 + 40 + 9 rows each
+    first, second = (sched.submit(Request(ids, 40)) for _ in range(2))   # 19 + 40 + 9 rows each
     sched.step()
     assert sched.snapshot()["running"] == 1 and sched.snapshot()["waiting"] == 1
     while not second.done.is_set():
@@ -244,14 +244,14 @@ def test_cancel_and_timeout_end_a_request_at_the_next_step(compose_cfg):
     engine = engine_for(compose_cfg, "numpy", "fp32")
     sched = scheduler(engine, request_timeout_s=30)
     ids = engine.tokenizer.encode("import os\n")
-    keep, gone = sched.submit(BatchRequest(ids, 30)), sched.submit(BatchRequest(ids, 300))
+    keep, gone = sched.submit(Request(ids, 30)), sched.submit(Request(ids, 300))
     for _ in range(3):
         sched.step()
     gone.cancel()
     sched.step()                                   # one step: the cancelled request has left
     assert gone.done.is_set() and isinstance(gone.error, RequestCancelled)
     assert sched.snapshot()["running"] == 1
-    late = sched.submit(BatchRequest(ids, 300, timeout_s=0.2))
+    late = sched.submit(Request(ids, 300, timeout_s=0.2))
     sched.step()
     time.sleep(0.25)
     sched.step()
@@ -288,7 +288,7 @@ def run_sampled(engine, speculate_max_batch):
     sched = scheduler(engine, speculate_max_batch=speculate_max_batch)
     reqs = {}
     for step in range(400):
-        reqs.update({i: sched.submit(BatchRequest(s["ids"], s["max_new"], tree=s["tree"], sampling=p))
+        reqs.update({i: sched.submit(Request(s["ids"], s["max_new"], tree=s["tree"], sampling=p))
                      for i, (s, p) in enumerate(zip(specs, params)) if s["arrive"] == step})
         if not sched.step() and len(reqs) == len(specs):
             break
@@ -311,13 +311,13 @@ def test_a_fragmented_cache_arena_makes_a_request_wait_not_fail(compose_cfg):
     assert sched.pooled and engine.model._native.pool_rows == 100       # exactly serve.kv_pool_tokens rows
     enc = engine.tokenizer.encode
     ar = TREES["ar"]
-    a = sched.submit(BatchRequest(enc(TEXT[:30]), 10, tree=ar))
-    b = sched.submit(BatchRequest(enc(TEXT[40:44]), 16, tree=ar))
-    c = sched.submit(BatchRequest(enc(TEXT[50:80]), 10, tree=ar))
+    a = sched.submit(Request(enc(TEXT[:30]), 10, tree=ar))
+    b = sched.submit(Request(enc(TEXT[40:44]), 16, tree=ar))
+    c = sched.submit(Request(enc(TEXT[50:80]), 10, tree=ar))
     while not (a.done.is_set() and c.done.is_set()):
         sched.step()
     assert not b.done.is_set() and sched.pool_used == 20
-    d = sched.submit(BatchRequest(enc(TEXT[90:100]), 40, tree=ar))
+    d = sched.submit(Request(enc(TEXT[90:100]), 40, tree=ar))
     sched.step()
     assert sched.snapshot()["waiting"] == 1 and not d.admitted_at     # 20 + 50 <= 100, but no free range of 50
     while not b.done.is_set():

@@ -14,8 +14,8 @@ from scripted_drafter import PROMPTS, scripted
 from kdtree.model.names import drafter_tensor_shapes, init_weights
 from kdtree.config.schema import TreeConfig
 from kdtree.decode import generate
-from kdtree.decode.ar import generate_ar
-from kdtree.decode.ddtree import generate_ddtree
+from tests.decode.loops import generate_ar
+from tests.decode.loops import generate_ddtree
 from kdtree.decode.result import STAGES
 from kdtree.errors import ConfigError
 from kdtree.model.drafter import DFlashDrafter

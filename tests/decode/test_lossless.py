@@ -15,7 +15,7 @@ import pytest
 from kdtree.backends import get_ops
 from kdtree.config.schema import TreeConfig
 from kdtree.decode import generate
-from kdtree.decode.ar import generate_ar
+from tests.decode.loops import generate_ar
 from kdtree.errors import KdtreeError
 from kdtree.model.k2 import K2Model
 from scripted_drafter import PROMPTS, int4_weights, noisy_rank, scripted

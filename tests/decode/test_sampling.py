@@ -264,6 +264,10 @@ class CountingModel:
         self.rows.append(len(tokens))
         return self.model.forward(tokens, *args, **kw)
 
+    def forward_batch(self, seqs, *args, **kw):        # the decoder's one forward (each sequence's rows counted)
+        self.rows.extend(len(s[0]) for s in seqs)
+        return self.model.forward_batch(seqs, *args, **kw)
+
 
 @pytest.mark.parametrize("kind", ["ar", "ddtree"])
 def test_n_samples_share_the_prefill_and_equal_single_runs(engine, kind):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kdtree.tree import pack_visibility
-from kdtree.decode.ar import generate_ar
+from tests.decode.loops import generate_ar
 from kdtree.errors import ConfigError
 
 PROMPT = np.array([256, 50, 43, 50, 61], np.int32)   # "<bos>2+2="

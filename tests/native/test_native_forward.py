@@ -117,7 +117,7 @@ def test_target_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
 
 def test_native_forward_equals_per_op_path_tokens(tiny_cfg, tiny_weights):
     """The whole forward and the per-op native path (same kernels, routing in numpy) pick the same tokens."""
-    from kdtree.decode.ar import generate_ar
+    from tests.decode.loops import generate_ar
     from kdtree.model.k2 import K2Model
     per_op = native.NativeOps("cpu")
     per_op.native_forward = False

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not (ASSETS / "config.json").exists(), reason="n
 
 
 def test_trained_pair_accepts_and_equals_ar(tiny_cfg):
-    from kdtree.decode.ar import generate_ar
-    from kdtree.decode.ddtree import generate_ddtree
+    from tests.decode.loops import generate_ar
+    from tests.decode.loops import generate_ddtree
     from kdtree.train.evaluate import load_engine
 
     cfg = tiny_cfg

@@ -1,0 +1,297 @@
+"""The scheduler: every admitted request decoded together, each one's tokens identical to its run alone.
+
+    sched = Scheduler(model, drafter, tree_cfg, eos_id, max_context, max_batch_tokens=512, pool_tokens=16384)
+    req = sched.submit(Request(prompt_ids, max_new_tokens=64))   # from any thread
+    sched.start()            # the engine thread steps while there is work (the server) ...
+    sched.drive(req)         # ... or the caller steps until req is done (generate, warm-up, bench)
+
+One step (`step()`):
+  reap     cancelled and timed-out requests leave (their latent rows go back to the pool)
+  admit    waiting requests join, oldest first, while the pool has room for their reservation
+           (prompt + max_new_tokens + tree budget rows); the rest wait. backend=cpu|cuda: the rows are a range of
+           ONE latent-cache arena reserved at start (pool_tokens rows); a request whose range is not free yet
+           waits for running ones to finish
+  plan     every decoding request's block (DecodeState.plan: its tree, drafted now, or its AR row), then prefill
+           chunks fill the step up to max_batch_tokens rows (the oldest prefilling request always moves)
+  forward  ONE Target.forward_batch over all blocks: each sees its own cache and its own block's visibility
+  advance  every request's rows back (DecodeState.advance: accept, keep, commit, drafter extend)
+The target's ops are batch-invariant and forward_batch keeps each sequence's attention to its own cache, so a
+request's rows are bit-identical to its run alone (tests/decode/test_batch_scheduler.py); the drafter runs per
+request on the same inputs as alone, so even the trees match. Only target_forwards counts batched forwards.
+
+Speculation off under load (`speculate_max_batch`, vLLM's speculative_disable_by_batch_size): past that many
+decoding requests a speculative request feeds one row (its bonus token, as AR does) and keeps the hidden rows for
+its drafter; it speculates again, its drafter caught up in one extend, once the batch is back under the limit. The
+committed tokens do not depend on the tree, so they stay identical; only the acceptance counts differ.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from kdtree.decode.request import Request, RequestCancelled, RequestTimeout
+from kdtree.decode.state import DecodeState
+from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
+
+
+def forward_batch(model, seqs, hidden_layers=()):
+    """model.forward_batch, or one forward per sequence where the model has none (same results, more calls)."""
+    if hasattr(model, "forward_batch"):
+        return model.forward_batch(seqs, hidden_layers)
+    outs = [model.forward(t, p, c, visibility=v, hidden_layers=hidden_layers) for t, p, c, v in seqs]
+    logits = np.concatenate([o[0] for o in outs])
+    hid = {i: np.concatenate([o[1][i] for o in outs]) for i in hidden_layers}
+    return logits, np.argmax(logits, axis=-1).astype(np.int32), hid
+
+
+class Scheduler:
+    def __init__(self, model, drafter, tree, eos_id: Optional[int], max_context: int,
+                 max_batch_tokens: int = 512, pool_tokens: int = 16384, request_timeout_s: float = 0.0,
+                 speculate_max_batch: int = 0, reserve_pool: bool = True):
+        if int(max_batch_tokens) < 1:
+            raise ConfigError(f"serve.max_batch_tokens={max_batch_tokens} must be >= 1 row; e.g. 512")
+        if int(pool_tokens) < 1:
+            raise ConfigError(f"serve.kv_pool_tokens={pool_tokens} must be >= 1 token; e.g. 16384")
+        if int(speculate_max_batch) < 0:
+            raise ConfigError(f"serve.speculate_max_batch={speculate_max_batch} must be >= 0 (0 = always speculate)")
+        self.model, self.drafter, self.tree = model, drafter, tree
+        self.eos_id = eos_id
+        self.max_context = int(max_context)
+        self.max_batch_tokens = int(max_batch_tokens)
+        self.pool_tokens = int(pool_tokens)
+        self.request_timeout_s = float(request_timeout_s)
+        self.speculate_max_batch = int(speculate_max_batch)   # 0 = no limit
+        self.speculating = True                         # the last step's mode (status)
+        self._lock = threading.Condition()
+        self._waiting: List[Request] = []
+        self._running: List[Request] = []
+        self._state: Dict[int, DecodeState] = {}       # id(request) -> its state until it finishes
+        self._deadline: Dict[int, float] = {}
+        self.pool_used = 0                              # latent rows reserved by running requests
+        self.steps = 0
+        self.last_batch_size = 0                        # sequences in the last step's forward
+        self.last_batch_rows = 0                        # rows in the last step's forward
+        self.finished = 0
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        reserve = getattr(model, "reserve_cache_pool", None) if reserve_pool else None
+        self.pooled = bool(reserve(self.pool_tokens)) if reserve is not None else False   # one arena for all
+
+    # -- any thread -----------------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        """Queue a request (its shape checked now: a ConfigError / ContextLengthExceeded names what is wrong)."""
+        if req.sampling is not None and req.sampling.n != 1:
+            raise ConfigError(f"n={req.sampling.n}: the scheduler decodes one completion per request; "
+                              f"submit n requests (Engine.generate_n)")
+        st = DecodeState(req, self.model, self.drafter, self.tree if req.tree is None else req.tree, self.eos_id,
+                         self.max_context, self.pool_tokens)
+        timeout = req.timeout_s or self.request_timeout_s
+        req.submitted_at = time.monotonic()
+        with self._lock:
+            self._state[id(req)] = st
+            self._deadline[id(req)] = req.submitted_at + timeout if timeout > 0 else float("inf")
+            self._waiting.append(req)
+            if not st.needs_forward:                     # nothing to generate: done without a forward
+                self._finish(req, None, locked=True)
+            self._lock.notify_all()
+        return req
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def snapshot(self) -> Dict[str, int]:
+        """What /status and /metrics show."""
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
+                    "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
+                    "speculating": self.speculating}
+
+    def wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    # -- who steps: the engine thread (server) or the caller (generate) ------------------------------------
+    def start(self) -> None:
+        """The engine thread: step while there is work until stop(). Idempotent."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, args=(self._stop,), name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def drive(self, req: Request) -> Request:
+        """Until `req` is done: wait for the engine thread, or (none running) step here."""
+        if self.threaded:
+            req.wait()
+            return req
+        while not req.done.is_set():
+            if not self.step() and not req.done.is_set():
+                with self._lock:
+                    stuck = req in self._waiting and not self._running
+                if stuck:                              # nothing runs that could free room for it
+                    self._finish(req, KdtreeError(
+                        f"request of {self._state[id(req)].need} latent rows cannot be admitted: the cache pool "
+                        f"has no free range of that size (serve.kv_pool_tokens={self.pool_tokens})"))
+        return req
+
+    def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
+        """Step while there is work, sleep on the condition otherwise, until stop is set."""
+        while not stop.is_set():
+            try:
+                worked = self.step()
+            except Exception as e:                    # a bug: fail the batch, keep serving
+                with self._lock:
+                    for req in list(self._running):
+                        self._finish(req, e, locked=True)
+                continue
+            if not worked:
+                with self._lock:
+                    if not self._waiting and not self._running and not stop.is_set():
+                        self._lock.wait(idle_wait_s)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step (see the module docstring). False when there was nothing to do."""
+        self._admit()
+        active = list(self._running)
+        if not active:
+            return False
+        decoding = sum(1 for req in active if not self._state[id(req)].prefilling)
+        self.speculating = speculate = not self.speculate_max_batch or decoding <= self.speculate_max_batch
+        plan, rows_left = [], self.max_batch_tokens                  # plan: (request, block) in forward order
+        for req in active:                                           # decoding requests: one block each
+            st = self._state[id(req)]
+            if not st.prefilling:
+                self._plan(plan, req, st, 0, speculate)
+        rows_left -= sum(b.rows for _, b in plan)
+        first = True
+        for req in active:                                           # prefill chunks fill the rest of the step
+            st = self._state[id(req)]
+            if not st.prefilling:
+                continue
+            # the oldest prefilling request always moves (arrivals never starve behind many decoders)
+            rows = rows_left if not first else max(rows_left, max(1, self.max_batch_tokens // 8))
+            if rows <= 0:
+                break
+            first = False
+            if self._plan(plan, req, st, rows, speculate):
+                rows_left -= plan[-1][1].rows
+        if not plan:
+            return True
+        self._forward(plan)
+        return True
+
+    def _plan(self, plan: list, req: Request, st: DecodeState, rows: int, speculate: bool) -> bool:
+        try:
+            block = st.plan(rows, speculate)
+        except Exception as e:                       # a failed draft: this request ends alone
+            self._finish(req, e)
+            return False
+        if block is not None:
+            plan.append((req, block))
+        return block is not None
+
+    def _forward(self, plan: list) -> None:
+        states = [self._state[id(req)] for req, _ in plan]
+        seqs = [(b.tokens, b.positions, st.cache, b.visibility) for (_, b), st in zip(plan, states)]
+        layers = next((st.layers for st in states if st.layers), ())
+        t0 = time.perf_counter()
+        try:
+            logits, argmax, hid = forward_batch(self.model, seqs, layers)
+        except Exception as e:                        # every request of the step ends with the error
+            for req, _ in plan:
+                self._finish(req, e)
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.last_batch_size, self.last_batch_rows = len(seqs), sum(b.rows for _, b in plan)
+        r0 = 0
+        for (req, block), st in zip(plan, states):
+            r1 = r0 + block.rows
+            try:
+                over = st.advance(block, logits[r0:r1], argmax[r0:r1], {i: x[r0:r1] for i, x in hid.items()}, dt)
+            except Exception as e:                    # on_tokens raised (client gone) or the drafter failed
+                self._finish(req, e)
+            else:
+                if over:
+                    self._finish(req, None)
+            r0 = r1
+
+    def _admit(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for req in list(self._waiting) + list(self._running):
+                self._reap(req, now)
+            while self._waiting:
+                req = self._waiting[0]
+                st = self._state[id(req)]
+                if self.pool_used + st.need > self.pool_tokens:
+                    break
+                try:
+                    over = st.allocate()                   # its rows of the arena (or its own arrays)
+                except CachePoolBusy:                      # fragmented: wait for a range to free up
+                    break
+                except Exception as e:                     # this request fails alone; the rest go on
+                    self._finish(req, e, locked=True)
+                    continue
+                self._waiting.pop(0)
+                self.pool_used += st.need
+                req.admitted_at = now
+                self._running.append(req)
+                if over:
+                    self._finish(req, None, locked=True)
+
+    def _reap(self, req: Request, now: float) -> None:
+        if req.cancelled.is_set():
+            self._finish(req, RequestCancelled(f"request cancelled after {req.generated} tokens"), locked=True)
+        elif now > self._deadline[id(req)]:
+            limit = self._deadline[id(req)] - req.submitted_at
+            self._finish(req, RequestTimeout(
+                f"request ran past its time limit of {limit:g} s (serve.request_timeout_s) after {req.generated} "
+                f"tokens; raise serve.request_timeout_s or lower max_tokens"), locked=True)
+
+    def _finish(self, req: Request, error: Optional[BaseException], locked: bool = False) -> None:
+        if req.done.is_set():
+            return
+        if not locked:
+            with self._lock:
+                return self._finish(req, error, locked=True)
+        st = self._state.pop(id(req))
+        self._deadline.pop(id(req), None)
+        if any(r is req for r in self._running):
+            self._running.remove(req)
+            self.pool_used -= st.need
+        elif any(r is req for r in self._waiting):
+            self._waiting.remove(req)
+        st.release()                              # its rows of the arena are free for the next admission now
+        req.error = error
+        req.finished_at = time.monotonic()
+        req.result.seconds = req.finished_at - req.submitted_at
+        if error is None:
+            self.finished += 1
+        req.done.set()
+        if req.notify is not None:
+            req.notify(req)
+
+
+__all__ = ["Scheduler", "forward_batch"]

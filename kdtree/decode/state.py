@@ -1,0 +1,305 @@
+"""DecodeState: one request's decode round -- the one place where kdtree decides tokens.
+
+Every path that produces tokens (Engine.generate, the demo, warm-up, bench, training's evaluation, every request
+the server answers) runs this round through the Scheduler (kdtree/decode/scheduler.py), alone or batched:
+
+    block = state.plan(rows, speculate)        # the rows this request feeds the next forward
+    ...one Target.forward_batch over every request's block...
+    over = state.advance(block, logits, argmax, hiddens, seconds)
+
+  prefill  plan: the next chunk of the prompt (causal). advance: keep the chunk's hidden rows for the drafter;
+           after the last chunk draw the first token from the last row and commit it
+  ar       plan: one row, the last committed token at its position. advance: draw, commit
+  tree     plan: drafter block forward after the committed context -> top-`width` per depth -> best-first tree
+           of `budget` nodes -> the block [bonus, nodes] at positions start + depth, ancestor-only visibility.
+           advance: the accept walk (greedy: ops.tree_accept over the target's argmax; sampled or penalised:
+           sampled_walk, drawing at each visited row in output order) -> keep the accepted rows in the latent
+           cache -> commit -> the drafter's context grows by the accepted rows' hidden states
+  commit   result.commit_tokens, the one stop rule (eos, stop ids, max_new_tokens), then the stop strings
+
+AR, chain (width 1) and DDTree, greedy and sampled, are configurations of this one state. Every committed token
+is the target's own choice at its position (the argmax, the penalised argmax, or the draw with
+uniform(seed, position)), given the committed prefix, so with batch-invariant ops the tokens are the same for
+every tree, alone or batched; the drafter only changes how many forwards they take.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from kdtree.decode.request import ContextLengthExceeded, Request
+from kdtree.decode.result import commit_tokens
+from kdtree.decode.sampling import Sampler, prompt_logprobs, sampled_walk, token_logprob
+from kdtree.errors import ConfigError
+from kdtree.tree import Tree
+
+
+def tree_shape(tree_cfg, block_size: int) -> Tuple[int, int, int]:
+    """(width, depth, budget) of a chain/ddtree config, validated against the drafter's block size."""
+    kind = str(tree_cfg.kind)
+    depth = int(tree_cfg.depth)
+    if kind not in ("chain", "ddtree"):
+        raise ConfigError(f"tree.kind={kind} is unknown; use tree=ar, tree=chain or tree=ddtree")
+    if not 1 <= depth <= block_size - 1:
+        raise ConfigError(f"tree.depth={depth} outside 1..{block_size - 1} (drafter block_size={block_size}); "
+                          f"set tree.depth<={block_size - 1}")
+    if kind == "chain":
+        return 1, depth, depth
+    width, budget = int(tree_cfg.width), int(tree_cfg.budget)
+    if width < 1:
+        raise ConfigError(f"tree.width={width} must be >= 1; set tree.width=1..8")
+    if budget < 1:
+        raise ConfigError(f"tree.budget={budget} must be >= 1 node; set tree.budget>=tree.depth, e.g. 32")
+    return width, depth, budget
+
+
+def request_shape(tree_cfg, drafter, prompt_len: int, max_new_tokens: int, max_context: int,
+                  pool_tokens: int) -> Tuple[int, int, int, int]:
+    """(width, depth, budget, latent rows to reserve) of a request; raises the one-line error a client sees.
+    Rows: the prompt, max_new_tokens and one verify block (root + budget nodes) past them."""
+    P, n = int(prompt_len), int(max_new_tokens)
+    if P == 0:
+        raise ConfigError("prompt is empty (0 tokens); give at least one token")
+    if n < 0:
+        raise ConfigError(f"max_tokens={n} must be >= 0")
+    if str(tree_cfg.kind) == "ar":
+        width = depth = budget = 0
+    else:
+        if drafter is None:
+            raise ConfigError(f"tree.kind={tree_cfg.kind} needs the DFlash drafter but none is loaded; "
+                              f"add <checkpoint>/drafter/ or use tree=ar")
+        width, depth, budget = tree_shape(tree_cfg, int(drafter.block_size))
+    need = P + n + (budget + 1 if budget else 0)
+    limit = min(int(max_context), int(pool_tokens))
+    if need > limit:
+        what = (f"the context of {max_context} tokens" if limit == int(max_context)
+                else f"the latent cache pool of {pool_tokens} tokens (serve.kv_pool_tokens)")
+        raise ContextLengthExceeded(
+            f"prompt of {P} tokens + max_tokens={n}" + (f" + tree budget {budget + 1}" if budget else "")
+            + f" = {need} tokens exceeds {what}; shorten the prompt or lower max_tokens")
+    return width, depth, budget, need
+
+
+@dataclass
+class Block:
+    """The rows one request feeds one forward."""
+    kind: str                              # prefill | ar | tree
+    tokens: np.ndarray                     # i32[T]
+    positions: np.ndarray                  # i32[T]
+    visibility: Optional[np.ndarray]       # u64[T, ceil(T/64)] ancestor-only (tree); None = causal
+    start: int                             # cache rows before the block (prefill: prompt rows already in)
+    tree: Optional[Tree] = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _joined(parts: List[Dict[int, np.ndarray]]) -> Dict[int, np.ndarray]:
+    """Hidden rows kept step by step ({layer: f32[n, D]} each) as one {layer: f32[sum n, D]} for drafter.extend."""
+    return {i: np.concatenate([p[i] for p in parts]) for i in parts[0]}
+
+
+class DecodeState:
+    """A running request's decode state (created by the scheduler at submit, alive until it finishes)."""
+
+    def __init__(self, req: Request, model, drafter, tree_cfg, eos_id: Optional[int], max_context: int,
+                 pool_tokens: int):
+        self.req, self.model, self.ops = req, model, model.ops
+        self.prompt = np.asarray(list(req.prompt_ids), np.int32)                      # i32[P]
+        self.width, self.depth, self.budget, self.need = request_shape(
+            tree_cfg, drafter, len(self.prompt), req.max_new_tokens, max_context, pool_tokens)
+        self.drafter = drafter if self.budget else None
+        self.layers = tuple(int(i) for i in drafter.target_layer_ids) if self.budget else ()
+        self.eos_id = eos_id
+        self.max_new = int(req.max_new_tokens)
+        self.stops = frozenset(int(s) for s in req.stop_ids)
+        self.cache: Any = None                 # the target's latent cache (need rows), from allocate()
+        self.dcache: Any = None                # the drafter's context cache (speculative kinds)
+        self.owns_cache = True                 # False: a SharedPrefill's (generate_n) cache, kept after finish
+        self.prefilled = 0                     # prompt rows already in the cache
+        self.prompt_hid: List[Dict[int, np.ndarray]] = []    # prefill chunks' hidden states (the drafter's context)
+        self.pending_hid: List[Dict[int, np.ndarray]] = []   # rows stepped as AR that the drafter has not seen
+        self.bonus = -1                        # speculative: the root of the next tree
+        sp = req.sampling
+        # sampled, or greedy with penalties (the penalised argmax): drawn row by row; plain greedy: the argmax
+        self.sampler = (Sampler(sp if sp.greedy else sp.resolved(), self.prompt)
+                        if sp is not None and self.max_new > 0 and (not sp.greedy or sp.penalized) else None)
+        if self.sampler is not None and not sp.greedy:
+            req.result.seed = self.sampler.seed
+        self.top = None if sp is None or sp.logprobs is None else int(sp.logprobs)
+        self.echo = self.top is not None and bool(sp.echo)
+        if self.top is not None:
+            req.result.logprobs = []
+            if self.echo:
+                req.result.prompt_logprobs = [None]
+
+    # -- life cycle (the scheduler) ---------------------------------------------------------------------------
+    @property
+    def needs_forward(self) -> bool:
+        """False when there is nothing to compute (max_tokens 0 without echo): done at submit."""
+        return self.max_new > 0 or self.echo
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def allocate(self) -> bool:
+        """Take the request's caches (CachePoolBusy: wait). With a SharedPrefill already computed, reuse its
+        caches rewound to the prompt and commit the first token from its last row; True when that finished it."""
+        shared = self.req.prefill
+        if shared is not None and shared.done:
+            if shared.cache.max_len < self.need:
+                raise ValueError(f"shared prefill cache of {shared.cache.max_len} rows < {self.need} needed")
+            shared.rewind()
+            self.cache, self.dcache, self.owns_cache = shared.cache, shared.dcache, False
+            self.prefilled = len(self.prompt)
+            if self.echo:
+                self.req.result.prompt_logprobs = shared.prompt_logprobs
+            return self._first_token(shared.last_logits[None, :], None, 0)
+        self.cache = self.model.new_cache(self.need)
+        if self.budget:
+            self.dcache = self.drafter.new_cache(len(self.prompt) + self.max_new)
+        return False
+
+    def release(self) -> None:
+        """Give the latent rows back now (the scheduler's finish)."""
+        if self.owns_cache and self.cache is not None and hasattr(self.cache, "release"):
+            self.cache.release()
+        self.cache = self.dcache = None
+
+    # -- plan: the rows of the next forward --------------------------------------------------------------------
+    def plan(self, rows: int = 0, speculate: bool = True) -> Optional[Block]:
+        """A prefilling request's next chunk (at most `rows` rows; None for 0), else its AR row or, when
+        `speculate` and it is a speculative request, its tree block (drafted now)."""
+        if self.prefilling:
+            n = min(len(self.prompt) - self.prefilled, int(rows))
+            if n <= 0:
+                return None
+            a = self.prefilled
+            return Block("prefill", self.prompt[a:a + n], np.arange(a, a + n, dtype=np.int32), None, a)
+        start = self.cache.length
+        if not (self.budget and speculate):    # AR, or a speculative request while speculation is off
+            last = self.req.result.tokens[-1]
+            return Block("ar", np.array([last], np.int32), np.array([start], np.int32), None, start)
+        return self._plan_tree(start)
+
+    def _plan_tree(self, start: int) -> Block:
+        res, t0 = self.req.result, time.perf_counter()
+        if self.pending_hid:                   # rows stepped as AR while speculation was off
+            self.drafter.extend(self.dcache, _joined(self.pending_hid))
+            self.pending_hid = []
+        dlogits = self.drafter.draft(self.dcache, self.bonus)                            # [B-1, V]
+        res.draft_forwards += 1
+        t1 = time.perf_counter()
+        logp, ids = self.ops.draft_topk(np.asarray(dlogits[:self.depth]), self.width)     # [depth, width]
+        t = self.ops.tree_build(logp, ids, self.budget)
+        # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
+        tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
+        tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
+        positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
+        res.stage_seconds["draft"] += t1 - t0
+        res.stage_seconds["tree_build"] += time.perf_counter() - t1
+        return Block("tree", tokens, positions, tree.visibility, start, tree)
+
+    # -- advance: the forward's rows back -> committed tokens ------------------------------------------------
+    def advance(self, block: Block, logits: np.ndarray, argmax: np.ndarray, hid: Dict[int, np.ndarray],
+                seconds: float) -> bool:
+        """This request's rows of the forward: logits f32[T, V], argmax i32[T], hiddens {layer: f32[T, D]}.
+        Commits what they decide; True when the request is over."""
+        res = self.req.result
+        res.target_forwards += 1
+        if block.kind == "prefill":
+            res.stage_seconds["prefill"] += seconds
+            return self._advance_prefill(block, logits, argmax, hid)
+        res.stage_seconds["verify"] += seconds
+        if block.kind == "ar":
+            res.acceptance_lengths.append(1)
+            token = self._draw(logits, argmax, 0)
+            over = self._commit([token], logits)
+            if not over and self.budget:       # the drafter gets this row when it drafts again
+                self.bonus = token
+                self.pending_hid.append({i: x.copy() for i, x in hid.items()})
+            return over
+        return self._advance_tree(block, logits, argmax, hid)
+
+    def _advance_prefill(self, block: Block, logits, argmax, hid) -> bool:
+        res, a, n, P = self.req.result, block.start, block.rows, len(self.prompt)
+        if self.echo:                          # row j predicts prompt token a + j + 1
+            res.prompt_logprobs += prompt_logprobs(self.prompt[a:min(a + n + 1, P)], logits, self.top)[1:]
+        self.prefilled += n
+        if self.budget:
+            self.prompt_hid.append(hid)
+        if self.prefilling:
+            return False
+        if not self.max_new:                   # echo with max_tokens 0: the prompt's logprobs only
+            return True
+        if self.budget:                        # the drafter sees the whole prompt at once
+            t0 = time.perf_counter()
+            self.drafter.extend(self.dcache, _joined(self.prompt_hid))
+            self.prompt_hid = []
+            res.stage_seconds["draft"] += time.perf_counter() - t0
+        shared = self.req.prefill
+        if shared is not None:                 # generate_n: the later samples start from here
+            shared.keep(len(self.prompt), self.cache, self.dcache, logits[n - 1], res.prompt_logprobs)
+            self.owns_cache = False
+        return self._first_token(logits, argmax, n - 1)
+
+    def _first_token(self, logits, argmax, row: int) -> bool:
+        first = self._draw(logits, argmax, row)
+        self.bonus = first
+        return self._commit([first], logits[row:row + 1])
+
+    def _advance_tree(self, block: Block, logits, argmax, hid) -> bool:
+        res, tree, t0 = self.req.result, block.tree, time.perf_counter()
+        if self.sampler is None:
+            path, new_bonus = self.ops.tree_accept(np.asarray(tree.parents, np.int32),
+                                                   np.asarray(tree.tokens, np.int32), argmax)
+        else:                                  # draw at each visited row, in output-position order
+            path, new_bonus = sampled_walk(tree.parents, tree.tokens, lambda r: self.sampler.sample(logits[r]))
+        path = np.asarray(path, np.int64)
+        res.acceptance_lengths.append(int(path.size) + 1)
+        rows = np.concatenate([[0], path + 1])                 # block rows of root + accepted path
+        self.cache.keep(block.start, block.start + rows)
+        committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
+        t1 = time.perf_counter()
+        res.stage_seconds["accept"] += t1 - t0
+        over = self._commit(committed, logits[rows] if self.top is not None else None)
+        t2 = time.perf_counter()
+        res.stage_seconds["commit"] += t2 - t1
+        if not over:                           # the drafter's next context: root + path hidden states
+            self.bonus = int(new_bonus)
+            self.drafter.extend(self.dcache, {i: x[rows] for i, x in hid.items()})
+            res.stage_seconds["draft"] += time.perf_counter() - t2
+        return over
+
+    def _draw(self, logits: np.ndarray, argmax: Optional[np.ndarray], row: int) -> int:
+        if self.sampler is None:
+            return int(argmax[row]) if argmax is not None else int(np.argmax(logits[row]))
+        return self.sampler.sample(logits[row])
+
+    def _commit(self, tokens: List[int], rows: Optional[np.ndarray]) -> bool:
+        """Commit with the one stop rule, then the stop strings; report the new tokens; True when it is over.
+        rows f32[len(tokens), V]: the logits row that predicted each token (logprobs; None when not asked)."""
+        req, res = self.req, self.req.result
+        n0 = len(res.tokens)
+        over = commit_tokens(res, tokens, self.max_new, self.eos_id, self.stops)
+        if req.stop_check is not None and len(res.tokens) > n0:
+            keep = req.stop_check(res.tokens)
+            if keep is not None:
+                del res.tokens[max(int(keep), n0):]
+                res.finish_reason, over = "stop", True
+        if self.top is not None:
+            res.logprobs += [token_logprob(rows[i], res.tokens[n0 + i], self.top) for i in range(len(res.tokens) - n0)]
+        if len(res.tokens) > n0:
+            if not req.first_token_at:
+                req.first_token_at = time.monotonic()
+            if req.on_tokens is not None:
+                req.on_tokens(res.tokens[n0:])
+        return over
+
+
+__all__ = ["Block", "DecodeState", "request_shape", "tree_shape"]
