@@ -134,3 +134,35 @@ def test_pipeline_layer_names_no_stage():
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in stages:
                 named.append(f"{path.name}:{node.lineno}: {node.value!r}")
     assert named == []
+
+
+# the decode round's decisions: who may call them (the op implementations in backends/ and tree.py aside)
+DECISIONS = ("tree_accept", "sampled_walk", "commit_tokens")
+DECIDER = "kdtree/decode/state.py"
+
+
+def _calls(path: Path, names) -> List[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in names:
+                where = path.relative_to(KDTREE.parent) if path.is_relative_to(KDTREE.parent) else path
+                out.append(f"{where}:{node.lineno}: {name}")
+    return out
+
+
+def test_tokens_are_decided_in_one_decode_module():
+    """Tree accept, the sampled walk and the stop rule are called from kdtree/decode/state.py (DecodeState) only:
+    there is one decode round, alone or batched (the backends implement the accept op, they do not decide)."""
+    calls = [c for p in sorted(KDTREE.rglob("*.py")) if "backends" not in p.parts and p.name != "tree.py"
+             for c in _calls(p, DECISIONS)]
+    assert calls and all(c.startswith(DECIDER + ":") for c in calls), calls
+    assert {c.rsplit(": ", 1)[1] for c in calls} == set(DECISIONS)
+
+
+def test_the_decision_finder_sees_a_second_decoder(tmp_path):
+    loop = tmp_path / "my_loop.py"
+    loop.write_text("def run(res, ops, t):\n    path, bonus = ops.tree_accept(*t)\n    commit_tokens(res, path, 4, None, ())\n")
+    assert [c.rsplit(": ", 1)[1] for c in _calls(loop, DECISIONS)] == ["tree_accept", "commit_tokens"]

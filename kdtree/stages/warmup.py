@@ -2,9 +2,11 @@
 for first-touch allocations, lazy imports or (backend=cuda) kernel selection; seconds per shape land in
 status.json (`warmup_seconds`) and events.jsonl.
 
-Shapes: prefill at a few prompt lengths (engine.generate); one target forward over every verify block size
-1..tree.budget+1 (root + nodes; engine.model.forward on a short cached prefix, rolled back with
-LatentCache.truncate); one short generation (drafter + tree build + accept, or the AR step). backend=cuda with
+Every shape runs through what the server runs: engine.generate and engine.submit go through the engine's own
+scheduler (kdtree/decode/scheduler.py: DecodeState rounds, one forward_batch per step), the bare verify sizes through
+the same forward_batch. Shapes: prefill at a few prompt lengths; one target forward over every verify block size
+1..tree.budget+1 (root + nodes, on a short cached prefix, rolled back with truncate); one short generation
+(drafter + tree build + accept, or the AR step); and one batched step of several requests decoded together. backend=cuda with
 the native forward: the AR step (1 row) and the verify block (tree.budget + 1 rows) are the CUDA-graph buckets
 (engine.graph_rows), captured by those shapes' first forwards and replayed after; warm-up reports how many graphs
 and the capture seconds. Other row counts (prefill chunks, batched steps) launch eagerly. The numpy/cpu backends
@@ -17,6 +19,7 @@ from typing import List, Tuple
 
 import numpy as np
 
+from kdtree.decode.request import Request
 from kdtree.engine import EngineState
 from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
@@ -24,6 +27,7 @@ from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine
 SIDE = "host"
 PARAMS = {}
 PREFILL_LENGTHS = (1, 16, 128)     # tokens; capped by the context
+BATCH = 4                          # requests of the batched shape (the server's multi-request step)
 
 
 def warmup_shapes(cfg, engine) -> List[Tuple[str, int, int]]:
@@ -39,6 +43,7 @@ def warmup_shapes(cfg, engine) -> List[Tuple[str, int, int]]:
         shapes.append((f"decode_tree_{budget}", 4, int(cfg.tree.depth) + 2))  # at least one full round
     else:
         shapes.append(("decode_1", 4, 4))
+    shapes.append((f"batch_{BATCH}", 4, int(cfg.tree.depth) + 2 if has_tree else 4))   # BATCH requests together
     return shapes
 
 
@@ -49,18 +54,30 @@ class _VerifyBlock:
         self.model, self.n = engine.model, len(prefix)
         self.prefix = prefix
         self.cache = self.model.new_cache(self.n + int(engine.cfg.tree.budget) + 2)
-        self.model.forward(np.asarray(prefix, np.int32), np.arange(self.n, dtype=np.int32), self.cache)
+        self.model.forward_batch([(np.asarray(prefix, np.int32), np.arange(self.n, dtype=np.int32), self.cache, None)])
 
     def __call__(self, rows: int) -> None:
         toks = np.asarray((self.prefix * (rows // self.n + 1))[:rows], np.int32)   # tokens [rows]
-        self.model.forward(toks, np.arange(self.n, self.n + rows, dtype=np.int32), self.cache)
+        self.model.forward_batch([(toks, np.arange(self.n, self.n + rows, dtype=np.int32), self.cache, None)])
         self.cache.truncate(self.n)
+
+    def close(self) -> None:
+        if hasattr(self.cache, "release"):
+            self.cache.release()       # back to the pool the server's requests are carved from
+
+
+def _batched(engine, prompt: List[int], n_new: int) -> None:
+    """BATCH requests submitted together and decoded in the same steps (the server's batched forward)."""
+    reqs = [engine.submit(Request(prompt[i:] + prompt[:i], n_new)) for i in range(BATCH)]
+    for req in reqs:
+        engine.drive(req)
 
 
 def run(ctx) -> dict:
     engine = EngineState.of(ctx).engine
     if engine is None:
         raise PipelineError("stage warmup: no engine in this process; put `{stage: load, on: host}` before warmup")
+    engine.scheduler                               # the server's scheduler (and its cache pool) from the start
     shapes = warmup_shapes(ctx.cfg, engine)
     has_tree = getattr(engine, "drafter", None) is not None and ctx.cfg.tree.kind != "ar"
     buckets = sorted({1, int(ctx.cfg.tree.budget) + 1 if has_tree else 1})
@@ -77,8 +94,11 @@ def run(ctx) -> dict:
         if not n_new and verify is None:
             verify = _VerifyBlock(engine, base[:8])
         t0 = time.perf_counter()
-        if n_new:
-            engine.generate((base * (n_tokens // len(base) + 1))[:n_tokens], n_new)
+        prompt = (base * (n_tokens // len(base) + 1))[:n_tokens]
+        if name.startswith("batch_"):
+            _batched(engine, prompt, n_new)
+        elif n_new:
+            engine.generate(prompt, n_new)
         else:
             verify(n_tokens)
         seconds[name] = round(time.perf_counter() - t0, 4)
@@ -86,6 +106,8 @@ def run(ctx) -> dict:
             ctx.emit("warmup_shape", shape=name, prompt_tokens=n_tokens, new_tokens=n_new, seconds=seconds[name])
         if ctx.status is not None:
             ctx.status.update(warmup_done=i + 1, warmup_seconds=dict(seconds))
+    if verify is not None:
+        verify.close()
     vs = {k: v for k, v in seconds.items() if k.startswith("verify_")}
     if vs:
         ctx.emit("warmup_verify", sizes=f"1..{len(vs)}", seconds=round(sum(vs.values()), 4),
