@@ -23,6 +23,7 @@ import numpy as np
 
 from kdtree.errors import ConfigError, KdtreeError
 from kdtree.model.derived import check_seq
+from kdtree.model.k2 import NO_GRAPHS
 from kdtree.parallel.comm import leave_group
 
 
@@ -153,7 +154,7 @@ class TPModel:
         return False
 
     def graph_stats(self) -> Dict[str, float]:
-        return {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
+        return dict(NO_GRAPHS)
 
     # -- plumbing --------------------------------------------------------------------------------------
     def _send(self, op: str, *args) -> None:
