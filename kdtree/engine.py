@@ -35,8 +35,7 @@ from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import SamplingParams
 from kdtree.decode.scheduler import Scheduler
 from kdtree.errors import ConfigError
-from kdtree.model.drafter import DFlashDrafter
-from kdtree.model.k2 import K2Model
+from kdtree.model.target import build_drafter, build_target
 from kdtree.parallel.launch import launch_tp
 from kdtree.tokenizer import load_tokenizer
 
@@ -109,7 +108,7 @@ class Engine:
             rss0 = resident_bytes()
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
                                              **load_options(cfg.load))
-            model = K2Model(cfg.model, weights, ops)
+            model = build_target(cfg.model, weights, ops)
             del weights
             resident = [resident_bytes() - rss0]
         try:
@@ -118,12 +117,11 @@ class Engine:
                 rss0 = resident_bytes()
                 dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
                 stats.bytes_read += dstats.bytes_read
-                drafter = DFlashDrafter.from_target(model, dweights)
+                drafter = build_drafter(cfg.model, dweights, model)
                 del dweights
                 resident[0] += resident_bytes() - rss0     # rank 0 holds the whole drafter
         except BaseException:
-            if hasattr(model, "close"):
-                model.close()
+            model.close()
             raise
         seconds = time.perf_counter() - t0
         report = LoadReport(str(ckpt), int(stats.bytes_read), seconds,
@@ -136,26 +134,17 @@ class Engine:
     def graph_rows(self, rows: Sequence[int]) -> bool:
         """backend=cuda with the native forward: target forwards of exactly these row counts are captured as CUDA
         graphs on first use and replayed after (kd_model_set_graph_rows); False (nothing to capture) elsewhere."""
-        nat = getattr(self.model, "_native", None)
-        if nat is None or getattr(nat.lib, "kind", "") != "cuda" or not hasattr(nat, "set_graph_rows"):
-            return False
-        nat.set_graph_rows(rows)
-        return True
+        return self.model.graph_rows(rows)
 
     def graph_stats(self) -> dict:
         """{graphs, replays, eager, buckets, capture_s} of the native forward (zeros where nothing is captured)."""
-        nat = getattr(self.model, "_native", None)
-        if nat is None or not hasattr(nat, "graph_stats"):
-            return {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
-        return nat.graph_stats()
+        return self.model.graph_stats()
 
     def close(self) -> None:
         """Stop the scheduler's thread and the tensor-parallel workers (tp > 1). Idempotent."""
         if self._scheduler is not None:
             self._scheduler.stop()
-        close = getattr(self.model, "close", None)
-        if close is not None:
-            close()
+        self.model.close()
 
     def sampling_defaults(self) -> dict:
         """Defaults of an HTTP request's omitted sampling fields: OpenAI's (temperature 1), overridden by the

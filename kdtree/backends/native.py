@@ -27,7 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from kdtree.backends.base import Ops
-from kdtree.backends.native_forward import LIBRARY_CLOCK, NativeDrafter, NativeTarget
+from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
@@ -502,33 +502,13 @@ class NativeOps(Ops):
         self._head_linear = self._c.kd_head_linear_f32
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-        self._targets: list = []   # weak references to the NativeTargets made here (a drafter may share one)
-        # whole-model forwards in one library call (cpu: kd_forward.c; cuda: kd_forward.cu, on a device only);
-        # False = the per-op path (same kernels). The drafter likewise (kd_drafter_*; backend.drafter_forward=per_op
-        # keeps the CUDA drafter on the per-op path).
+        # whole-model forwards in one library call (cpu: kd_forward.c; cuda: kd_forward.cu, on a device only):
+        # build_target / build_drafter (kdtree/model/target.py) then pick NativeTarget / NativeDrafter. False = K2Model
+        # / DFlashDrafter over these ops, the per-op path (same kernels; backend.drafter_forward=per_op sets it for
+        # the drafter).
         runs = self._host or self.lib.device_count > 0
         self.native_forward = hasattr(self._c, "kd_model_forward") and runs
         self.native_drafter_forward = hasattr(self._c, "kd_drafter_create") and runs
-
-    def native_target(self, model: Any) -> Optional[Any]:
-        """K2Model's weights registered for kd_model_forward (NativeTarget), or None where it does not apply."""
-        if not self.native_forward:
-            return None
-        target = NativeTarget(model, self.lib)
-        self._targets = [r for r in self._targets if r() is not None] + [weakref.ref(target)]
-        return target
-
-    def native_drafter(self, drafter: Any) -> Optional[Any]:
-        """DFlashDrafter's weights registered for kd_drafter_extend / kd_drafter_draft, or None. A drafter over
-        the very embed and lm_head arrays of a target registered here shares that target's (device) copies."""
-        if not self.native_drafter_forward:
-            return None
-        target = None
-        for ref in self._targets:
-            t = ref()
-            if t is not None and t.embed_src is drafter.embed and t.lm_head_src is drafter.lm_head:
-                target = t
-        return NativeDrafter(drafter, self.lib, target)
 
     def linear(self, x: np.ndarray, w: Any) -> np.ndarray:
         if self._host and type(w) is np.ndarray and w.dtype == _F32 and w.ndim == 2 and w.flags.c_contiguous:

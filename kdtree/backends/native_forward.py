@@ -1,27 +1,33 @@
-"""Whole-model forwards in one library call (native/src/cpu/kd_forward.c): the K2 target and the DFlash drafter.
+"""The K2 target's whole forward in one library call (native/src/cpu/kd_forward.c, native/src/cuda/kd_forward.cu).
 
-backend=cpu: K2Model and DFlashDrafter hand their weights to the library once (pointers into the loaded arrays,
-kept alive by the model; INT4 stays packed), and each forward / extend / draft is then ONE C call. The library
-owns the latent caches (a pool of slots, one per sequence) and grow-only scratch. Python keeps the decode loop.
+backend=cpu|cuda: NativeTarget hands the checkpoint's tensors to the library once (pointers into the loaded arrays,
+kept alive by the target; INT4 stays packed), and each forward is then ONE C call. The library owns the latent
+caches (a pool of slots, one per sequence) and grow-only scratch. Python keeps the decode loop. The drafter's twin
+is kdtree/backends/native_drafter.py; build_target / build_drafter (kdtree/model/target.py) choose them.
 
-    target = NativeTarget(k2_model, lib)                 # registers the weights (K2Model does this itself)
+    target = NativeTarget(cfg, weights, ops)             # registers the weights
     cache = target.new_cache(max_len)                    # a slot of the native pool (LatentCache interface)
     logits, hiddens = target.forward(tokens, positions, cache, visibility, hidden_layers)
 
 The ABI takes rows of several sequences per forward (kd_forward_args: slots + row_start, block-diagonal
-visibility); the decode loops pass one today. LIBRARY_CLOCK.seconds accumulates the wall time spent inside these
-calls (and the tree ops) so the bench can report the share of decode time spent outside the library.
+visibility). LIBRARY_CLOCK.seconds accumulates the wall time spent inside these calls (and the tree ops) so the
+bench can report the share of decode time spent outside the library.
 """
 from __future__ import annotations
 
 import os
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from kdtree.errors import CachePoolBusy, ConfigError, NativeError
+from kdtree.model.derived import (check_context, embed_weight, lm_head_weight, rope_mscale, route_params,
+                                  router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter,
+                                  yarn_inv_freq)
+from kdtree.model.names import is_moe_layer
 from kdtree.tree import causal_visibility
 
 _F32 = np.dtype(np.float32)
@@ -83,6 +89,12 @@ class _Registry:
         self.weight(dst.gate, m.gate, f"{name}.gate_proj")
         self.weight(dst.up, m.up, f"{name}.up_proj")
         self.weight(dst.down, m.down, f"{name}.down_proj")
+
+
+def _mlp_weights(w: Callable[[str], Any], p: str) -> SimpleNamespace:
+    """gate/up/down of the MLP at prefix p (a dense MLP, a routed expert or the shared expert)."""
+    return SimpleNamespace(gate=w(f"{p}.gate_proj.weight"), up=w(f"{p}.up_proj.weight"),
+                           down=w(f"{p}.down_proj.weight"))
 
 
 def nccl_library_path() -> str:
@@ -224,63 +236,77 @@ class NativeLatentCache:
 
 
 class NativeTarget:
-    """A K2Model's weights registered with the library; forward = one kd_model_forward call."""
+    """A K2 target whose forward is ONE kd_model_forward call: the checkpoint's tensors (by kdtree/model/names.py's
+    names) registered with the library, INT4 kept packed; the derived ones (W_uk^T / W_uv, YaRN, softmax scale,
+    routing) from kdtree/model/derived.py, the same functions K2Model calls. The Target protocol
+    (kdtree/model/target.py); build_target picks it for backend=cpu, and backend=cuda on a device.
 
-    def __init__(self, model: Any, lib):
-        cfg = model.cfg
-        self.lib, self.cfg = lib, cfg
+    target = NativeTarget(cfg, weights, ops)             # ops: the NativeOps (decode's tree ops, the drafter's)
+    cache = target.new_cache(max_len)                    # a slot of the native pool (LatentCache interface)
+    logits, hiddens = target.forward(tokens, positions, cache, visibility, hidden_layers)
+    """
+
+    def __init__(self, cfg, weights: Mapping[str, Any], ops: Any,
+                 all_reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None):
+        lib = ops.lib
+        self.lib, self.cfg, self.ops, self.all_reduce = lib, cfg, ops, all_reduce
+        self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
         ffi = lib.ffi
         reg = self._reg = _Registry(lib)
+        w = weight_getter(cfg, weights)
         self.n_layers = int(cfg.num_hidden_layers)
-        self.width = int(model.kv_lora + model.rope_dim)
-        self.vocab, self.hidden = int(model.embed_tokens.shape[0]), int(model.embed_tokens.shape[1])
+        self.width = int(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.embed_tokens = embed_weight(weights, w)                                    # [V, D]
+        self.lm_head_w = lm_head_weight(cfg, weights, self.embed_tokens)               # a drafter shares both
+        self.vocab, self.hidden = int(self.embed_tokens.shape[0]), int(self.embed_tokens.shape[1])
         d = self._desc = ffi.new("kd_model_desc *")
         d.vocab, d.hidden, d.n_layers = self.vocab, self.hidden, self.n_layers
-        d.kv_lora, d.rope_dim, d.nope, d.v_head = model.kv_lora, model.rope_dim, model.nope, int(cfg.v_head_dim)
-        rc = model._route_cfg
+        d.kv_lora, d.rope_dim = int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)
+        d.nope, d.v_head = int(cfg.qk_nope_head_dim), int(cfg.v_head_dim)
+        rc = route_params(cfg)
         d.n_experts, d.top_k = int(cfg.n_routed_experts or 0), rc.num_experts_per_tok
         d.n_group, d.topk_group = max(rc.n_group, 1), max(rc.topk_group, 1)
         d.norm_topk_prob, d.routed_scale = int(rc.norm_topk_prob), rc.routed_scaling_factor
-        d.eps, d.attn_scale = model.eps, float(model.scale)
-        d.inv_freq = reg.ptr(np.ascontiguousarray(model.rotary.inv_freq, np.float64), "double[]")
-        d.rope_mscale = float(model.rotary.mscale)
-        d.embed = reg.ptr(np.ascontiguousarray(model.embed_tokens, np.float32))
-        self.embed_src, self.lm_head_src = model.embed_tokens, model.lm_head_w   # a drafter over these shares them
-        d.final_norm = reg.vec(model.norm_w)
-        reg.weight(d.lm_head, model.lm_head_w, "lm_head")
+        d.eps, d.attn_scale = float(cfg.rms_norm_eps), float(softmax_scale(cfg))
+        d.inv_freq = reg.ptr(np.ascontiguousarray(yarn_inv_freq(cfg), np.float64), "double[]")
+        d.rope_mscale = float(rope_mscale(cfg))
+        d.embed = reg.ptr(np.ascontiguousarray(self.embed_tokens, np.float32))
+        d.final_norm = reg.vec(w("model.norm.weight"))
+        reg.weight(d.lm_head, self.lm_head_w, "lm_head")
         layers = ffi.new("kd_layer[]", self.n_layers)
         reg.keep.append(layers)
-        for i, layer in enumerate(model.layers):
-            ly, a, p = layers[i], layer["attn"], f"model.layers.{i}"
-            ly.in_norm, ly.post_norm = reg.vec(layer["in_norm"]), reg.vec(layer["post_norm"])
-            reg.weight(ly.q_a, a.q_a, f"{p}.self_attn.q_a_proj")
-            ly.q_a_norm = reg.vec(a.q_a_norm)
-            reg.weight(ly.q_b, a.q_b, f"{p}.self_attn.q_b_proj")
-            reg.weight(ly.kv_a, a.kv_a, f"{p}.self_attn.kv_a_proj_with_mqa")
-            ly.kv_a_norm = reg.vec(a.kv_a_norm)
-            ly.w_uk_t, ly.w_uv = reg.ptr(a.w_uk_t), reg.ptr(a.w_uv)
-            reg.weight(ly.o, a.o, f"{p}.self_attn.o_proj")
-            ly.heads = a.heads
-            moe = layer["moe"]
-            if moe is None:
+        for i in range(self.n_layers):
+            ly, p = layers[i], f"model.layers.{i}"
+            a = f"{p}.self_attn"
+            ly.in_norm = reg.vec(w(f"{p}.input_layernorm.weight"))
+            ly.post_norm = reg.vec(w(f"{p}.post_attention_layernorm.weight"))
+            reg.weight(ly.q_a, w(f"{a}.q_a_proj.weight"), f"{a}.q_a_proj")
+            ly.q_a_norm = reg.vec(w(f"{a}.q_a_layernorm.weight"))
+            reg.weight(ly.q_b, w(f"{a}.q_b_proj.weight"), f"{a}.q_b_proj")
+            reg.weight(ly.kv_a, w(f"{a}.kv_a_proj_with_mqa.weight"), f"{a}.kv_a_proj_with_mqa")
+            ly.kv_a_norm = reg.vec(w(f"{a}.kv_a_layernorm.weight"))
+            heads, w_uk, w_uv = split_kv_b(cfg, w, i)
+            ly.w_uk_t, ly.w_uv = reg.ptr(transposed_w_uk(w_uk)), reg.ptr(w_uv)
+            reg.weight(ly.o, w(f"{a}.o_proj.weight"), f"{a}.o_proj")
+            ly.heads = heads
+            if not is_moe_layer(cfg, i):
                 ly.is_moe = 0
-                reg.mlp(ly.mlp, layer["mlp"], f"{p}.mlp")
+                reg.mlp(ly.mlp, _mlp_weights(w, f"{p}.mlp"), f"{p}.mlp")
                 continue
             ly.is_moe = 1
-            ly.router, ly.router_bias = reg.ptr(moe.gate), reg.vec(moe.bias)
-            experts = ffi.new("kd_mlp[]", len(moe.experts))
+            gate, bias = router_weights(w, i)
+            ly.router, ly.router_bias = reg.ptr(gate), reg.vec(bias)
+            experts = ffi.new("kd_mlp[]", int(cfg.n_routed_experts))
             reg.keep.append(experts)
-            for e, m in enumerate(moe.experts):
-                reg.mlp(experts[e], m, f"{p}.mlp.experts.{e}")
+            for e in range(int(cfg.n_routed_experts)):
+                reg.mlp(experts[e], _mlp_weights(w, f"{p}.mlp.experts.{e}"), f"{p}.mlp.experts.{e}")
             ly.experts = experts
-            if moe.shared is not None:
+            if cfg.n_shared_experts:
                 ly.has_shared = 1
-                reg.mlp(ly.shared, moe.shared, f"{p}.mlp.shared_experts")
+                reg.mlp(ly.shared, _mlp_weights(w, f"{p}.mlp.shared_experts"), f"{p}.mlp.shared_experts")
         d.layers = layers
-        if model.all_reduce is not None:
+        if all_reduce is not None:
             # tensor parallel: the C forward calls back into the ordered all-reduce between layer halves
-            all_reduce = model.all_reduce
-
             def _all_reduce(x, n, _ctx):
                 t0 = time.perf_counter()
                 buf = np.frombuffer(ffi.buffer(x, n * 4), np.float32)
@@ -298,7 +324,7 @@ class NativeTarget:
         # backend=cuda under tp: the all-reduce on the forward's stream (NCCL) instead of the callback above, set up
         # by attach_device_collective once every rank has loaded (its setup is a collective; see there)
         self.device_collective = False
-        ar = model.all_reduce
+        ar = all_reduce
         self._nccl = ((ar.world, ar.rank, ar.strict) if lib.kind == "cuda" and ar is not None
                       and getattr(ar, "collective", "host") == "nccl" else None)
         # reused per call: one argument block, one slot, one row range (one sequence per forward today)
@@ -325,6 +351,7 @@ class NativeTarget:
         return self.device_collective
 
     def new_cache(self, max_len: int) -> NativeLatentCache:
+        check_context(self.cfg, max_len)
         return NativeLatentCache(self, max_len)
 
     pool_rows = 0   # rows of the reserved latent-cache pool (0: one allocation per cache)
@@ -335,12 +362,40 @@ class NativeTarget:
         self.lib.check(self.lib.c.kd_model_reserve(self.handle, int(rows)), "kd_model_reserve")
         self.pool_rows = int(rows)
 
+    def reserve_cache_pool(self, rows: int) -> bool:
+        """One latent-cache arena of `rows` rows that every later new_cache is carved from (a full pool raises
+        CachePoolBusy); True. An arena still holding caches cannot be replaced: dropped caches are collected first;
+        if some are alive, a larger arena is kept (the scheduler's accounting is exact either way) and a smaller
+        one is an error naming the fix."""
+        rows = int(rows)
+        if self.pool_rows == rows:
+            return True
+        try:
+            self.reserve(rows)
+        except NativeError:
+            import gc
+            gc.collect()                                  # caches of finished generations not yet collected
+            try:
+                self.reserve(rows)
+            except NativeError:
+                if self.pool_rows < rows:
+                    raise
+        return True
+
     def set_graph_rows(self, rows: Iterable[int]) -> None:
         """backend=cuda: forwards of exactly these row counts are captured once as CUDA graphs and replayed
         (1 = an AR step, tree.budget + 1 = a verify); other counts launch eagerly. The CPU build ignores it."""
         r = np.ascontiguousarray(sorted({int(x) for x in rows}), np.int64)
         self.lib.check(self.lib.c.kd_model_set_graph_rows(self.handle, self.lib.ffi.from_buffer("int64_t[]", r),
                                                           r.size), "kd_model_set_graph_rows")
+
+    def graph_rows(self, rows: Iterable[int]) -> bool:
+        """backend=cuda: capture forwards of these row counts as CUDA graphs (set_graph_rows); True. False on the
+        CPU build (nothing to capture)."""
+        if self.lib.kind != "cuda":
+            return False
+        self.set_graph_rows(rows)
+        return True
 
     def graph_stats(self) -> Dict[str, float]:
         """{graphs, replays, eager, buckets, capture_s}: the CUDA graph counters (zeros on the CPU build)."""
@@ -349,11 +404,15 @@ class NativeTarget:
         return {"graphs": int(st[0]), "replays": int(st[1]), "eager": int(st[2]), "buckets": int(st[3]),
                 "capture_s": float(sec[0])}
 
+    def close(self) -> None:
+        """Nothing to do now: the library model is destroyed with this object, after its last cache."""
+
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: NativeLatentCache,
-                visibility: Optional[np.ndarray] = None, hidden_layers: Iterable[int] = (),
-                logits: bool = True) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
-        """K2Model.forward of one sequence in one library call: logits f32[T, V] (f32[T, 0] when logits=False)
-        and {layer: f32[T, D]} for the hidden_layers."""
+                visibility: Optional[np.ndarray] = None, hidden_layers: Iterable[int] = ()
+                ) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
+        """K2Model.forward of one sequence in one library call: logits f32[T, V] (f32[T, 0] on tp ranks 1..N-1,
+        return_logits False) and {layer: f32[T, D]} for the hidden_layers."""
+        logits = self.return_logits
         if getattr(cache, "target", None) is not self:
             raise ValueError(f"forward: the cache ({type(cache).__name__}) was not made by this model's new_cache; "
                              f"use model.new_cache(max_len)")
@@ -441,98 +500,4 @@ class NativeTarget:
         return arrays["logits"], arrays["argmax"], {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
 
 
-class NativeDrafterCache:
-    """A slot of the drafter's native context cache (DrafterCache's length / max_len / truncate)."""
-
-    def __init__(self, drafter: "NativeDrafter", max_len: int):
-        self.drafter, self.max_len = drafter, int(max_len)
-        lib = drafter.lib
-        p = lib.ffi.new("int64_t *")
-        lib.check(lib.c.kd_drafter_cache_alloc(drafter.handle, self.max_len, p), "kd_drafter_cache_alloc")
-        self.slot = int(p[0])
-        self._len = lib.ffi.new("int64_t *")
-        self._slot_arr = np.array([self.slot], np.int64)
-        weakref.finalize(self, _free_slot, drafter, lib.c.kd_drafter_cache_free, self.slot)
-
-    @property
-    def length(self) -> int:
-        lib = self.drafter.lib
-        lib.check(lib.c.kd_drafter_cache_length(self.drafter.handle, self.slot, self._len), "kd_drafter_cache_length")
-        return int(self._len[0])
-
-    def truncate(self, n: int) -> None:
-        lib = self.drafter.lib
-        lib.check(lib.c.kd_drafter_cache_truncate(self.drafter.handle, self.slot, int(n)), "kd_drafter_cache_truncate")
-
-
-class NativeDrafter:
-    """A DFlashDrafter's weights (and its target's embed / lm_head) registered with the library. With `target`
-    (the NativeTarget of the model whose embed / lm_head these are), the CUDA build reads the target's device
-    copies instead of uploading them again (2 x V x D: 4.7 GB of BF16 for K2.6); it is kept alive as long as
-    this drafter."""
-
-    def __init__(self, drafter: Any, lib, target: Optional["NativeTarget"] = None):
-        self.lib = lib
-        self._target = target
-        ffi = lib.ffi
-        reg = self._reg = _Registry(lib)
-        w = drafter.w
-        self.block_size, self.vocab = drafter.block_size, int(drafter.embed.shape[0])
-        self.target_layer_ids = list(drafter.target_layer_ids)
-        d = self._desc = ffi.new("kd_drafter_desc *")
-        d.vocab, d.hidden, d.n_layers = self.vocab, int(drafter.embed.shape[1]), drafter.num_layers
-        d.hq, d.hkv, d.head_dim, d.block_size = drafter.hq, drafter.hkv, drafter.hd, drafter.block_size
-        d.mask_token, d.eps, d.rope_theta = drafter.mask_token_id, drafter.eps, drafter.theta
-        reg.weight(d.fc, w["fc.weight"], "fc")
-        d.hidden_norm, d.final_norm = reg.vec(w["hidden_norm.weight"]), reg.vec(w["norm.weight"])
-        d.embed = reg.ptr(np.ascontiguousarray(drafter.embed, np.float32))
-        reg.weight(d.lm_head, drafter.lm_head, "lm_head")
-        layers = ffi.new("kd_drafter_layer[]", drafter.num_layers)
-        reg.keep.append(layers)
-        for i in range(drafter.num_layers):
-            ly, p, a = layers[i], f"layers.{i}", f"layers.{i}.self_attn"
-            ly.in_norm, ly.post_norm = reg.vec(w[f"{p}.input_layernorm.weight"]), reg.vec(w[f"{p}.post_attention_layernorm.weight"])
-            for name in ("q", "k", "v", "o"):
-                reg.weight(getattr(ly, name), w[f"{a}.{name}_proj.weight"], f"{a}.{name}_proj")
-            ly.q_norm, ly.k_norm = reg.vec(w[f"{a}.q_norm.weight"]), reg.vec(w[f"{a}.k_norm.weight"])
-            for name in ("gate", "up", "down"):
-                reg.weight(getattr(ly.mlp, name), w[f"{p}.mlp.{name}_proj.weight"], f"{p}.mlp.{name}_proj")
-        d.layers = layers
-        if target is not None:
-            d.target = target.handle
-        h = ffi.new("kd_drafter **")
-        lib.check(lib.c.kd_drafter_create(d, h), "kd_drafter_create")
-        self.handle = h[0]
-        weakref.finalize(self, lib.c.kd_drafter_destroy, self.handle)
-        self._rows = np.zeros(2, np.int64)
-        self._bonus = np.zeros(1, np.int32)
-        self._fb = ffi._backend.from_buffer
-        self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t")}
-
-    def new_cache(self, max_len: int) -> NativeDrafterCache:
-        return NativeDrafterCache(self, max_len)
-
-    def extend(self, cache: NativeDrafterCache, feats: np.ndarray) -> None:
-        """Append T context rows: feats f32[T, len(target_layer_ids) * D], the target's hidden rows side by side
-        (DFlashDrafter.extend builds them and checks the cache's room)."""
-        feats = np.ascontiguousarray(feats, np.float32)
-        T = feats.shape[0]
-        fb, ty = self._fb, self._types
-        self._rows[1] = T
-        rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
-                    fb(ty["int64_t"], self._rows, False), fb(ty["float"], feats, False))
-        if rc:
-            self.lib.check(rc, "kd_drafter_extend")
-
-    def draft(self, cache: NativeDrafterCache, bonus: int) -> np.ndarray:
-        out = np.empty((self.block_size - 1, self.vocab), np.float32)
-        self._bonus[0] = int(bonus)
-        fb, ty = self._fb, self._types
-        rc = _timed(self.lib.c.kd_drafter_draft, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
-                    fb(ty["int32_t"], self._bonus, False), fb(ty["float"], out, False))
-        if rc:
-            self.lib.check(rc, "kd_drafter_draft")
-        return out
-
-
-__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "NativeDrafter", "NativeDrafterCache", "supports"]
+__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "supports"]

@@ -14,6 +14,7 @@ as tokens commit), so a round costs one block forward plus the new context rows,
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, Mapping, Sequence
 
 import numpy as np
@@ -61,26 +62,12 @@ class DFlashDrafter:
 
     def __init__(self, cfg, weights: Mapping[str, Any], ops, embed: np.ndarray, lm_head: Any):
         self.cfg = cfg
-        d = cfg.drafter
         self.ops = ops
-        self.block_size = int(d.block_size)
-        self.target_layer_ids = [int(i) for i in d.target_layer_ids]
-        self.num_layers = int(d.num_hidden_layers)
-        self.hq, self.hkv, self.hd = int(d.num_attention_heads), int(d.num_key_value_heads), int(d.head_dim)
-        self.eps = float(d.rms_norm_eps)
-        self.theta = float(d.rope_theta)
-        self.mask_token_id = int(cfg.mask_token_id)
-        if self.block_size < 2:
-            raise ConfigError(f"model.drafter.block_size={self.block_size} (model={cfg.name}) leaves no token to draft; use >= 2")
-        if self.hq % self.hkv:
-            raise ConfigError(f"model.drafter.num_key_value_heads={self.hkv} does not divide "
-                              f"num_attention_heads={self.hq} (model={cfg.name}); pick a divisor")
-        if not self.target_layer_ids:
-            raise ConfigError(f"model.drafter.target_layer_ids is empty (model={cfg.name}); list target layers, e.g. [1, 3]")
-        for i in self.target_layer_ids:
-            if not 0 <= i < int(cfg.num_hidden_layers):
-                raise ConfigError(f"model.drafter.target_layer_ids has {i}, outside 0..{int(cfg.num_hidden_layers) - 1} "
-                                  f"(model={cfg.name}); use target layer indices")
+        shape = drafter_shape(cfg)
+        self.block_size, self.target_layer_ids = shape.block_size, shape.target_layer_ids
+        self.num_layers = shape.num_layers
+        self.hq, self.hkv, self.hd = shape.hq, shape.hkv, shape.hd
+        self.eps, self.theta, self.mask_token_id = shape.eps, shape.theta, shape.mask_token_id
         check_drafter_weights(cfg, weights, source="drafter weights")
         # no batch invariance needed here (the target verifies every drafted token): the fastest
         # deterministic linear of the backend (a plain GEMM on numpy)
@@ -88,9 +75,6 @@ class DFlashDrafter:
         self.w = dict(weights)
         self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
         self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
-        # backend=cpu: extend and draft in one library call each (kdtree/backends/native_forward.py)
-        make_native = getattr(ops, "native_drafter", None)
-        self._native = make_native(self) if make_native is not None else None
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -112,12 +96,11 @@ class DFlashDrafter:
 
     @classmethod
     def from_target(cls, model, weights: Mapping[str, Any]) -> "DFlashDrafter":
-        """Drafter sharing `model`'s (a K2Model) embeddings, lm_head and ops."""
+        """This drafter over `model`'s (any Target) embeddings, lm_head and ops; build_drafter picks NativeDrafter
+        where the library runs the drafter's forwards."""
         return cls(model.cfg, weights, model.ops, model.embed_tokens, model.lm_head_w)
 
     def new_cache(self, max_len: int) -> DrafterCache:
-        if self._native is not None:
-            return self._native.new_cache(max_len)
         return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)
 
     # ---- forward ------------------------------------------------------------------------------------
@@ -134,16 +117,11 @@ class DFlashDrafter:
 
     def extend(self, cache: DrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
         """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
-        feats = np.concatenate([np.asarray(hiddens[i], np.float32) for i in self.target_layer_ids], axis=-1)
+        feats = context_features(self.target_layer_ids, hiddens, cache)
         T = feats.shape[0]
         if T == 0:
             return
         n = cache.length
-        if n + T > cache.max_len:
-            raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
-                              f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
-        if self._native is not None and not isinstance(cache, DrafterCache):
-            return self._native.extend(cache, feats)
         ctx = self.ops.rms_norm(self._linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
         pos = np.arange(n, n + T)
         cos_sin = rope_cos_sin(pos, self.hd, self.theta)
@@ -155,8 +133,6 @@ class DFlashDrafter:
 
     def draft(self, cache: DrafterCache, bonus: int) -> np.ndarray:
         """One block forward after the cached context -> logits f32[B-1, V] of the tokens after `bonus`."""
-        if self._native is not None and not isinstance(cache, DrafterCache):
-            return self._native.draft(cache, bonus)
         B, n = self.block_size, cache.length
         ids = np.full(B, self.mask_token_id, np.int64)
         ids[0] = int(bonus)
@@ -194,6 +170,39 @@ class DFlashDrafter:
         return self._linear(h, self.lm_head)                             # [B-1, V]
 
 
+def drafter_shape(cfg) -> SimpleNamespace:
+    """The drafter's sizes from the target's ModelConfig (model.drafter.*), checked: block_size, target_layer_ids,
+    num_layers, hq, hkv, hd, eps, theta, mask_token_id. One definition for DFlashDrafter and NativeDrafter."""
+    d = cfg.drafter
+    shape = SimpleNamespace(
+        block_size=int(d.block_size), target_layer_ids=[int(i) for i in d.target_layer_ids],
+        num_layers=int(d.num_hidden_layers), hq=int(d.num_attention_heads), hkv=int(d.num_key_value_heads),
+        hd=int(d.head_dim), eps=float(d.rms_norm_eps), theta=float(d.rope_theta), mask_token_id=int(cfg.mask_token_id))
+    if shape.block_size < 2:
+        raise ConfigError(f"model.drafter.block_size={shape.block_size} (model={cfg.name}) leaves no token to draft; use >= 2")
+    if shape.hq % shape.hkv:
+        raise ConfigError(f"model.drafter.num_key_value_heads={shape.hkv} does not divide "
+                          f"num_attention_heads={shape.hq} (model={cfg.name}); pick a divisor")
+    if not shape.target_layer_ids:
+        raise ConfigError(f"model.drafter.target_layer_ids is empty (model={cfg.name}); list target layers, e.g. [1, 3]")
+    for i in shape.target_layer_ids:
+        if not 0 <= i < int(cfg.num_hidden_layers):
+            raise ConfigError(f"model.drafter.target_layer_ids has {i}, outside 0..{int(cfg.num_hidden_layers) - 1} "
+                              f"(model={cfg.name}); use target layer indices")
+    return shape
+
+
+def context_features(target_layer_ids: Sequence[int], hiddens: Mapping[int, np.ndarray], cache) -> np.ndarray:
+    """extend's input: the target's hidden rows {layer: f32[T, D]} of target_layer_ids side by side, f32[T, n * D],
+    after checking that the cache has room for T more rows."""
+    feats = np.concatenate([np.asarray(hiddens[i], np.float32) for i in target_layer_ids], axis=-1)
+    n, T = cache.length, feats.shape[0]
+    if T and n + T > cache.max_len:
+        raise ConfigError(f"drafter context {n + T} exceeds its cache max_len={cache.max_len}; "
+                          f"allocate new_cache(max_len >= prompt + max_new_tokens + block)")
+    return feats
+
+
 def check_drafter_weights(cfg, weights: Mapping[str, Any], source: str) -> None:
     """Every tensor of names.drafter_tensor_shapes present with its shape, else one-line CheckpointError."""
     for name, shape in drafter_tensor_shapes(cfg).items():
@@ -206,4 +215,5 @@ def check_drafter_weights(cfg, weights: Mapping[str, Any], source: str) -> None:
                                   f"for model={cfg.name}; use the drafter trained for this target")
 
 
-__all__: Sequence[str] = ("DFlashDrafter", "DrafterCache", "check_drafter_weights", "rope_cos_sin", "apply_rope_half")
+__all__: Sequence[str] = ("DFlashDrafter", "DrafterCache", "check_drafter_weights", "context_features", "drafter_shape",
+                          "rope_cos_sin", "apply_rope_half")

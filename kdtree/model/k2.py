@@ -14,9 +14,12 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from kdtree.backends.base import Ops
+from kdtree.model.derived import (check_context, check_seq, embed_weight, lm_head_weight, route_params,
+                                  router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter)
 from kdtree.model.names import is_moe_layer
-from kdtree.errors import CheckpointError, ConfigError, NativeError
-from kdtree.model.rope import RotaryTable, softmax_scale
+from kdtree.model.rope import RotaryTable
+
+NO_GRAPHS = {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}   # graph_stats where none run
 
 
 class LatentCache:
@@ -48,25 +51,22 @@ class LatentCache:
 class _Attn:
     """One layer's MLA weights, with kv_b_proj split per head once (W_uk, W_uv) for the absorbed form."""
 
-    def __init__(self, w: Callable[[str], Any], p: str, cfg):
-        nope, rope, v, L = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    def __init__(self, w: Callable[[str], Any], cfg, layer: int):
+        p = f"model.layers.{layer}.self_attn"
         self.q_a = w(f"{p}.q_a_proj.weight")
         self.q_a_norm = w(f"{p}.q_a_layernorm.weight")
         self.q_b = w(f"{p}.q_b_proj.weight")
         self.kv_a = w(f"{p}.kv_a_proj_with_mqa.weight")
         self.kv_a_norm = w(f"{p}.kv_a_layernorm.weight")
         self.o = w(f"{p}.o_proj.weight")
-        self.heads = self.q_b.shape[0] // (nope + rope)  # local heads (tensor parallel shards split heads)
-        kv_b = _dense(w(f"{p}.kv_b_proj.weight"), f"{p}.kv_b_proj.weight").reshape(self.heads, nope + v, L)
-        self.w_uk = np.ascontiguousarray(kv_b[:, :nope, :])   # [H, nope, L]
-        self.w_uv = np.ascontiguousarray(kv_b[:, nope:, :])   # [H, v, L]
+        self.heads, self.w_uk, self.w_uv = split_kv_b(cfg, w, layer)   # [H, nope, L], [H, v, L]
         self._w_uk_t: Optional[np.ndarray] = None
 
     @property
     def w_uk_t(self) -> np.ndarray:
         """W_uk as per-head linear weights [H, L, nope], built on first use (backends with Ops.head_linear)."""
         if self._w_uk_t is None:
-            self._w_uk_t = np.ascontiguousarray(self.w_uk.transpose(0, 2, 1))
+            self._w_uk_t = transposed_w_uk(self.w_uk)
         return self._w_uk_t
 
 
@@ -80,20 +80,11 @@ class _Mlp:
 
 
 class _Moe:
-    def __init__(self, w: Callable[[str], Any], p: str, cfg):
-        self.gate = _dense(w(f"{p}.gate.weight"), f"{p}.gate.weight").astype(np.float32)   # [E, D]
-        self.bias = np.asarray(w(f"{p}.gate.e_score_correction_bias"), np.float32)          # [E]
+    def __init__(self, w: Callable[[str], Any], cfg, layer: int):
+        p = f"model.layers.{layer}.mlp"
+        self.gate, self.bias = router_weights(w, layer)                                    # [E, D], [E]
         self.experts = [_Mlp(w, f"{p}.experts.{e}") for e in range(cfg.n_routed_experts)]
         self.shared = _Mlp(w, f"{p}.shared_experts") if cfg.n_shared_experts else None
-
-
-def _dense(w: Any, name: str) -> np.ndarray:
-    if isinstance(w, np.ndarray):
-        return w
-    if hasattr(w, "dequantize"):
-        return np.asarray(w.dequantize(), np.float32)
-    raise CheckpointError(f"{name}: expected a float32 array, got {type(w).__name__}; "
-                          f"keep this module unquantized (add it to quant.ignore)")
 
 
 def route_rows(cfg, scores: np.ndarray, bias: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -149,28 +140,22 @@ def rope_apply(x: np.ndarray, C: np.ndarray, S: np.ndarray) -> np.ndarray:
 
 
 class K2Model:
-    """K2 target. weights: tensor name -> f32 ndarray or a quantized weight (Int4Weight) for Linear weights."""
+    """K2 target over an Ops backend, every op one `ops` call (the spec; backend=numpy, and the per-op path of the
+    native library). weights: tensor name -> f32 ndarray or a quantized weight (Int4Weight) for Linear weights.
+    Its peers behind the same Target protocol (kdtree/model/target.py): NativeTarget (the whole forward in one
+    library call) and TPModel (tensor parallel); build_target picks one."""
 
     def __init__(self, cfg, weights: Mapping[str, Any], ops: Ops,
                  all_reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None):
         self.cfg, self.ops = cfg, ops
         self.all_reduce = all_reduce  # tensor parallel: sum of the row-parallel partial outputs (None = tp 1)
-
-        def w(name: str) -> Any:
-            if name not in weights:
-                raise CheckpointError(f"tensor {name} is missing from the weights of model={cfg.name}; "
-                                      f"regenerate or re-download the checkpoint")
-            return weights[name]
-
+        w = weight_getter(cfg, weights)
         self.eps = float(cfg.rms_norm_eps)
         self.kv_lora, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.nope = cfg.qk_nope_head_dim
-        self.embed_tokens = np.asarray(w("model.embed_tokens.weight"), np.float32)      # [V, D]
+        self.embed_tokens = embed_weight(weights, w)                                     # [V, D]
         self.norm_w = w("model.norm.weight")
-        if "lm_head.weight" in weights or not cfg.tie_word_embeddings:
-            self.lm_head_w = w("lm_head.weight")
-        else:
-            self.lm_head_w = self.embed_tokens
+        self.lm_head_w = lm_head_weight(cfg, weights, self.embed_tokens)
         self.layers: List[Dict[str, Any]] = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
@@ -178,24 +163,16 @@ class K2Model:
             self.layers.append({
                 "in_norm": w(f"{p}.input_layernorm.weight"),
                 "post_norm": w(f"{p}.post_attention_layernorm.weight"),
-                "attn": _Attn(w, f"{p}.self_attn", cfg),
-                "moe": _Moe(w, f"{p}.mlp", cfg) if moe else None,
+                "attn": _Attn(w, cfg, i),
+                "moe": _Moe(w, cfg, i) if moe else None,
                 "mlp": None if moe else _Mlp(w, f"{p}.mlp"),
             })
         self.rotary = RotaryTable(cfg)
         self.scale = softmax_scale(cfg)
         # per-head linear for the absorbed q/o where the backend has a native one (backend=cpu)
         self._head_linear = ops.head_linear if getattr(ops, "has_head_linear", False) else None
-        # routing parameters as plain Python values: read per MoE layer per forward, and an OmegaConf lookup
-        # costs more than the routing arithmetic of a few rows
-        self._route_cfg = SimpleNamespace(
-            num_experts_per_tok=int(cfg.num_experts_per_tok), n_group=int(cfg.n_group),
-            topk_group=int(cfg.topk_group), norm_topk_prob=bool(cfg.norm_topk_prob),
-            routed_scaling_factor=float(cfg.routed_scaling_factor))
+        self._route_cfg = route_params(cfg)
         self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
-        # backend=cpu: the whole forward in one library call over the same kernels (kdtree/backends/native_forward.py)
-        make_native = getattr(ops, "native_target", None)
-        self._native = make_native(self) if make_native is not None else None
 
     # -- pieces shared with the DFlash drafter ------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -213,42 +190,27 @@ class K2Model:
         """Residual stream f32[T, D] -> logits f32[T, V] (final norm, then lm_head)."""
         return self.lm_head(self.final_norm(h))
 
+    # -- the Target protocol's hooks: nothing native here ------------------------------------------------
     def attach_device_collective(self) -> bool:
-        """tp with backend=cuda: the all-reduce moves onto the forward's stream (NCCL); True when it did. A collective:
-        every rank calls it together, once all have loaded (kdtree/parallel/launch.py). False on other backends."""
-        attach = getattr(self._native, "attach_device_collective", None)
-        return bool(attach()) if attach is not None else False
+        """False: the all-reduce stays the host callback (NativeTarget moves it onto the CUDA stream)."""
+        return False
 
     def reserve_cache_pool(self, rows: int) -> bool:
-        """backend=cpu|cuda: one latent-cache arena of `rows` rows that every later new_cache is carved from (a
-        full pool raises CachePoolBusy). False where caches are separate numpy arrays (the numpy reference: the
-        serving scheduler's pool is then accounting only). An arena still holding caches cannot be replaced: dropped
-        caches are collected first; if some are alive, a larger arena is kept (the scheduler's accounting is
-        exact either way) and a smaller one is an error naming the fix."""
-        if self._native is None or not hasattr(self._native, "reserve"):
-            return False
-        rows = int(rows)
-        if self._native.pool_rows == rows:
-            return True
-        try:
-            self._native.reserve(rows)
-        except NativeError:
-            import gc
-            gc.collect()                                  # caches of finished generations not yet collected
-            try:
-                self._native.reserve(rows)
-            except NativeError:
-                if self._native.pool_rows < rows:
-                    raise
-        return True
+        """False: caches are separate numpy arrays (the serving scheduler's pool is then accounting only)."""
+        return False
+
+    def graph_rows(self, rows: Iterable[int]) -> bool:
+        """False: no CUDA graphs on this path."""
+        return False
+
+    def graph_stats(self) -> Dict[str, float]:
+        return dict(NO_GRAPHS)
+
+    def close(self) -> None:
+        """Nothing to release (the arrays go with the object)."""
 
     def new_cache(self, max_len: int) -> LatentCache:
-        if max_len > self.cfg.max_position_embeddings:
-            raise ConfigError(f"context of {max_len} tokens exceeds max_position_embeddings="
-                              f"{self.cfg.max_position_embeddings} of model={self.cfg.name}; "
-                              f"shorten the prompt or lower max_new_tokens")
-        if self._native is not None:
-            return self._native.new_cache(max_len)
+        check_context(self.cfg, max_len)
         return LatentCache(self.cfg.num_hidden_layers, max_len, self.kv_lora + self.rope_dim)
 
     # -- forward ------------------------------------------------------------------------------------
@@ -260,9 +222,7 @@ class K2Model:
         tokens i32[T], positions i32[T], visibility u64[T, ceil(T/64)] over the block (None = causal).
         Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
         """
-        if self._native is not None and not isinstance(cache, LatentCache):
-            return self._native.forward(tokens, positions, cache, visibility, hidden_layers, self.return_logits)
-        seq = self._check_seq(0, tokens, positions, cache, visibility)
+        seq = check_seq(0, tokens, positions, cache, visibility)
         h, hiddens = self._forward_rows([seq], hidden_layers)
         return (self.logits(h) if self.return_logits else np.empty((h.shape[0], 0), np.float32)), hiddens
 
@@ -275,29 +235,13 @@ class K2Model:
         Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
-        if self._native is not None and not isinstance(seqs[0][2], LatentCache):   # backend=cpu: one library call
-            return self._native.forward_batch(seqs, hidden_layers)
-        checked = [self._check_seq(s, *seq) for s, seq in enumerate(seqs)]
+        checked = [check_seq(s, *seq) for s, seq in enumerate(seqs)]
         if len({id(c[2]) for c in checked}) != len(checked):
             raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
         h, hiddens = self._forward_rows(checked, hidden_layers)
         logits = self.logits(h) if self.return_logits else np.empty((h.shape[0], 0), np.float32)  # tp ranks 1..
         argmax = np.argmax(logits, axis=-1) if logits.shape[1] else np.zeros(len(logits))
         return logits, argmax.astype(np.int32), hiddens
-
-    def _check_seq(self, s: int, tokens, positions, cache: LatentCache, visibility):
-        """One sequence's arguments, checked and converted: (tokens i64[T], positions i64[T], cache, visibility)."""
-        tokens = np.asarray(tokens, np.int64)
-        positions = np.asarray(positions, np.int64)
-        T = tokens.shape[0]
-        if positions.shape != (T,):
-            raise ValueError(f"sequence {s}: positions shape {positions.shape} != tokens shape ({T},)")
-        if cache.length + T > cache.max_len:
-            raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
-                              f"create it with a larger max_len (prompt + max_new_tokens + tree budget)")
-        if visibility is not None and np.shape(visibility) != (T, (T + 63) // 64):
-            raise ValueError(f"sequence {s}: visibility shape {np.shape(visibility)} != ({T}, {(T + 63) // 64})")
-        return tokens, positions, cache, visibility
 
     def _forward_rows(self, seqs: List[tuple], hidden_layers: Iterable[int]
                       ) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:

@@ -8,8 +8,8 @@ Steps: a TCPStore on tp.master_addr:tp.master_port (0 = a free port, bound by th
 children `python -m kdtree.parallel.worker` in OUR process group (killpg of the engine stops them too), each
 with one end of a socketpair for commands; every rank joins the default process group (gloo, or nccl for
 backend=cuda with one GPU per rank through CUDA_VISIBLE_DEVICES); all ranks read only their slices
-(kdtree/parallel/sharding.py) at the same time; K2Model on every rank with the rank-ordered all-reduce
-(kdtree/parallel/comm.py). Workers die with rank 0 (PR_SET_PDEATHSIG, socket EOF, collective timeout
+(kdtree/parallel/sharding.py) at the same time; build_target (NativeTarget or K2Model) on every rank with the
+rank-ordered all-reduce (kdtree/parallel/comm.py). Workers die with rank 0 (PR_SET_PDEATHSIG, socket EOF, collective timeout
 tp.timeout_s); close() and interpreter exit shut them down cleanly.
 
 Caveat: PR_SET_PDEATHSIG fires when the THREAD that started the workers exits, so launch from a long-lived
@@ -34,7 +34,7 @@ from typing import List, Optional, Tuple
 from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.config.validate import validate_tp
 from kdtree.errors import ConfigError
-from kdtree.model.k2 import K2Model
+from kdtree.model.target import build_target
 from kdtree.parallel.comm import init_group, leave_group, ordered_all_reduce, resolve_collective, resolve_dist_backend
 from kdtree.parallel.model import TPError, TPModel
 from kdtree.parallel.sharding import shard_fn
@@ -195,7 +195,7 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         rss0 = resident_bytes()
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
                                          progress=_watched(progress, workers, tp), **load_options(cfg.load))
-        local = K2Model(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
+        local = build_target(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
             tp, dist_backend, resolve_collective(cfg.tp, str(cfg.backend.name)),
             strict=str(cfg.tp.get("collective", "auto")) == "nccl"))
         del weights

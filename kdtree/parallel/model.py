@@ -1,11 +1,12 @@
-"""Rank 0's view of a tensor-parallel K2 target: the K2Model interface, every target op mirrored on all ranks.
+"""Rank 0's view of a tensor-parallel K2 target: the Target protocol (kdtree/model/target.py), every target op
+mirrored on all ranks; each rank's shard is build_target's choice (NativeTarget or K2Model).
 
     model = launch_tp(cfg, checkpoint, ops)          # kdtree/parallel/launch.py
     cache = model.new_cache(64)                      # a latent cache on every rank (same id)
     logits, hid = model.forward(tokens, positions, cache, visibility, hidden_layers)   # all ranks run it
     logits, argmax, hid = model.forward_batch([(tokens, positions, cache, visibility), ...], hidden_layers)
     cache.keep(start, rows); cache.truncate(n)       # mirrored on every rank
-    model.embed / final_norm / lm_head / logits      # rank 0 only (replicated weights; drafter, accept)
+    model.embed_tokens / lm_head_w / ops / cfg       # rank 0 only (replicated; the drafter shares them)
     model.close()                                    # shutdown to every worker, reap them, leave the group
 
 kdtree/decode (AR, DDTree) and the drafter run unchanged on rank 0. Each command is first applied (or checked)
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
 from kdtree.errors import ConfigError, KdtreeError
+from kdtree.model.derived import check_seq
+from kdtree.model.k2 import NO_GRAPHS
 from kdtree.parallel.comm import leave_group
 
 
@@ -59,7 +62,8 @@ class TPCache:
 
 
 class TPModel:
-    """K2Model interface over rank 0's shard (`local`, a K2Model with the ordered all-reduce) and the workers."""
+    """The Target protocol over rank 0's shard (`local`: build_target's NativeTarget or K2Model, with the ordered
+    all-reduce) and the workers."""
 
     def __init__(self, local, workers: List, tp: int, bytes_read_per_rank: List[int], store=None):
         self.local, self.workers, self.tp = local, workers, tp   # workers: launch._Worker of ranks 1..N-1
@@ -77,18 +81,6 @@ class TPModel:
     embed_tokens = property(lambda self: self.local.embed_tokens)
     lm_head_w = property(lambda self: self.local.lm_head_w)
 
-    def embed(self, tokens):
-        return self.local.embed(tokens)
-
-    def final_norm(self, h):
-        return self.local.final_norm(h)
-
-    def lm_head(self, h):
-        return self.local.lm_head(h)
-
-    def logits(self, h):
-        return self.local.logits(h)
-
     # -- mirrored on every rank ------------------------------------------------------------------------
     def new_cache(self, max_len: int) -> TPCache:
         with self._lock:
@@ -101,12 +93,12 @@ class TPModel:
         return cache
 
     def forward(self, tokens, positions, cache: TPCache, visibility=None, hidden_layers=()):
-        """K2Model.forward on every rank; rank 0's logits f32[T, V] and hiddens {layer: f32[T, D]}."""
+        """The shard's forward on every rank; rank 0's logits f32[T, V] and hiddens {layer: f32[T, D]}."""
         tokens = np.asarray(tokens, np.int32)
         positions = np.asarray(positions, np.int32)
         hidden_layers = tuple(int(i) for i in hidden_layers)
         T = tokens.shape[0]
-        # the checks K2Model.forward makes, made before any rank starts (a rank raising alone would hang the rest)
+        # the checks the shard's forward makes, made before any rank starts (a rank raising alone would hang the rest)
         if tokens.ndim != 1 or positions.shape != (T,):
             raise ValueError(f"positions shape {positions.shape} != tokens shape ({T},)")
         if cache.length + T > cache.max_len:
@@ -125,13 +117,13 @@ class TPModel:
                 raise self._fail(f"forward on rank 0: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def forward_batch(self, seqs, hidden_layers=()):
-        """K2Model.forward_batch on every rank: seqs = [(tokens, positions, TPCache, visibility)]; rank 0's
+        """The shard's forward_batch on every rank: seqs = [(tokens, positions, TPCache, visibility)]; rank 0's
         logits f32[N, V], argmax i32[N] and hiddens {layer: f32[N, D]}."""
         hidden_layers = tuple(int(i) for i in hidden_layers)
         local, remote = [], []
         for s, (tokens, positions, cache, visibility) in enumerate(seqs):
-            # K2Model's per-sequence checks, made before any rank starts (a rank raising alone would hang the rest)
-            t, p, _, v = self.local._check_seq(s, tokens, positions, cache.local, visibility)
+            # every target's per-sequence checks, made before any rank starts (a rank raising alone would hang the rest)
+            t, p, _, v = check_seq(s, tokens, positions, cache.local, visibility)
             v = None if v is None else np.asarray(v, np.uint64)
             local.append((t, p, cache.local, v))
             remote.append((cache.id, t.astype(np.int32), p.astype(np.int32), v))
@@ -146,12 +138,23 @@ class TPModel:
                                  f"{str(e).splitlines()[0] if str(e) else ''}")
 
     def attach_device_collective(self) -> bool:
-        """backend=cuda: every rank moves its all-reduce onto the forward's stream (NCCL; K2Model's method). launch_tp
+        """backend=cuda: every rank moves its all-reduce onto the forward's stream (NCCL; the shard's method). launch_tp
         calls it once every rank has loaded: its setup is a collective, which a rank done loading minutes before the
         slowest one would otherwise enter alone and leave at tp.timeout_s. True when NCCL is on the stream."""
         with self._lock:
             self._send("attach_device_collective")
             return self.local.attach_device_collective()
+
+    def reserve_cache_pool(self, rows: int) -> bool:
+        """False: no shared arena across ranks (each rank's caches are allocated one by one)."""
+        return False
+
+    def graph_rows(self, rows: Iterable[int]) -> bool:
+        """False: the tensor-parallel forward is not captured as CUDA graphs from here."""
+        return False
+
+    def graph_stats(self) -> Dict[str, float]:
+        return dict(NO_GRAPHS)
 
     # -- plumbing --------------------------------------------------------------------------------------
     def _send(self, op: str, *args) -> None:

@@ -288,11 +288,12 @@ def test_target_forward(benchmark, tiny_cfg, tiny_weights, impl, T):
     from kdtree.backends.native_forward import LIBRARY_CLOCK
     from kdtree.tree import causal_visibility
     from kdtree.model.k2 import K2Model
+    from kdtree.model.target import build_target
     benchmark.group = f"target_forward(T={T})"
     ops = REF if impl == "numpy" else native.NativeOps("cpu")
     if impl == "cpu_per_op":
         ops.native_forward = False
-    m = K2Model(tiny_cfg, tiny_weights, ops)
+    m = build_target(tiny_cfg, tiny_weights, ops)
     ctx = 64
     cache = m.new_cache(ctx + T)
     m.forward(np.arange(ctx, dtype=np.int32), np.arange(ctx), cache)

@@ -308,7 +308,7 @@ def test_a_fragmented_cache_arena_makes_a_request_wait_not_fail(compose_cfg):
     accounting but no range, so it waits (not an error) until B finishes, then runs to its solo tokens."""
     engine = Engine.from_config(compose_cfg("backend=cpu", "load.progress=false"))   # its own arena, no other caches
     sched = scheduler(engine, pool_tokens=100)
-    assert sched.pooled and engine.model._native.pool_rows == 100       # exactly serve.kv_pool_tokens rows
+    assert sched.pooled and engine.model.pool_rows == 100       # exactly serve.kv_pool_tokens rows
     enc = engine.tokenizer.encode
     ar = TREES["ar"]
     a = sched.submit(Request(enc(TEXT[:30]), 10, tree=ar))

@@ -18,6 +18,7 @@ from kdtree.decode import generate
 from tests.decode.loops import generate_ar
 from kdtree.errors import KdtreeError
 from kdtree.model.k2 import K2Model
+from kdtree.model.target import build_target
 from scripted_drafter import PROMPTS, int4_weights, noisy_rank, scripted
 
 N_NEW = 31
@@ -114,7 +115,7 @@ def native_model(tiny_cfg, tiny_weights):
         ops = get_ops("cpu")
     except KdtreeError as e:
         pytest.skip(f"backend=cpu unavailable ({e})")
-    return K2Model(tiny_cfg, tiny_weights, ops)
+    return build_target(tiny_cfg, tiny_weights, ops)
 
 
 @pytest.mark.parametrize("shape", ["chain-d7", "w4-d7-b32", "w8-d7-b72"])
@@ -131,16 +132,16 @@ def cuda_model(tiny_cfg, tiny_weights):
     from kdtree.backends import native
     if native.cuda_device_count() == 0:
         pytest.skip(f"no CUDA device: {native.CUDA_REASON}")
-    return K2Model(tiny_cfg, tiny_weights, get_ops("cuda"))
+    return build_target(tiny_cfg, tiny_weights, get_ops("cuda"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", ["chain-d7", "w4-d7-b32", "w8-d7-b72"])
 def test_cuda_backend_ddtree_equals_ar(cuda_model, tiny_cfg, shape):
     """backend=cuda: the CUDA whole forward (graphs for 1 and budget+1 rows) in the loop, token for token AR's."""
-    cuda_model._native.set_graph_rows([1, SHAPES[shape][3] + 1])
+    assert cuda_model.graph_rows([1, SHAPES[shape][3] + 1])
     prompt = PROMPTS["bytes"]
     ar_long = generate_ar(cuda_model, prompt, 24 + tiny_cfg.drafter.block_size).tokens
     ar, res = run_both(cuda_model, tiny_cfg, prompt, ar_long, SHAPES[shape], seed=7, max_new=24)
     assert res.tokens == ar.tokens and res.finish_reason == "length"
-    assert cuda_model._native.graph_stats()["replays"] > 0
+    assert cuda_model.graph_stats()["replays"] > 0

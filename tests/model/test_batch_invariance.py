@@ -13,6 +13,7 @@ import pytest
 from kdtree.backends import get_ops
 from kdtree.backends.numpy_ops import NumpyOps
 from kdtree.model.k2 import K2Model, route, route_rows
+from kdtree.model.target import build_target
 from tests.native_lib import CPU_SKIPPED, needs_cpu_library
 
 PROMPT = np.array([256, 50, 43, 50, 61], np.int32)
@@ -36,7 +37,7 @@ def _int4(cfg, weights):
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_block_rows_equal_one_row_forwards(tiny_cfg, tiny_weights, backend, quant):
     weights = _int4(tiny_cfg, tiny_weights) if quant == "int4" else tiny_weights
-    m = K2Model(tiny_cfg, weights, get_ops(backend))
+    m = build_target(tiny_cfg, weights, get_ops(backend))   # backend=cpu: the native whole forward
     layers = tuple(range(tiny_cfg.num_hidden_layers))
     block = np.random.default_rng(3).integers(0, 260, 33).astype(np.int32)
     pos = len(PROMPT) + np.arange(len(block))

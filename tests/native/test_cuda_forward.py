@@ -26,9 +26,10 @@ pytestmark = [pytest.mark.gpu,
 
 
 def _cuda_model(cfg, weights):
-    from kdtree.model.k2 import K2Model
-    m = K2Model(cfg, weights, native.NativeOps("cuda"))
-    assert m._native is not None and m._native.lib.kind == "cuda", "backend=cuda did not register the CUDA forward"
+    from kdtree.backends.native_forward import NativeTarget
+    from kdtree.model.target import build_target
+    m = build_target(cfg, weights, native.NativeOps("cuda"))
+    assert isinstance(m, NativeTarget) and m.lib.kind == "cuda", "backend=cuda did not pick the CUDA forward"
     return m
 
 
@@ -68,8 +69,8 @@ def test_cuda_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
     other = np.array([256, 3, 4], np.int32)
     parents = np.array([-1, 0, 0, 2], np.int32)
     tree_vis, tree_pos = ancestor_visibility(parents), len(other) + np.array([0, 1, 2, 2, 3])
-    logits, argmax, _ = m._native.forward_batch([(block[:9], pos[:9], prefilled(), None),
-                                                 (block[:5], tree_pos, prefilled(other), tree_vis)])
+    logits, argmax, _ = m.forward_batch([(block[:9], pos[:9], prefilled(), None),
+                                         (block[:5], tree_pos, prefilled(other), tree_vis)])
     np.testing.assert_array_equal(logits[:9], lg[:9])
     alone, _ = m.forward(block[:5], tree_pos, prefilled(other), visibility=tree_vis)
     np.testing.assert_array_equal(logits[9:], alone)
@@ -79,7 +80,7 @@ def test_cuda_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
 def test_cuda_graph_replay_equals_eager(tiny_cfg, tiny_weights):
     """Row counts in the bucket set are captured once and replayed; the replay's bits are the eager launch's."""
     eager, graphed = _cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights)
-    graphed._native.set_graph_rows([1, 9])
+    assert graphed.graph_rows([1, 9])
     parents = np.array([-1, 0, 0, 1, 3, -1, 5, 6], np.int32)
     vis = ancestor_visibility(parents)
     outs = {}
@@ -95,15 +96,16 @@ def test_cuda_graph_replay_equals_eager(tiny_cfg, tiny_weights):
         outs[name] = got
     for i, (a, b) in enumerate(zip(outs["eager"], outs["graphed"])):
         np.testing.assert_array_equal(b, a, err_msg=f"forward {i}")
-    st = graphed._native.graph_stats()
+    st = graphed.graph_stats()
     assert st["graphs"] == 2 and st["replays"] == 4 and st["eager"] == 1 and st["capture_s"] > 0, st
-    assert eager._native.graph_stats()["graphs"] == 0
+    assert eager.graph_stats()["graphs"] == 0
 
 
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     """The drafter's whole forward on the device (kd_drafter_extend / kd_drafter_draft of kd_forward.cu) vs numpy,
     over several context chunks and a truncation; and the per-op CUDA path (backend.drafter_forward=per_op) too."""
+    from kdtree.backends.native_drafter import NativeDrafter
     from kdtree.backends.numpy_ops import NumpyOps
     from kdtree.model.drafter import DFlashDrafter
     from kdtree.model.names import drafter_tensor_shapes, init_weights
@@ -115,11 +117,8 @@ def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
     embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     ref = DFlashDrafter(tiny_cfg, dw, NumpyOps(), embed, head)
-    cu = DFlashDrafter(tiny_cfg, dw, native.NativeOps("cuda"), embed, head)
-    per_op_ops = native.NativeOps("cuda")
-    per_op_ops.native_drafter_forward = False
-    po = DFlashDrafter(tiny_cfg, dw, per_op_ops, embed, head)
-    assert cu._native is not None and po._native is None
+    cu = NativeDrafter(tiny_cfg, dw, native.NativeOps("cuda"), embed, head)
+    po = DFlashDrafter(tiny_cfg, dw, native.NativeOps("cuda"), embed, head)      # the per-op CUDA path
     rng = np.random.default_rng(0)
     chunks = [{i: rng.standard_normal((n, tiny_cfg.hidden_size)).astype(np.float32)
                for i in tiny_cfg.drafter.target_layer_ids} for n in (6, 1, 3)]
@@ -145,15 +144,16 @@ def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
 
 
 def test_cuda_drafter_shares_the_targets_device_embed_and_lm_head(tiny_cfg, tiny_weights):
-    """from_target on backend=cuda: the drafter reads the target model's device embed / lm_head (desc.target) and
+    """build_drafter on backend=cuda: the drafter reads the target's device embed / lm_head (desc.target) and
     drafts the same bits as a drafter with its own uploaded copies."""
-    from kdtree.model.drafter import DFlashDrafter
+    from kdtree.backends.native_drafter import NativeDrafter
     from kdtree.model.names import drafter_tensor_shapes, init_weights
+    from kdtree.model.target import build_drafter
     model = _cuda_model(tiny_cfg, tiny_weights)
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
-    shared = DFlashDrafter.from_target(model, dw)
-    alone = DFlashDrafter(tiny_cfg, dw, model.ops, model.embed_tokens.copy(), model.lm_head_w.copy())
-    assert shared._native._target is model._native and alone._native._target is None
+    shared = build_drafter(tiny_cfg, dw, model)
+    alone = NativeDrafter(tiny_cfg, dw, model.ops, model.embed_tokens.copy(), model.lm_head_w.copy())
+    assert shared._target is model and alone._target is None
     rng = np.random.default_rng(4)
     chunk = {i: rng.standard_normal((5, tiny_cfg.hidden_size)).astype(np.float32)
              for i in tiny_cfg.drafter.target_layer_ids}
@@ -170,13 +170,13 @@ def test_cuda_nccl_on_the_stream_one_rank_equals_the_plain_forward(tiny_cfg, tin
     the rank-ordered sum equal to kdtree/parallel/comm.py's by construction.)"""
     from kdtree.backends.native_forward import nccl_library_path
     plain, nccl = _cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights)
-    lib, ffi = nccl._native.lib, nccl._native.lib.ffi
+    lib, ffi = nccl.lib, nccl.lib.ffi
     path = ffi.new("char[]", nccl_library_path().encode())
     uid = ffi.new("uint8_t[128]")
     if lib.c.kd_nccl_unique_id(path, uid) != 0:
         pytest.skip(f"NCCL does not load here: {lib.last_error()}")
-    assert lib.c.kd_model_set_nccl(nccl._native.handle, path, uid, 1, 0) == 0, lib.last_error()
-    nccl._native.set_graph_rows([1, 7])
+    assert lib.c.kd_model_set_nccl(nccl.handle, path, uid, 1, 0) == 0, lib.last_error()
+    nccl.set_graph_rows([1, 7])
     outs = {}
     for name, m in (("plain", plain), ("nccl", nccl)):
         c = m.new_cache(64)
@@ -186,16 +186,16 @@ def test_cuda_nccl_on_the_stream_one_rank_equals_the_plain_forward(tiny_cfg, tin
         outs[name] = got
     for i, (a, b) in enumerate(zip(outs["plain"], outs["nccl"])):
         np.testing.assert_array_equal(b, a, err_msg=f"forward {i}")
-    st = nccl._native.graph_stats()
+    st = nccl.graph_stats()
     assert st["graphs"] == 2 and st["replays"] >= 3, st
-    assert lib.c.kd_model_set_nccl(nccl._native.handle, path, ffi.NULL, 0, 0) == 0   # dropped again
+    assert lib.c.kd_model_set_nccl(nccl.handle, path, ffi.NULL, 0, 0) == 0   # dropped again
 
 
 def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
     """AR step (1 row) and tree verify (33 rows) of the tiny model through CUDA graphs: times for gpu_check's table
     ($OUT/kd_gpu_steps.json); asserts only that replays happened, never a speed."""
     m = _cuda_model(tiny_cfg, tiny_weights)
-    m._native.set_graph_rows([1, 33])
+    m.set_graph_rows([1, 33])
     vis = ancestor_visibility(np.concatenate([[-1], np.arange(31)]).astype(np.int32))
     times = {}
     for name, T in (("ar_step", 1), ("tree_verify_33", 33)):
@@ -210,12 +210,12 @@ def test_cuda_decode_step_times(tiny_cfg, tiny_weights):
             best = min(best, time.perf_counter() - t0)
             c.truncate(start)
         times[name] = best * 1e3
-    st = m._native.graph_stats()
+    st = m.graph_stats()
     assert st["graphs"] == 2 and st["replays"] >= 98, st
     times["graph_capture_s"] = st["capture_s"]
-    from kdtree.model.drafter import DFlashDrafter   # one block draft (kd_drafter_draft) after a 64-row context
-    from kdtree.model.names import drafter_tensor_shapes, init_weights
-    dr = DFlashDrafter.from_target(m, init_weights(drafter_tensor_shapes(tiny_cfg), seed=1))
+    from kdtree.model.names import drafter_tensor_shapes, init_weights   # one block draft after a 64-row context
+    from kdtree.model.target import build_drafter
+    dr = build_drafter(tiny_cfg, init_weights(drafter_tensor_shapes(tiny_cfg), seed=1), m)
     dc = dr.new_cache(128)
     dr.extend(dc, {i: np.ones((64, tiny_cfg.hidden_size), np.float32) for i in tiny_cfg.drafter.target_layer_ids})
     best = float("inf")

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from kdtree.backends import native
+from kdtree.backends.native_drafter import NativeDrafter
+from kdtree.backends.native_forward import NativeTarget
 from kdtree.model.names import drafter_tensor_shapes, init_weights
+from kdtree.model.target import build_drafter, build_target
 from kdtree.tree import ancestor_visibility
 from tests.native_lib import needs_cpu_library
 
@@ -40,8 +43,8 @@ def _models(cfg, weights):
     from kdtree.backends.numpy_ops import NumpyOps
     from kdtree.model.k2 import K2Model
     ref = K2Model(cfg, weights, NumpyOps())
-    nat = K2Model(cfg, weights, native.NativeOps("cpu"))
-    assert nat._native is not None, "backend=cpu did not register the native forward"
+    nat = build_target(cfg, weights, native.NativeOps("cpu"))
+    assert isinstance(nat, NativeTarget), "backend=cpu did not pick the native forward"
     return ref, nat
 
 
@@ -104,8 +107,8 @@ def test_target_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
     ca, cb = prefilled(), prefilled(other)
     parents = np.array([-1, 0, 0, 2], np.int32)                     # sequence b verifies a small tree
     tree_vis, tree_pos = ancestor_visibility(parents), len(other) + np.array([0, 1, 2, 2, 3])
-    logits, argmax, hid = m._native.forward_batch([(block[:9], pos[:9], ca, None),
-                                                   (block[:5], tree_pos, cb, tree_vis)], hidden_layers=(2,))
+    logits, argmax, hid = m.forward_batch([(block[:9], pos[:9], ca, None),
+                                           (block[:5], tree_pos, cb, tree_vis)], hidden_layers=(2,))
     np.testing.assert_array_equal(logits[:9], lg[:9])
     cc = prefilled(other)
     alone, alone_hid = m.forward(block[:5], tree_pos, cc, visibility=tree_vis, hidden_layers=(2,))
@@ -122,8 +125,54 @@ def test_native_forward_equals_per_op_path_tokens(tiny_cfg, tiny_weights):
     per_op = native.NativeOps("cpu")
     per_op.native_forward = False
     a = generate_ar(K2Model(tiny_cfg, tiny_weights, per_op), PROMPT, 24)
-    b = generate_ar(K2Model(tiny_cfg, tiny_weights, native.NativeOps("cpu")), PROMPT, 24)
+    b = generate_ar(build_target(tiny_cfg, tiny_weights, native.NativeOps("cpu")), PROMPT, 24)
     assert a.tokens == b.tokens
+
+
+class _CallLog:
+    """The library's function table, recording every name looked up on it (each call looks its function up)."""
+
+    def __init__(self, c):
+        self._c, self.names = c, set()
+
+    def __getattr__(self, name):
+        self.names.add(name)
+        return getattr(self._c, name)
+
+
+def test_the_factory_picks_the_target_and_k2model_is_always_the_per_op_path(tiny_cfg, tiny_weights, monkeypatch):
+    """build_target: NativeTarget for backend=cpu, K2Model for numpy (and for a CUDA library without a device);
+    build_drafter likewise. K2Model over NativeOps holds no native twin and its forward never reaches
+    kd_model_forward: it runs the per-op kernels, whose results equal the whole forward's tokens."""
+    from kdtree.backends.numpy_ops import NumpyOps
+    from kdtree.model.drafter import DFlashDrafter
+    from kdtree.model.k2 import K2Model
+    from kdtree.model.target import Drafter, Target
+    ops = native.NativeOps("cpu")
+    dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
+    nat = build_target(tiny_cfg, tiny_weights, ops)
+    assert isinstance(nat, NativeTarget) and isinstance(nat, Target)
+    assert isinstance(build_drafter(tiny_cfg, dw, nat), NativeDrafter)
+    ref = build_target(tiny_cfg, tiny_weights, NumpyOps())
+    assert type(ref) is K2Model and isinstance(ref, Target)
+    assert type(build_drafter(tiny_cfg, dw, ref)) is DFlashDrafter and isinstance(build_drafter(tiny_cfg, dw, ref),
+                                                                                   Drafter)
+    if native.library_path("cuda").exists() and native.load_library("cuda").device_count == 0:
+        assert type(build_target(tiny_cfg, tiny_weights, native.NativeOps("cuda"))) is K2Model   # the per-op path
+
+    per_op = K2Model(tiny_cfg, tiny_weights, ops)
+    assert not [k for k in vars(per_op) if "native" in k], "K2Model holds a native twin"
+    log = _CallLog(ops.lib.c)
+    monkeypatch.setattr(ops.lib, "c", log)
+    monkeypatch.setattr(ops, "_c", log)
+    c = per_op.new_cache(32)
+    logits, _ = per_op.forward(PROMPT, np.arange(len(PROMPT)), c)
+    per_op.forward_batch([(PROMPT[:1], np.array([len(PROMPT)]), c, None)])
+    assert type(c).__name__ == "LatentCache"
+    assert "kd_model_forward" not in log.names and "kd_linear_f32" in log.names, sorted(log.names)
+    monkeypatch.undo()
+    want, _ = nat.forward(PROMPT, np.arange(len(PROMPT)), nat.new_cache(32))
+    assert np.array_equal(logits.argmax(-1), want.argmax(-1))
 
 
 def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
@@ -161,8 +210,7 @@ def test_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
     embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     ref = DFlashDrafter(tiny_cfg, dw, NumpyOps(), embed, head)
-    nat = DFlashDrafter(tiny_cfg, dw, native.NativeOps("cpu"), embed, head)
-    assert nat._native is not None
+    nat = NativeDrafter(tiny_cfg, dw, native.NativeOps("cpu"), embed, head)
     rng = np.random.default_rng(0)
     D = tiny_cfg.hidden_size
     chunks = [{i: rng.standard_normal((n, D)).astype(np.float32) for i in tiny_cfg.drafter.target_layer_ids}
@@ -180,16 +228,16 @@ def test_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
 
 def test_drafter_forward_per_op_knob_drafts_the_same(tiny_cfg, tiny_weights):
     """backend.drafter_forward=per_op (make_ops) keeps the drafter on the per-op path, the fallback for a device
-    where the native drafter misbehaves: no native handle, and the same drafts within the suite's tolerance."""
+    where the native drafter misbehaves: build_drafter picks DFlashDrafter over the ops, and the same drafts within
+    the suite's tolerance."""
     from types import SimpleNamespace
     from kdtree.model.drafter import DFlashDrafter
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
-    embed, head = tiny_weights["model.embed_tokens.weight"], tiny_weights["lm_head.weight"]
     drafters = {}
     for mode in ("native", "per_op"):
         ops = native.make_ops("cpu", SimpleNamespace(library="", threads=0, drafter_forward=mode))
-        drafters[mode] = DFlashDrafter(tiny_cfg, dw, ops, embed, head)
-    assert drafters["native"]._native is not None and drafters["per_op"]._native is None
+        drafters[mode] = build_drafter(tiny_cfg, dw, build_target(tiny_cfg, tiny_weights, ops))
+    assert isinstance(drafters["native"], NativeDrafter) and type(drafters["per_op"]) is DFlashDrafter
     rng = np.random.default_rng(3)
     chunk = {i: rng.standard_normal((5, tiny_cfg.hidden_size)).astype(np.float32)
              for i in tiny_cfg.drafter.target_layer_ids}
@@ -203,26 +251,24 @@ def test_drafter_forward_per_op_knob_drafts_the_same(tiny_cfg, tiny_weights):
 
 
 def test_drafter_from_target_shares_the_targets_embed_and_lm_head(tiny_cfg, tiny_weights):
-    """DFlashDrafter.from_target over a native model hands the model's handle to kd_drafter_create (desc.target:
-    the CUDA build then reads the target's device embed / lm_head instead of a second copy; the CPU build reads
-    the same host arrays either way), keeps the target alive, and drafts as a drafter built without it."""
+    """build_drafter over a native target hands the target's handle to kd_drafter_create (desc.target: the CUDA
+    build then reads the target's device embed / lm_head instead of a second copy; the CPU build reads the same
+    host arrays either way), keeps the target alive, and drafts as a drafter built without it."""
     import gc
     import weakref
-    from kdtree.model.drafter import DFlashDrafter
-    from kdtree.model.k2 import K2Model
     ops = native.NativeOps("cpu")
-    model = K2Model(tiny_cfg, tiny_weights, ops)
+    model = build_target(tiny_cfg, tiny_weights, ops)
     dw = init_weights(drafter_tensor_shapes(tiny_cfg), seed=1)
-    shared = DFlashDrafter.from_target(model, dw)
-    alone = DFlashDrafter(tiny_cfg, dw, ops, model.embed_tokens.copy(), model.lm_head_w.copy())
-    assert shared._native._target is model._native and shared._native._desc.target == model._native.handle
-    assert alone._native._target is None
+    shared = build_drafter(tiny_cfg, dw, model)
+    alone = NativeDrafter(tiny_cfg, dw, ops, model.embed_tokens.copy(), model.lm_head_w.copy())
+    assert shared._target is model and shared._desc.target == model.handle
+    assert alone._target is None
     rng = np.random.default_rng(4)
     chunk = {i: rng.standard_normal((4, tiny_cfg.hidden_size)).astype(np.float32)
              for i in tiny_cfg.drafter.target_layer_ids}
     cs, ca = shared.new_cache(16), alone.new_cache(16)
     shared.extend(cs, chunk), alone.extend(ca, chunk)
-    target = weakref.ref(model._native)
+    target = weakref.ref(model)
     del model
     gc.collect()
     assert target() is not None   # the drafter keeps the target it reads alive
@@ -288,10 +334,11 @@ def test_cuda_forward_without_a_device_fails_in_one_clear_line():
 def test_cpu_build_accepts_graph_buckets_and_reports_no_graphs(tiny_cfg, tiny_weights):
     """The graph calls exist in both builds: on the CPU the bucket set is ignored and every counter is zero."""
     _, m = _models(tiny_cfg, tiny_weights)
-    m._native.set_graph_rows([1, 33])
+    m.set_graph_rows([1, 33])
+    assert m.graph_rows([1, 33]) is False             # what the engine asks: nothing to capture here
     c = m.new_cache(16)
     m.forward(PROMPT[:3], np.arange(3), c)
-    assert m._native.graph_stats() == {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
+    assert m.graph_stats() == {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
 
 
 def test_cache_slots_are_freed_and_reused(tiny_cfg, tiny_weights):
@@ -325,10 +372,10 @@ def test_pooled_caches_are_ranges_of_one_arena_with_the_same_bits(tiny_cfg, tiny
     from kdtree.errors import CachePoolBusy
     _, plain = _models(tiny_cfg, tiny_weights)
     _, pooled = _models(tiny_cfg, tiny_weights)
-    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 100
-    assert pooled.reserve_cache_pool(160) and pooled._native.pool_rows == 160      # no cache in it: replaced
+    assert pooled.reserve_cache_pool(100) and pooled.pool_rows == 100
+    assert pooled.reserve_cache_pool(160) and pooled.pool_rows == 160      # no cache in it: replaced
     a, b = pooled.new_cache(64), pooled.new_cache(32)
-    assert pooled.reserve_cache_pool(100) and pooled._native.pool_rows == 160      # in use: the larger one is kept
+    assert pooled.reserve_cache_pool(100) and pooled.pool_rows == 160      # in use: the larger one is kept
     base = a.kv[0].ctypes.data
     assert b.kv[0].ctypes.data == base + 64 * a.kv[0].strides[0]                    # right after a's range
     with pytest.raises(CachePoolBusy, match=r"pool of 160 rows has no free range of 100 rows"):
@@ -349,13 +396,13 @@ import sys
 import numpy as np
 from kdtree.backends import native
 from kdtree.config.schema import group_config
-from kdtree.model.k2 import K2Model
 from kdtree.model.names import init_weights, target_tensor_shapes
+from kdtree.model.target import build_drafter, build_target
 from kdtree.tree import ancestor_visibility
 from tests.native.test_native_forward import _int4
 cfg = group_config("model", "tiny")
 w = init_weights(target_tensor_shapes(cfg), seed=0)
-m = K2Model(cfg, _int4(w) if sys.argv[2] == "int4" else w, native.NativeOps("cpu"))
+m = build_target(cfg, _int4(w) if sys.argv[2] == "int4" else w, native.NativeOps("cpu"))
 rng = np.random.default_rng(5)
 caches = [m.new_cache(128) for _ in range(12)]
 for i, c in enumerate(caches):                                   # prompts of different lengths
@@ -367,12 +414,10 @@ vis = ancestor_visibility(parents)
 depth = np.array([0, 1, 1, 2, 2, 2, 3, 3, 3, 4])
 for c in caches[10:]:
     seqs.append((rng.integers(0, 256, 10).astype(np.int32), (c.length + depth).astype(np.int32), c, vis))
-logits, argmax, hid = m._native.forward_batch(seqs, hidden_layers=(0, 3))
+logits, argmax, hid = m.forward_batch(seqs, hidden_layers=(0, 3))
 kv = [c.kv[l][:c.length] for c in caches for l in range(cfg.num_hidden_layers)]
-from kdtree.model.drafter import DFlashDrafter                  # the drafter's attention over a long context
-from kdtree.model.names import drafter_tensor_shapes
-dr = DFlashDrafter(cfg, init_weights(drafter_tensor_shapes(cfg), seed=1), m.ops, w["model.embed_tokens.weight"],
-                   w["lm_head.weight"])
+from kdtree.model.names import drafter_tensor_shapes            # the drafter's attention over a long context
+dr = build_drafter(cfg, init_weights(drafter_tensor_shapes(cfg), seed=1), m)
 dc = dr.new_cache(128)
 dr.extend(dc, {i: rng.standard_normal((90, cfg.hidden_size)).astype(np.float32) for i in cfg.drafter.target_layer_ids})
 draft = np.concatenate([dr.draft(dc, b) for b in (5, 200)])

@@ -24,6 +24,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from kdtree.backends.native_forward import NativeTarget
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.config.schema import register
 from tests.native_lib import CPU_ERROR, CPU_SKIPPED
@@ -77,7 +78,7 @@ def tp_engine(request, compose_tiny):
         pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR}); make native")
     engine = Engine.from_config(compose_tiny(f"quant={quant}", f"tp='{tp}'", f"backend={backend}"))
     if backend == "cpu":
-        assert engine.model.local._native is not None, "rank 0 did not take the native forward"
+        assert isinstance(engine.model.local, NativeTarget), "rank 0 did not take the native forward"
     engine.backend = backend
     pids = [w.proc.pid for w in engine.model.workers]
     assert len(pids) == tp - 1 and all(alive(p) for p in pids)

@@ -1,0 +1,126 @@
+"""The DFlash drafter's extend and draft in one library call each (kd_drafter_*: native/src/cpu/kd_forward.c,
+native/src/cuda/kd_forward.cu), with DFlashDrafter's interface (kdtree/model/drafter.py is the numpy spec).
+
+    drafter = NativeDrafter(cfg, weights, ops, target.embed_tokens, target.lm_head_w, target)
+    cache = drafter.new_cache(max_len)
+    drafter.extend(cache, hiddens)          # {layer_id: f32[T, D]} of the next T committed tokens
+    logits = drafter.draft(cache, bonus)    # f32[B-1, V]
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+from kdtree.backends.native_forward import NativeTarget, _free_slot, _Registry, _timed
+from kdtree.model.drafter import check_drafter_weights, context_features, drafter_shape
+
+
+class NativeDrafterCache:
+    """A slot of the drafter's native context cache (DrafterCache's length / max_len / truncate)."""
+
+    def __init__(self, drafter: "NativeDrafter", max_len: int):
+        self.drafter, self.max_len = drafter, int(max_len)
+        lib = drafter.lib
+        p = lib.ffi.new("int64_t *")
+        lib.check(lib.c.kd_drafter_cache_alloc(drafter.handle, self.max_len, p), "kd_drafter_cache_alloc")
+        self.slot = int(p[0])
+        self._len = lib.ffi.new("int64_t *")
+        self._slot_arr = np.array([self.slot], np.int64)
+        weakref.finalize(self, _free_slot, drafter, lib.c.kd_drafter_cache_free, self.slot)
+
+    @property
+    def length(self) -> int:
+        lib = self.drafter.lib
+        lib.check(lib.c.kd_drafter_cache_length(self.drafter.handle, self.slot, self._len), "kd_drafter_cache_length")
+        return int(self._len[0])
+
+    def truncate(self, n: int) -> None:
+        lib = self.drafter.lib
+        lib.check(lib.c.kd_drafter_cache_truncate(self.drafter.handle, self.slot, int(n)), "kd_drafter_cache_truncate")
+
+
+class NativeDrafter:
+    """The DFlash drafter whose extend and draft are ONE library call each: its weights (by
+    names.drafter_tensor_shapes) and its target's embed / lm_head registered with the library, the sizes from
+    drafter_shape (the function DFlashDrafter reads). With `target` (the NativeTarget whose embed_tokens /
+    lm_head_w these are), the CUDA build reads the target's device copies instead of uploading them again
+    (2 x V x D: 4.7 GB of BF16 for K2.6); it is kept alive as long as this drafter. build_drafter
+    (kdtree/model/target.py) picks it for backend=cpu|cuda unless backend.drafter_forward=per_op.
+
+    drafter = NativeDrafter(cfg, weights, ops, embed, lm_head, target=None)   # DFlashDrafter's arguments
+    """
+
+    def __init__(self, cfg, weights: Mapping[str, Any], ops: Any, embed: np.ndarray, lm_head: Any,
+                 target: Optional[NativeTarget] = None):
+        lib = ops.lib
+        self.cfg, self.lib = cfg, lib
+        self._target = target
+        shape = drafter_shape(cfg)
+        check_drafter_weights(cfg, weights, source="drafter weights")
+        ffi = lib.ffi
+        reg = self._reg = _Registry(lib)
+        w = weights
+        self.block_size, self.vocab = shape.block_size, int(embed.shape[0])
+        self.target_layer_ids = list(shape.target_layer_ids)
+        d = self._desc = ffi.new("kd_drafter_desc *")
+        d.vocab, d.hidden, d.n_layers = self.vocab, int(embed.shape[1]), shape.num_layers
+        d.hq, d.hkv, d.head_dim, d.block_size = shape.hq, shape.hkv, shape.hd, shape.block_size
+        d.mask_token, d.eps, d.rope_theta = shape.mask_token_id, shape.eps, shape.theta
+        reg.weight(d.fc, w["fc.weight"], "fc")
+        d.hidden_norm, d.final_norm = reg.vec(w["hidden_norm.weight"]), reg.vec(w["norm.weight"])
+        d.embed = reg.ptr(np.ascontiguousarray(embed, np.float32))
+        reg.weight(d.lm_head, lm_head, "lm_head")
+        layers = ffi.new("kd_drafter_layer[]", shape.num_layers)
+        reg.keep.append(layers)
+        for i in range(shape.num_layers):
+            ly, p, a = layers[i], f"layers.{i}", f"layers.{i}.self_attn"
+            ly.in_norm = reg.vec(w[f"{p}.input_layernorm.weight"])
+            ly.post_norm = reg.vec(w[f"{p}.post_attention_layernorm.weight"])
+            for name in ("q", "k", "v", "o"):
+                reg.weight(getattr(ly, name), w[f"{a}.{name}_proj.weight"], f"{a}.{name}_proj")
+            ly.q_norm, ly.k_norm = reg.vec(w[f"{a}.q_norm.weight"]), reg.vec(w[f"{a}.k_norm.weight"])
+            for name in ("gate", "up", "down"):
+                reg.weight(getattr(ly.mlp, name), w[f"{p}.mlp.{name}_proj.weight"], f"{p}.mlp.{name}_proj")
+        d.layers = layers
+        if target is not None:
+            d.target = target.handle
+        h = ffi.new("kd_drafter **")
+        lib.check(lib.c.kd_drafter_create(d, h), "kd_drafter_create")
+        self.handle = h[0]
+        weakref.finalize(self, lib.c.kd_drafter_destroy, self.handle)
+        self._rows = np.zeros(2, np.int64)
+        self._bonus = np.zeros(1, np.int32)
+        self._fb = ffi._backend.from_buffer
+        self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t")}
+
+    def new_cache(self, max_len: int) -> NativeDrafterCache:
+        return NativeDrafterCache(self, max_len)
+
+    def extend(self, cache: NativeDrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
+        """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
+        feats = np.ascontiguousarray(context_features(self.target_layer_ids, hiddens, cache), np.float32)
+        T = feats.shape[0]
+        if T == 0:
+            return
+        fb, ty = self._fb, self._types
+        self._rows[1] = T
+        rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+                    fb(ty["int64_t"], self._rows, False), fb(ty["float"], feats, False))
+        if rc:
+            self.lib.check(rc, "kd_drafter_extend")
+
+    def draft(self, cache: NativeDrafterCache, bonus: int) -> np.ndarray:
+        """One block forward after the cached context -> logits f32[B-1, V] of the tokens after `bonus`."""
+        out = np.empty((self.block_size - 1, self.vocab), np.float32)
+        self._bonus[0] = int(bonus)
+        fb, ty = self._fb, self._types
+        rc = _timed(self.lib.c.kd_drafter_draft, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+                    fb(ty["int32_t"], self._bonus, False), fb(ty["float"], out, False))
+        if rc:
+            self.lib.check(rc, "kd_drafter_draft")
+        return out
+
+
+__all__ = ["NativeDrafter", "NativeDrafterCache"]
