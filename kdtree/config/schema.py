@@ -121,6 +121,20 @@ class TreeConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The server the serve pipeline runs (kdtree/engines): kdtree's own engine, or SGLang / vLLM / llama.cpp's
+    OpenAI server launched with a command line built from the same config (kdtree/stages/launch.py)."""
+    name: str = "kdtree"  # kdtree | sglang | vllm | llamacpp
+    python: str = ""  # the engine's Python on the host (its own venv); "" = host.python, else kdtree's own
+    command: List[str] = field(default_factory=list)  # replaces `python -m <module>` (a wrapper, a stand-in, a binary)
+    extra_args: List[str] = field(default_factory=list)  # appended to the command line verbatim
+    speculative_algorithm: str = "EAGLE3"  # sglang --speculative-algorithm / vllm speculative-config method
+    draft_model_path: str = ""  # empty = <model.path>/drafter
+    gguf: str = ""  # llamacpp: the GGUF to serve; empty = export the model into the run dir first (export_gguf)
+    ready_timeout_s: float = 0.0  # 0 = none; the launch stage itself never decides readiness (health_poll does)
+
+
+@dataclass
 class HostConfig:
     name: str = "local"
     kind: str = "local"  # local | ssh
@@ -264,6 +278,7 @@ class RootConfig:
     backend: BackendConfig = MISSING
     tree: TreeConfig = MISSING
     host: HostConfig = MISSING
+    engine: EngineConfig = MISSING
     pipeline: str = "serve"  # pipelines/NAME.yaml, or a path to a pipeline YAML
     prompt: str = "2+2="
     max_new_tokens: int = 16
@@ -288,6 +303,7 @@ GROUPS = {
     "backend": BackendConfig,
     "tree": TreeConfig,
     "host": HostConfig,
+    "engine": EngineConfig,
 }
 
 

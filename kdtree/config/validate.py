@@ -6,7 +6,7 @@ Each failure is one ConfigError line naming the key, the value and what would be
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Optional, Sequence
 from urllib.parse import urlsplit
 
 import yaml
@@ -14,12 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
 from kdtree.decode.sampling import SamplingError, SamplingParams
+from kdtree.engines import check_engine
 from kdtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
 # Stages that need the model's weights (and so a checkpoint and a working backend).
-MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf"}
+MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf", "launch"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
 QUANT_METHODS = ("fp32", "int4_w4a16")
@@ -51,14 +52,25 @@ def pipeline_path(name: str) -> Path:
     return PIPELINES_DIR / f"{name}.yaml"
 
 
-def pipeline_stage_names(name: str) -> List[str]:
+def pipeline_stage_names(name: str, cfg: Optional[DictConfig] = None) -> List[str]:
+    """The stage names of a pipeline file; with `cfg`, only the stages whose `when:` matches it."""
     path = pipeline_path(name)
     if not path.is_file():
         known = sorted(p.stem for p in PIPELINES_DIR.glob("*.yaml"))
         raise ConfigError(f"pipeline={name}: no such pipeline ({path}); known: {', '.join(known)}")
     spec = read_yaml(path) or {}
     stages = spec.get("stages", []) if isinstance(spec, dict) else []
-    return [str(s.get("stage")) for s in stages if isinstance(s, dict)] if isinstance(stages, list) else []
+    if not isinstance(stages, list):
+        return []
+    return [str(s.get("stage")) for s in stages if isinstance(s, dict) and (cfg is None or _when(s, cfg))]
+
+
+def _when(stage: dict, cfg: DictConfig) -> bool:
+    cond = stage.get("when")
+    if not isinstance(cond, dict):
+        return True
+    return all(OmegaConf.select(cfg, str(k), default=None) in (list(v) if isinstance(v, (list, tuple)) else [v])
+               for k, v in cond.items())
 
 
 def read_yaml(path: Path):
@@ -302,7 +314,7 @@ def validate_serve(cfg: DictConfig) -> None:
 
 def loads_model(cfg: DictConfig, stages: Sequence[str] = None) -> bool:
     """True when the pipeline (or `stages`) loads the model's weights: it needs a checkpoint and a device."""
-    return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline) if stages is None else stages))
+    return bool(MODEL_STAGES.intersection(pipeline_stage_names(cfg.pipeline, cfg) if stages is None else stages))
 
 
 def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
@@ -330,8 +342,9 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     validate_bench_peer(cfg)
     validate_tp(cfg)
     validate_tree(cfg)
+    check_engine(cfg)
     if stages is None:
-        stages = pipeline_stage_names(cfg.pipeline)
+        stages = pipeline_stage_names(cfg.pipeline, cfg)
     validate_sampling(cfg, stages)
     validate_health(cfg, stages)
     if loads_model(cfg, stages):

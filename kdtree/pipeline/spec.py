@@ -25,7 +25,7 @@ from kdtree.config.validate import read_yaml
 from kdtree.errors import ConfigError, PipelineError
 
 SIDES = ("host", "controller")
-STAGE_KEYS = ("stage", "on", "params")
+STAGE_KEYS = ("stage", "on", "params", "when")
 
 
 def repo_root() -> Path:
@@ -117,9 +117,28 @@ def load_pipeline(name_or_path: str, cfg: DictConfig) -> PipelineSpec:
         raise PipelineError(f"{where}: unknown key(s) {', '.join(unknown_top)}; allowed: name, stages, description")
     name = str(doc.get("name") or path.stem)
     where = f"pipeline {name} ({path})"
-    specs = [_check_stage(entry, i, cfg, where) for i, entry in enumerate(doc["stages"])]
+    kept = [entry for entry in doc["stages"] if _wanted(entry, cfg, where)]   # index = position in the resolved list
+    specs = [_check_stage(entry, i, cfg, where) for i, entry in enumerate(kept)]
+    if not specs:
+        raise PipelineError(f"{where}: no stage is left for this config (every stage's `when:` excludes it)")
     _check_order(specs, cfg, where)
     return PipelineSpec(name=name, path=path, stages=specs)
+
+
+def _wanted(entry: Any, cfg: DictConfig, where: str) -> bool:
+    """A stage's `when: {config.key: value | [values]}`: kept iff every key's composed value is (one of) those."""
+    cond = entry.get("when") if isinstance(entry, dict) else None
+    if cond is None:
+        return True
+    if not isinstance(cond, dict) or not cond:
+        raise PipelineError(f"{where}: stage {entry.get('stage')!r} has when={cond!r}; write when: {{config.key: value}}")
+    for key, want in cond.items():
+        got = OmegaConf.select(cfg, str(key), default="<unset>")
+        if got == "<unset>":
+            raise PipelineError(f"{where}: stage {entry.get('stage')!r}: when: names {key!r}, not a config key")
+        if got not in (list(want) if isinstance(want, (list, tuple)) else [want]):
+            return False
+    return True
 
 
 def _check_stage(entry: Any, index: int, cfg: DictConfig, where: str) -> StageSpec:

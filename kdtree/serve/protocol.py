@@ -36,6 +36,10 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=2.0, allow_inf_nan=False)]
 
 
+SGLANG_IDENTITY = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                   "return_hidden_states": False, "continue_final_message": False}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -64,11 +68,20 @@ class _SamplingFields(_Request):
     repetition_penalty: Optional[RepetitionPenalty] = None             # vLLM's extension: 1 = off
     logit_bias: Optional[Dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]]] = None
     user: Optional[Text] = None
+    # SGLang's extensions, which sglang-router (the fleet's router) sends with every request at these values:
+    # taken at them, refused otherwise
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_hidden_states: bool = False
 
     def unsupported(self) -> Optional[tuple]:
         """(param, message) for the first field set to something kdtree cannot do; None when all are fine."""
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported; send none"
+        for name, identity in SGLANG_IDENTITY.items():
+            if getattr(self, name, identity) != identity:
+                return name, f"{name}={getattr(self, name)} (an SGLang extension) is not supported; send {name}={identity}"
         return None
 
     def stops(self) -> List[str]:
@@ -121,6 +134,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=20)]] = None
     add_generation_prompt: bool = True            # vLLM's extension, rendered into the template as HF does
+    continue_final_message: bool = False          # SGLang/vLLM extensions sglang-router sends (identity values only)
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def unsupported(self) -> Optional[tuple]:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

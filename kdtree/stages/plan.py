@@ -405,9 +405,28 @@ def format_plan(p: dict) -> str:
     return "\n".join(lines)
 
 
+def engine_command(cfg) -> str:
+    """The launch stage's command line for cfg (the key shown as <redacted> when one is set; llama.cpp's GGUF as
+    the file the launch exports when engine.gguf is empty)."""
+    from kdtree.config.secrets import api_key
+    from kdtree.engines import command_line, printable
+    c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if c.engine.name == "llamacpp" and not c.engine.gguf:
+        c.engine.gguf = "<run_dir>/" + f"{c.model.name}-f32.gguf"
+    if not c.model.path:
+        c.model.path = str(_checkpoint_dir(cfg) or "<embedded checkpoint>")
+    key = api_key(c.serve)
+    return printable(command_line(c, key if c.engine.name == "sglang" else ""), key)
+
+
 def run(ctx, disk_mb_s: list = (2000.0, 240.0), float_dtype: str = "auto", shard_gb: float = 5.0) -> dict:
     p = make_plan(ctx.cfg, [float(r) for r in disk_mb_s], float_dtype, float(shard_gb))
     print(format_plan(p), flush=True)
+    engine = str(ctx.cfg.engine.name)
+    if engine != "kdtree":                     # what the serve pipeline's launch stage would run on the host
+        p["engine"] = {"name": engine, "command": engine_command(ctx.cfg)}
+        print(f"\nengine={engine} command line (the serve pipeline's launch stage, on host {ctx.cfg.host.name}):\n"
+              f"  {p['engine']['command']}", flush=True)
     (Path(ctx.run_dir) / "plan.json").write_text(json.dumps(p, indent=1))
     return {"per_rank_bytes": p["per_rank_bytes"], "files_total": p["files_total"],
             "kv_bytes_per_token": p["kv_cache"]["bytes_per_token"],
