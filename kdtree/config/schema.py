@@ -271,6 +271,16 @@ class StopConfig:
 
 
 @dataclass
+class FleetConfig:
+    """N replicas of this config (one per host) behind sglang-router (kdtree/fleet.py): fleet_serve / fleet_stop /
+    fleet_restart. Replica i serves on serve.port + i."""
+    hosts: List[str] = field(default_factory=lambda: ["local"])  # host config names (conf/host/NAME.yaml), one per replica
+    router_port: int = 30000  # sglang-router's port on the controller
+    router_policy: str = "round_robin"  # round_robin | cache_aware | power_of_two | random
+    health_interval_s: float = 1.0  # the router's health-check interval (a dead replica leaves within it)
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = MISSING
     quant: QuantConfig = MISSING
@@ -294,6 +304,7 @@ class RootConfig:
     bench_serve: BenchServeConfig = field(default_factory=BenchServeConfig)
     export_gguf: ExportGgufConfig = field(default_factory=ExportGgufConfig)
     bench_peer: BenchPeerConfig = field(default_factory=BenchPeerConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
 
 GROUPS = {
