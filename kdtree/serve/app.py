@@ -236,6 +236,20 @@ class ServeApp:
                                 f"completion, {head} for the speculative tree's verify block); shorten the prompt "
                                 f"or lower max_tokens", param=param, code="context_length_exceeded")
 
+    @property
+    def pool_tokens(self) -> int:
+        """Latent rows of the engine's cache pool (serve.kv_pool_tokens): the most one request can ever hold."""
+        sched = getattr(self.engine, "scheduler", None)
+        return int(sched.pool_tokens) if sched is not None else self.max_model_len
+
+    def _check_fan_out(self, prompts: int, n: int) -> None:
+        """len(prompt) x n requests that could never all be queued (serve.max_queue) are a 400, not a 429 forever."""
+        if prompts * n > self.max_queue:
+            param = "n" if n > 1 else "prompt"
+            raise ApiError(400, f"{prompts} prompt(s) x n={n} = {prompts * n} completions exceed this server's queue of "
+                                f"{self.max_queue} (serve.max_queue); send at most {self.max_queue} per request",
+                           param=param, code="too_many_completions")
+
     def _stop_ids(self, stops: List[str]) -> Tuple[int, ...]:
         # a stop string that is exactly one token lets the engine stop early; longer ones are cut from the text
         out = []
@@ -533,12 +547,14 @@ def build_app(serve: ServeApp) -> FastAPI:
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
     async def completions(req: P.CompletionRequest, request: Request):
         sp = serve.admit(req, chat=False)
+        serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
+        max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
         encoded = [serve._token_ids(p) for p in req.prompts()]
         for ids, _ in encoded:
-            serve._check_context(ids, req.max_tokens, "prompt")
+            serve._check_context(ids, max_tokens, "prompt")
         stops = req.stops()
         loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids for ids, _ in encoded], req.max_tokens, stops, loop, req.stream, sp)
+        jobs = serve._submit([ids for ids, _ in encoded], max_tokens, stops, loop, req.stream, sp)
         texts = [encoded[k // sp.n][1] for k in range(len(jobs))]
         n_prompt = sum(len(ids) for ids, _ in encoded)
         if req.stream:
@@ -578,7 +594,10 @@ def build_app(serve: ServeApp) -> FastAPI:
             raise ApiError(400, str(e), param="messages") from None
         ids = serve._encode(text)
         limit = req.limit()
-        max_tokens = limit if limit is not None else serve.max_model_len - len(ids) - serve._headroom()
+        # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
+        # (it ends with finish_reason "length" there) -- never refused for a default
+        max_tokens = limit if limit is not None else min(serve.max_model_len, serve.pool_tokens) - len(ids) - \
+            serve._headroom()
         serve._check_context(ids, max(1, max_tokens), "messages")
         stops = req.stops() + list(tpl.stops)
         loop = asyncio.get_running_loop()
