@@ -116,3 +116,22 @@ def test_sglang_shaped_stand_in_is_launched_watched_and_stopped(kdtree_cache, tm
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     launch = next(e for e in events if e.get("kind") == "engine_command")
     assert str(STANDIN) in launch["command"] and f"--port {port}" in launch["command"]
+
+
+def test_llamacpp_serves_the_exported_gguf_and_stops(kdtree_cache, tmp_path):
+    """engine=llamacpp (the peer extra): the launch stage exports the tiny model's GGUF into the run dir, starts
+    llama.cpp's OpenAI server on it, health_poll watches it to READY, pipeline=stop ends it."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+    port = free_port()
+    run_dir = tmp_path / "serve"
+    r = kdtree_run([f"serve.port={port}", "engine=llamacpp", "tree=ar", "serve.detach=true", "health.interval_s=0.5",
+                    f"hydra.run.dir={run_dir}"], kdtree_cache, tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "READY: completion answered" in r.stdout and list(run_dir.glob("*.gguf"))
+    pid = int((run_dir / "engine.pid").read_text())
+    s = kdtree_run(["pipeline=stop", f"serve.port={port}"], kdtree_cache, tmp_path, timeout=60)
+    assert s.returncode == 0 and "terminated" in s.stdout, s.stdout + s.stderr
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
