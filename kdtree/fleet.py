@@ -176,6 +176,8 @@ def start_router(cfg, run_dir: Path, workers: List[str]) -> int:
             "--port", str(int(cfg.fleet.router_port)), "--policy", str(cfg.fleet.router_policy),
             "--health-check-interval-secs", str(int(cfg.fleet.health_interval_s)),
             "--prometheus-port", str(metrics_port), "--worker-urls", *workers]
+    if str(cfg.engine.name) == "kdtree":              # kdtree's /health is 200 while loading too; /ready is not
+        argv[-1 - len(workers):-1 - len(workers)] = ["--health-check-endpoint", "/ready"]
     log = open(run_dir / "router.log", "ab")
     try:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
