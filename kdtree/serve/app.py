@@ -29,34 +29,25 @@ finished) is an SSE `{"error": ...}` event before [DONE]: a stream never just en
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import sys
 import threading
 import time
-import uuid
-import weakref
-from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
+from kdtree.decode.request import ContextLengthExceeded
 from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
-from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
-from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
-from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kdtree.serve.metrics import Metrics
-from kdtree.decode.request import ContextLengthExceeded, RequestTimeout
 from kdtree.serve.batch_worker import BatchWorker
-from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
+from kdtree.serve.bridge import LoopSink, Mailbox, notifier
+from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
+from kdtree.serve.errors import job_error
+from kdtree.serve.metrics import Metrics
+from kdtree.serve.request_queue import Draining, Job, QueueFull
+from kdtree.serve.sse import seed_of
 from kdtree.serve.status import StatusFile, describe
-from kdtree.serve.text_stream import TextStream, cut_at_stop
-from kdtree.serve.transport import MAX_CONNECTIONS, Access, ApiError, Guard, JsonH11Protocol
+from kdtree.serve.transport import MAX_CONNECTIONS, ApiError, JsonH11Protocol
 
 MAX_BODY_BYTES = 8 << 20          # 8 MiB: a prompt as long as any context, JSON-encoded, fits with room
 MAX_HEADER_BYTES = 16 << 10       # 16 KiB of request line + headers (h11's buffer limit; more is a 431)
@@ -104,6 +95,7 @@ class ServeApp:
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]              # serve.port=0 picks a free port
         protocol = type("_Protocol", (JsonH11Protocol,), {"max_connections": self.max_connections})
+        from kdtree.serve.routes import build_app      # the routes import this module's ServeApp helpers only
         config = uvicorn.Config(build_app(self), lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=True, http=protocol,
                                 timeout_keep_alive=max(1, int(round(self.keepalive_s))),
@@ -291,10 +283,10 @@ class ServeApp:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
                 fut = loop.create_future()
                 q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
-                box = _Mailbox.of(loop)
-                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=_LoopSink(box, q) if stream else None)
+                box = Mailbox.of(loop)
+                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=LoopSink(box, q) if stream else None)
                 job.sampling = sampling.for_sample(i) if sampling is not None else None
-                job.notify = _notifier(box, fut)
+                job.notify = notifier(box, fut)
                 job.future, job.aqueue = fut, q
                 jobs.append(self.worker.submit(job))
         except QueueFull:
@@ -314,440 +306,10 @@ class ServeApp:
 
     @staticmethod
     def job_error(job: Job) -> ApiError:
-        if isinstance(job.error, Cancelled):
-            return ApiError(503, "the server stopped before this completion finished (drain timeout, "
-                                 "serve.drain_timeout_s); retry", "service_unavailable", code="cut_by_shutdown")
-        if isinstance(job.error, RequestTimeout):
-            return ApiError(408, str(job.error), "timeout_error", code="request_timeout")
-        if isinstance(job.error, KdtreeError):
-            return ApiError(400, str(job.error), param="prompt")
-        return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
+        return job_error(job)
 
     def stats(self, results, sampling: Optional[SamplingParams] = None) -> P.KdtreeStats:
         accepted = [a for r in results for a in r.acceptance_lengths]
         return P.KdtreeStats(target_forwards=sum(r.target_forwards for r in results),
                              mean_acceptance_length=sum(accepted) / len(accepted) if accepted else 0.0,
-                             seconds=round(sum(r.seconds for r in results), 4), seed=_seed(sampling))
-
-
-def _seed(sampling: Optional[SamplingParams]) -> Optional[int]:
-    """The seed to report: the request's (sample 0's) when it samples; None for greedy (no draw, nothing to replay)."""
-    return None if sampling is None or sampling.greedy else int(sampling.seed)
-
-
-class _Mailbox:
-    """The engine thread's way into the event loop, one wake-up per burst: a batch step commits tokens for every
-    running request, and a call_soon_threadsafe each would write the loop's self-pipe once per request and
-    step. put() queues the callback and wakes the loop only when the box was empty; the loop runs everything
-    queued since, in order (a job's last tokens before its end). One box per loop."""
-    _boxes: "weakref.WeakKeyDictionary[Any, _Mailbox]"
-
-    def __init__(self, loop):
-        self.loop, self._lock, self._items = loop, threading.Lock(), []
-
-    @classmethod
-    def of(cls, loop) -> "_Mailbox":
-        box = cls._boxes.get(loop)
-        if box is None:
-            box = cls._boxes[loop] = cls(loop)
-        return box
-
-    def put(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
-            wake = not self._items
-            self._items.append((fn, args))
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._run)
-            except RuntimeError:             # the loop is closed: the server is gone, nobody reads any more
-                pass
-
-    def _run(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for fn, args in items:
-            try:
-                fn(*args)
-            except Exception as e:           # one job's callback must not drop the other jobs' tokens
-                print(f"[serve] delivering to a request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-
-_Mailbox._boxes = weakref.WeakKeyDictionary()
-
-
-class _LoopSink:
-    """The worker thread's side of a streamed job: token lists (then None) into an asyncio.Queue of the loop."""
-
-    def __init__(self, box: _Mailbox, q: asyncio.Queue):
-        self.box, self.q = box, q
-
-    def put(self, item) -> None:
-        self.box.put(self.q.put_nowait, item)
-
-
-def _notifier(box: _Mailbox, fut):
-    def done():
-        box.put(lambda: fut.done() or fut.set_result(None))
-    return done
-
-
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
-async def _pieces(job: Job, first: Any = ...):
-    """The token-id lists a streamed job commits, each holding all that arrived since the last; ends with the job.
-    first: an item already taken from the job's queue."""
-    q = job.aqueue
-    item = await q.get() if first is ... else first
-    while item is not None:
-        batch = list(item)
-        while not q.empty():
-            item = q.get_nowait()
-            if item is None:
-                break
-            batch.extend(item)
-        else:
-            item = ...
-        yield batch
-        if item is ...:
-            item = await q.get()
-
-
-# -- the FastAPI application ---------------------------------------------------------------------------
-def _param_and_message(err: Dict[str, Any]) -> Tuple[Optional[str], str]:
-    loc = [x for x in err.get("loc", ()) if x != "body"]
-    # union branches add their type as a location part ("str", "list[int]", "function-after[...]"): not a field
-    path = [x for x in loc if isinstance(x, int) or ("[" not in x and x not in ("str", "int", "float", "bool"))]
-    param = ".".join(str(x) for x in path) or None
-    kind = err.get("type", "")
-    if kind == "missing":
-        return param, f"missing required field '{param}'"
-    if kind == "extra_forbidden":
-        return param, (f"unknown parameter '{param}': not part of the OpenAI API or not supported by this server; "
-                       f"remove it")
-    if not path and kind in ("model_attributes_type", "dict_type", "model_type"):
-        return None, "request body must be a JSON object (send Content-Type: application/json)"
-    try:
-        got = json.dumps(err.get("input"), allow_nan=False)[:80]
-    except (TypeError, ValueError):
-        got = repr(err.get("input"))[:80]
-    msg = err.get("msg", "invalid value")
-    if isinstance(err.get("ctx"), dict) and isinstance(err["ctx"].get("error"), ValueError):
-        msg = str(err["ctx"]["error"])
-    return param, f"{param or 'body'}: {msg}; got {got}"
-
-
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        e = next(e for e in errors if e.get("type") == "json_invalid")
-        return ApiError(400, f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
-    own = [e for e in errors if e.get("type") == "value_error"]      # our validators' messages say the most
-    if own:
-        param, msg = _param_and_message(own[0])
-        return ApiError(400, msg, param=param)
-    params = {_param_and_message(e)[0] for e in errors}
-    if params == {"prompt"} and len(errors) > 1:       # every branch of prompt's union failed
-        return ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of those; got "
-                             + _param_and_message(errors[0])[1].rsplit("got ", 1)[-1], param="prompt")
-    param, msg = _param_and_message(errors[0])
-    return ApiError(400, msg, param=param)
-
-
-ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
-
-
-def build_app(serve: ServeApp) -> FastAPI:
-    app = FastAPI(title="kdtree", version="1", description="OpenAI-compatible completions served with DDTree "
-                  "speculative decoding", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        if exc.status >= 500 and exc.status != 503:
-            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
-                  flush=True)
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc: StarletteHTTPException):
-        path = request.url.path
-        if exc.status_code == 404:
-            msg = (f"no endpoint {path}; the endpoints are POST /v1/completions, POST /v1/chat/completions, "
-                   f"GET /v1/models, /health, /ready, /status, /metrics, /openapi.json")
-        elif exc.status_code == 405:
-            allow = (exc.headers or {}).get("Allow", "")
-            msg = f"{path} takes {allow or 'another method'}, not {request.method}"
-        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-            cause = exc.__cause__
-            msg = (f"request body is not valid JSON: {type(cause).__name__}"
-                   + (": nested too deeply" if isinstance(cause, RecursionError) else f": {cause}"))[:300]
-        else:
-            msg = str(exc.detail)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ApiError(exc.status_code, msg, kind, headers=exc.headers).response()
-
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
-        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
-
-    # -- operator endpoints ----------------------------------------------------------------------------
-    @app.api_route("/health", methods=["GET", "HEAD"], tags=["operator"])
-    async def health():
-        snap = serve.status.snapshot()
-        code = 503 if snap.get("phase") == "failed" else 200
-        return JSONResponse({"status": "ok" if code == 200 else "failed", "phase": snap.get("phase"),
-                             "pid": snap.get("pid"), "uptime_s": round(time.time() - snap["started_at"], 3)}, code)
-
-    @app.api_route("/ready", methods=["GET", "HEAD"], tags=["operator"])
-    async def ready():
-        snap = serve.status.snapshot()
-        if serve.ready:
-            return {"ready": True, "phase": snap["phase"]}
-        return JSONResponse({"ready": False, "phase": snap.get("phase"), "status": describe(snap)}, 503,
-                            headers={"Retry-After": "1"})
-
-    @app.get("/status", tags=["operator"])
-    async def status():
-        snap = serve.status.snapshot()
-        snap["queue_depth"] = serve.worker.depth if serve.worker else 0
-        snap["in_flight"] = serve.worker.in_flight if serve.worker else 0
-        snap["batch"] = serve.worker.snapshot() if serve.worker else {}   # running, waiting, batch_size, kv pool
-        return snap
-
-    @app.get("/metrics", tags=["operator"], response_class=Response)
-    async def metrics():
-        return Response(serve.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    # -- OpenAI API ------------------------------------------------------------------------------------
-    def card() -> P.ModelCard:
-        return P.ModelCard(id=serve.model_name, created=serve.created, max_model_len=serve.max_model_len,
-                           root=serve.model_name)
-
-    @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
-    async def models():
-        return P.ModelList(data=[card()])
-
-    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=ERRORS)
-    async def model(model_id: str):
-        serve._check_model(model_id)
-        return card()
-
-    # each server-sent event: `data: <a JSON chunk>` (the last one `data: [DONE]`)
-    event_schema = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
-                    "required": ["data"]}
-    stream_doc = {200: {"content": {"text/event-stream": {"schema": event_schema}}}}
-
-    @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
-    async def completions(req: P.CompletionRequest, request: Request):
-        sp = serve.admit(req, chat=False)
-        serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
-        max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
-        encoded = [serve._token_ids(p) for p in req.prompts()]
-        for ids, _ in encoded:
-            serve._check_context(ids, max_tokens, "prompt")
-        stops = req.stops()
-        loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids for ids, _ in encoded], max_tokens, stops, loop, req.stream, sp)
-        texts = [encoded[k // sp.n][1] for k in range(len(jobs))]
-        n_prompt = sum(len(ids) for ids, _ in encoded)
-        if req.stream:
-            return await _stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
-                                 bool(req.stream_options and req.stream_options.include_usage), sp)
-        choices, results = [], []
-        await _until_done_or_gone(request, jobs)
-        tok = serve.engine.tokenizer
-        for i, job in enumerate(jobs):
-            if job.error is not None:
-                raise serve.job_error(job)
-            text, finish = _final_text(serve, job, stops)
-            lp = None
-            if sp.logprobs is not None:
-                lp = completion_logprobs(tok, job.result, prompt_ids=job.prompt_ids if req.echo else None,
-                                         text_offset=0 if req.echo else len(texts[i]))
-            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text, logprobs=lp,
-                                              finish_reason=finish))
-            results.append(job.result)
-        n_out = sum(len(r.tokens) for r in results)
-        resp = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices,
-                                    usage=P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results, sp))
-        return JSONResponse(P.dump(resp))
-
-    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
-    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
-        sp = serve.admit(req, chat=True)
-        tpl = serve.chat_template
-        if isinstance(tpl, Exception):
-            raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        try:
-            text = tpl.render(messages, add_generation_prompt=req.add_generation_prompt)
-        except ChatTemplateError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        ids = serve._encode(text)
-        limit = req.limit()
-        # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
-        # (it ends with finish_reason "length" there) -- never refused for a default
-        max_tokens = limit if limit is not None else min(serve.max_model_len, serve.pool_tokens) - len(ids) - \
-            serve._headroom()
-        serve._check_context(ids, max(1, max_tokens), "messages")
-        stops = req.stops() + list(tpl.stops)
-        loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream, sp)
-        if req.stream:
-            return await _stream(serve, jobs, stops, "chat.completion.chunk", False, [text] * len(jobs), len(ids),
-                                 bool(req.stream_options and req.stream_options.include_usage), sp)
-        await _until_done_or_gone(request, jobs)
-        choices = []
-        for i, job in enumerate(jobs):
-            if job.error is not None:
-                raise serve.job_error(job)
-            out, finish = _final_text(serve, job, stops)
-            lp = chat_logprobs(serve.engine.tokenizer, job.result) if sp.logprobs is not None else None
-            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=out), logprobs=lp,
-                                        finish_reason=finish))
-        results = [job.result for job in jobs]
-        n_out = sum(len(r.tokens) for r in results)
-        resp = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name,
-                                        choices=choices,
-                                        usage=P.Usage(prompt_tokens=len(ids), completion_tokens=n_out,
-                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats(results, sp))
-        return JSONResponse(P.dump(resp))
-
-    # -- middleware (the last added is the outermost) --------------------------------------------------
-    app.add_middleware(Guard, serve=serve)
-    if serve.cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(serve.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id"])
-    app.add_middleware(Access, serve=serve)
-    return app
-
-
-async def _until_done_or_gone(request: Request, jobs: List[Job], poll_s: float = 0.05) -> None:
-    """Wait for every job; a client that disconnects first cancels them (they leave the batch at the next step)."""
-    waiting = asyncio.ensure_future(asyncio.gather(*(job.future for job in jobs)))
-    try:
-        while not waiting.done():
-            await asyncio.wait([waiting], timeout=poll_s)
-            if not waiting.done() and await request.is_disconnected():
-                for job in jobs:
-                    job.cancel()
-                await waiting                         # each job ends at the next step boundary
-                return
-    finally:
-        if not waiting.done():                    # the handler itself was cancelled
-            for job in jobs:
-                job.cancel()
-
-
-def _final_text(serve: ServeApp, job: Job, stops: List[str]) -> Tuple[str, str]:
-    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(job.result.tokens), stops)
-    return text, "stop" if stopped or job.result.finish_reason in ("stop", "eos") else "length"
-
-
-async def _stream(serve: ServeApp, jobs: List[Job], stops: List[str], kind: str, echo: bool, texts: List[str],
-                  n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None) -> Response:
-    first = await jobs[0].aqueue.get()                 # the first tokens, or the end of a job that failed
-    if first is None and jobs[0].error is not None:
-        for job in jobs:
-            job.cancel()
-        raise serve.job_error(jobs[0])                 # nothing sent yet: a JSON error like a non-streamed one
-    chat = kind == "chat.completion.chunk"
-    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    tok = serve.engine.tokenizer
-    want_lp = sampling is not None and sampling.logprobs is not None
-    seed = _seed(sampling)
-
-    def event(index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None) -> bytes:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        out = {"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [choice]}
-        if seed is not None:
-            out["kdtree"] = {"seed": seed}
-        return _sse(out)
-
-    async def body():
-        t0, n_out = time.monotonic(), 0
-        try:
-            for index, job in enumerate(jobs):
-                ts = TextStream(tok, stops)
-                sent, offset = 0, 0 if chat else len(texts[index])   # logprob entries sent; completions' text_offset
-
-                def logprobs(final: bool = False):
-                    nonlocal sent, offset
-                    if not want_lp or job.live is None:
-                        return None
-                    have = job.live.logprobs or []
-                    entries = have[sent:] if final else have[sent:len(ts.tokens)]
-                    sent += len(entries)
-                    part = SimpleNamespace(logprobs=entries, prompt_logprobs=None)
-                    if chat:
-                        return chat_logprobs(tok, part)
-                    out = completion_logprobs(tok, part, text_offset=offset)
-                    offset += sum(len(t) for t in out["tokens"])
-                    return out
-
-                if chat:
-                    yield event(index, None, None, role=True)
-                pre = first if index == 0 else ...
-                if echo and want_lp and index > 0:
-                    pre = await job.aqueue.get()       # its prefill is done: the prompt's logprobs are in
-                if echo:
-                    lp = None
-                    if want_lp and job.live is not None:
-                        prompt = SimpleNamespace(logprobs=[], prompt_logprobs=job.live.prompt_logprobs)
-                        lp = completion_logprobs(tok, prompt, prompt_ids=job.prompt_ids)
-                        offset = sum(len(t) for t in lp["tokens"])
-                    yield event(index, texts[index], None, lp=lp)
-                async for ids in _pieces(job, pre):
-                    piece = ts.push(ids)
-                    if piece:
-                        yield event(index, piece, None, lp=logprobs())
-                    if ts.stopped:
-                        job.cancel()                # the text is over; free the engine for the next request
-                        break
-                if not ts.stopped:
-                    await job.future
-                if not ts.stopped and job.error is not None:
-                    e = serve.job_error(job)
-                    print(f"[serve] stream ended early: {e.message}", file=sys.stderr, flush=True)
-                    yield _sse(e.body())
-                    yield b"data: [DONE]\n\n"
-                    return
-                piece = ts.finish()
-                if piece:
-                    yield event(index, piece, None, lp=logprobs())
-                r = job.result
-                finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
-                rest = logprobs(final=True)
-                if rest is not None and not (rest.get("content") if chat else rest["tokens"]):
-                    rest = None
-                yield event(index, None if chat else "", finish, lp=rest)
-                n_out += len(ts.tokens)
-            if include_usage:
-                yield _sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [],
-                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                      "total_tokens": n_prompt + n_out}})
-            yield b"data: [DONE]\n\n"
-            print(f"[serve] stream {n_prompt}+{n_out} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,
-                  flush=True)
-        finally:                                        # a stop string, an error, the client gone: stop the rest
-            for job in jobs:
-                job.cancel()
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                             seconds=round(sum(r.seconds for r in results), 4), seed=seed_of(sampling))

@@ -1,0 +1,199 @@
+"""The HTTP routes (FastAPI): operator endpoints, the OpenAI endpoints, the exception handlers and middleware. Thin:
+parse (pydantic) -> ServeApp's checks and submission -> the response or the SSE stream (kdtree/serve/sse.py)."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kdtree.serve import protocol as P
+from kdtree.serve.bridge import until_done_or_gone
+from kdtree.serve.chat_template import ChatTemplateError
+from kdtree.serve.errors import ERRORS, validation_error
+from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
+from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kdtree.serve.sse import final_text, stream
+from kdtree.serve.status import describe
+from kdtree.serve.transport import Access, ApiError, Guard
+
+
+def build_app(serve) -> FastAPI:
+    app = FastAPI(title="kdtree", version="1", description="OpenAI-compatible completions served with DDTree "
+                  "speculative decoding", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        if exc.status >= 500 and exc.status != 503:
+            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
+                  flush=True)
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        path = request.url.path
+        if exc.status_code == 404:
+            msg = (f"no endpoint {path}; the endpoints are POST /v1/completions, POST /v1/chat/completions, "
+                   f"GET /v1/models, /health, /ready, /status, /metrics, /openapi.json")
+        elif exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            msg = f"{path} takes {allow or 'another method'}, not {request.method}"
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            cause = exc.__cause__
+            msg = (f"request body is not valid JSON: {type(cause).__name__}"
+                   + (": nested too deeply" if isinstance(cause, RecursionError) else f": {cause}"))[:300]
+        else:
+            msg = str(exc.detail)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return ApiError(exc.status_code, msg, kind, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
+              flush=True)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
+
+    # -- operator endpoints ----------------------------------------------------------------------------
+    @app.api_route("/health", methods=["GET", "HEAD"], tags=["operator"])
+    async def health():
+        snap = serve.status.snapshot()
+        code = 503 if snap.get("phase") == "failed" else 200
+        return JSONResponse({"status": "ok" if code == 200 else "failed", "phase": snap.get("phase"),
+                             "pid": snap.get("pid"), "uptime_s": round(time.time() - snap["started_at"], 3)}, code)
+
+    @app.api_route("/ready", methods=["GET", "HEAD"], tags=["operator"])
+    async def ready():
+        snap = serve.status.snapshot()
+        if serve.ready:
+            return {"ready": True, "phase": snap["phase"]}
+        return JSONResponse({"ready": False, "phase": snap.get("phase"), "status": describe(snap)}, 503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/status", tags=["operator"])
+    async def status():
+        snap = serve.status.snapshot()
+        snap["queue_depth"] = serve.worker.depth if serve.worker else 0
+        snap["in_flight"] = serve.worker.in_flight if serve.worker else 0
+        snap["batch"] = serve.worker.snapshot() if serve.worker else {}   # running, waiting, batch_size, kv pool
+        return snap
+
+    @app.get("/metrics", tags=["operator"], response_class=Response)
+    async def metrics():
+        return Response(serve.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    # -- OpenAI API ------------------------------------------------------------------------------------
+    def card() -> P.ModelCard:
+        return P.ModelCard(id=serve.model_name, created=serve.created, max_model_len=serve.max_model_len,
+                           root=serve.model_name)
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
+    async def models():
+        return P.ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=P.ModelCard, responses=ERRORS)
+    async def model(model_id: str):
+        serve._check_model(model_id)
+        return card()
+
+    # each server-sent event: `data: <a JSON chunk>` (the last one `data: [DONE]`)
+    event_schema = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"]}
+    stream_doc = {200: {"content": {"text/event-stream": {"schema": event_schema}}}}
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses={**ERRORS, **stream_doc})
+    async def completions(req: P.CompletionRequest, request: Request):
+        sp = serve.admit(req, chat=False)
+        serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
+        max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
+        encoded = [serve._token_ids(p) for p in req.prompts()]
+        for ids, _ in encoded:
+            serve._check_context(ids, max_tokens, "prompt")
+        stops = req.stops()
+        loop = asyncio.get_running_loop()
+        jobs = serve._submit([ids for ids, _ in encoded], max_tokens, stops, loop, req.stream, sp)
+        texts = [encoded[k // sp.n][1] for k in range(len(jobs))]
+        n_prompt = sum(len(ids) for ids, _ in encoded)
+        if req.stream:
+            return await stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
+                                 bool(req.stream_options and req.stream_options.include_usage), sp)
+        choices, results = [], []
+        await until_done_or_gone(request, jobs)
+        tok = serve.engine.tokenizer
+        for i, job in enumerate(jobs):
+            if job.error is not None:
+                raise serve.job_error(job)
+            text, finish = final_text(serve, job, stops)
+            lp = None
+            if sp.logprobs is not None:
+                lp = completion_logprobs(tok, job.result, prompt_ids=job.prompt_ids if req.echo else None,
+                                         text_offset=0 if req.echo else len(texts[i]))
+            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text, logprobs=lp,
+                                              finish_reason=finish))
+            results.append(job.result)
+        n_out = sum(len(r.tokens) for r in results)
+        resp = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices,
+                                    usage=P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
+                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results, sp))
+        return JSONResponse(P.dump(resp))
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        sp = serve.admit(req, chat=True)
+        tpl = serve.chat_template
+        if isinstance(tpl, Exception):
+            raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            text = tpl.render(messages, add_generation_prompt=req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = serve._encode(text)
+        limit = req.limit()
+        # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
+        # (it ends with finish_reason "length" there) -- never refused for a default
+        max_tokens = limit if limit is not None else min(serve.max_model_len, serve.pool_tokens) - len(ids) - \
+            serve._headroom()
+        serve._check_context(ids, max(1, max_tokens), "messages")
+        stops = req.stops() + list(tpl.stops)
+        loop = asyncio.get_running_loop()
+        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream, sp)
+        if req.stream:
+            return await stream(serve, jobs, stops, "chat.completion.chunk", False, [text] * len(jobs), len(ids),
+                                 bool(req.stream_options and req.stream_options.include_usage), sp)
+        await until_done_or_gone(request, jobs)
+        choices = []
+        for i, job in enumerate(jobs):
+            if job.error is not None:
+                raise serve.job_error(job)
+            out, finish = final_text(serve, job, stops)
+            lp = chat_logprobs(serve.engine.tokenizer, job.result) if sp.logprobs is not None else None
+            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=out), logprobs=lp,
+                                        finish_reason=finish))
+        results = [job.result for job in jobs]
+        n_out = sum(len(r.tokens) for r in results)
+        resp = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name,
+                                        choices=choices,
+                                        usage=P.Usage(prompt_tokens=len(ids), completion_tokens=n_out,
+                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats(results, sp))
+        return JSONResponse(P.dump(resp))
+
+    # -- middleware (the last added is the outermost) --------------------------------------------------
+    app.add_middleware(Guard, serve=serve)
+    if serve.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(serve.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(Access, serve=serve)
+    return app
