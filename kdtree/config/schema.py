@@ -13,6 +13,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# model.path empty = kdtree generates the checkpoint itself (kdtree/checkpoint/tiny.py); add a name here to add one
+GENERATED_MODELS = ("tiny", "k26_mini")  # k26_mini: K2.6 layer dims, 2 layers
+
+
+def is_generated(model_name: str) -> bool:
+    """Models whose checkpoint kdtree generates itself when model.path is empty."""
+    return model_name in GENERATED_MODELS
 
 
 @dataclass

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kdtree.checkpoint.quantize import quantize_checkpoint
-from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.config.schema import is_generated
 from kdtree.errors import ConfigError
 
 SIDE = "any"
