@@ -40,10 +40,12 @@ from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fastapi import FastAPI, Request
+from omegaconf import OmegaConf
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kdtree.config.schema import ServeConfig
 from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
@@ -136,12 +138,14 @@ class ServeApp:
         except ChatTemplateError as e:           # completions still work; chat answers why it cannot
             self.chat_template = e
             print(f"[serve] /v1/chat/completions disabled: {e}", file=sys.stderr, flush=True)
-        knobs = getattr(getattr(engine, "cfg", None), "serve", None) or {}   # continuous batching (decode/batch.py)
+        # continuous batching (decode/batch.py): the engine's serve section; ServeConfig is the one home of the
+        # defaults (an engine without a config, in tests, gets them)
+        knobs = OmegaConf.merge(OmegaConf.structured(ServeConfig), getattr(getattr(engine, "cfg", None), "serve", None) or {})
         self.worker = BatchWorker(engine, self.max_queue, on_done=self.metrics.generation,
-                                  max_batch_tokens=int(knobs.get("max_batch_tokens", 512)),
-                                  kv_pool_tokens=int(knobs.get("kv_pool_tokens", 16384)),
-                                  request_timeout_s=float(knobs.get("request_timeout_s", 0.0)),
-                                  speculate_max_batch=int(knobs.get("speculate_max_batch", 0)))
+                                  max_batch_tokens=int(knobs.max_batch_tokens),
+                                  kv_pool_tokens=int(knobs.kv_pool_tokens),
+                                  request_timeout_s=float(knobs.request_timeout_s),
+                                  speculate_max_batch=int(knobs.speculate_max_batch))
 
     def mark_ready(self) -> None:
         if self.worker is None:

@@ -148,7 +148,7 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
     }
 
 
-def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> dict:
+def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 3) -> dict:
     cfg = ctx.cfg
     state = EngineState.of(ctx)
     if state.engine is None:
