@@ -22,10 +22,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from kdtree.backends import check_device
-from kdtree.config.schema import CONF_DIR, GROUPS, register
+from kdtree.config.schema import CONF_DIR, GROUPS
 from kdtree.config.secrets import redact, secrets
 from kdtree.config.validate import check_group_overrides, loads_model, validate
 from kdtree.errors import KdtreeError
+from kdtree.pipeline.registry import register_schema
 from kdtree.pipeline.runner import run_pipeline
 
 
@@ -102,7 +103,7 @@ def main() -> None:
     if any(a in VERBOSE_FLAGS for a in sys.argv[1:]):   # ours, not Hydra's: library loggers speak (KDTREE_VERBOSE)
         os.environ["KDTREE_VERBOSE"] = "1"
         sys.argv[1:] = [a for a in sys.argv[1:] if a not in VERBOSE_FLAGS]
-    register()
+    register_schema()
     try:
         check_group_overrides(sys.argv[1:], CONF_DIR, GROUPS)
     except KdtreeError as e:

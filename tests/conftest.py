@@ -64,7 +64,7 @@ def compose_cfg(kdtree_cache):
     """compose_cfg("pipeline=generate", ...) -> the composed RootConfig, cache_dir = the session cache."""
     from hydra import compose, initialize_config_dir
 
-    from kdtree.config.schema import register
+    from kdtree.pipeline.registry import register_schema as register
 
     register()
 

@@ -1,5 +1,11 @@
 """The package structure: the import graph of kdtree/ (every `import kdtree...`, at the top of a module AND inside
-functions) has no cycle and none of the forbidden package edges, and the pipeline layer names no stage."""
+functions) has no cycle and none of the forbidden package edges, and the pipeline layer names no stage.
+
+Package cycles: the graph whose nodes are packages (kdtree/config, kdtree/checkpoint, ...; a top-level module such
+as kdtree/engine.py is a node of its own, the kdtree package's __init__ too) with an edge A -> B when a module of A
+imports one of B has no cycle either: modules can be acyclic while their packages are not (config.validate ->
+checkpoint.tiny -> config.paths), and such a pair cannot be split or layered. A package cycle that is structural
+goes in PACKAGE_CYCLE_EXCEPTIONS with its reason."""
 from __future__ import annotations
 
 import ast
@@ -101,6 +107,22 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+# sorted package names of a cycle -> why it is allowed; keep it empty
+PACKAGE_CYCLE_EXCEPTIONS: Dict[Tuple[str, ...], str] = {
+    # the native target/drafter (backends/native_forward.py, native_drafter.py) implement model/'s Target protocol
+    # from the weights and model/derived.py, and model/target.py's factory picks them; the fix is to move the two
+    # native forwards into model/ (next step, not done in issue 32)
+    ("backends", "model"): "native forwards implement model's Target protocol; model/target.py picks them",
+}
+
+
+def _package_graph(graph: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+    out: Dict[str, Set[str]] = {}
+    for pa, pb, _, _ in _package_edges(graph):
+        out.setdefault(pa, set()).add(pb)
+    return out
+
+
 def _package_edges(graph) -> Set[Tuple[str, str, str, str]]:
     return {(_package(a), _package(b), a, b) for a, bs in graph.items() for b in bs if _package(a) != _package(b)}
 
@@ -117,6 +139,20 @@ def test_no_import_cycle_in_kdtree():
 
 def test_the_cycle_finder_finds_one():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_package_cycle_in_kdtree():
+    g = _graph()
+    found = [c for c in _cycles(_package_graph(g)) if tuple(c) not in PACKAGE_CYCLE_EXCEPTIONS]
+    edges = sorted(f"{a} -> {b}" for pa, pb, a, b in _package_edges(g) if any({pa, pb} <= set(c) for c in found))
+    assert found == [], f"package cycle(s) {found}; the module imports that make them: {edges}"
+
+
+def test_the_package_cycle_finder_finds_a_planted_one():
+    g = {"kdtree.config.validate": {"kdtree.checkpoint.tiny"}, "kdtree.checkpoint.tiny": {"kdtree.config.paths"},
+         "kdtree.config.paths": set(), "kdtree.stages.plan": {"kdtree.config.paths", "kdtree.checkpoint.tiny"}}
+    assert _cycles(g) == []                                  # no module cycle ...
+    assert _cycles(_package_graph(g)) == [["checkpoint", "config"]]   # ... but a package one
 
 
 @pytest.mark.parametrize("src,dst", FORBIDDEN, ids=[f"{a}->{b}" for a, b in FORBIDDEN])

@@ -1,18 +1,33 @@
-"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+"""Typed schemas of every config group and shared section, registered in Hydra's ConfigStore.
 
 A YAML file in conf/<group>/ extends the schema of its group, so a wrong type or an unknown key fails at
 compose time. Cross-field rules live in kdtree/config/validate.py.
+
+Two kinds of sections:
+* shared sections (load, serve, health, sampling): read by library packages (checkpoint, serve, monitor,
+  decode) as well as by stages, so they live here;
+* stage sections (bench, plan, stop, ...): read by one stage only, so the stage module declares the dataclass
+  (`CONFIG = BenchConfig`, section = the stage's name; kdtree/pipeline/registry.py). kdtree.config cannot
+  import kdtree.stages (stages import config), so the root schema takes them as an argument:
+  root_schema(sections) / register(sections), called through kdtree.pipeline.registry.register_schema().
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+# model.path empty = kdtree generates the checkpoint itself (kdtree/checkpoint/tiny.py); add a name here to add one
+GENERATED_MODELS = ("tiny", "k26_mini")  # k26_mini: K2.6 layer dims, 2 layers
+
+
+def is_generated(model_name: str) -> bool:
+    """Models whose checkpoint kdtree generates itself when model.path is empty."""
+    return model_name in GENERATED_MODELS
 
 
 @dataclass
@@ -219,57 +234,6 @@ class SamplingConfig:
 
 
 @dataclass
-class PlanConfig:
-    disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
-    float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
-    shard_gb: float = 5.0  # shard size of the computed layout when there is no checkpoint index (GB = 1e9 B)
-
-
-@dataclass
-class BenchConfig:
-    prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
-    max_new_tokens: int = 48  # per prompt
-    repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
-
-
-@dataclass
-class BenchServeConfig:
-    clients: List[int] = field(default_factory=lambda: [1, 4, 16, 64])  # concurrent streaming clients per round
-    requests: int = 2  # completions per client per round
-    max_tokens: int = 64  # per completion
-    short_tokens: int = 4  # short_latency_ratio: this request's latency beside a long_tokens one, over alone
-    long_tokens: int = 1000
-
-
-@dataclass
-class BenchLoadConfig:
-    gb: float = 2.0  # size of the synthetic K2-layout checkpoint (built once, cached under cache_dir)
-    repeats: int = 3  # alternating rounds (cat, loader variants); medians are reported
-    shards: int = 8  # about this many shard files
-    cold: bool = True  # also drop the page cache before each read (root only; skipped with a note otherwise)
-
-
-@dataclass
-class ExportGgufConfig:
-    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-f32.gguf
-
-
-@dataclass
-class BenchPeerConfig:
-    gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
-    threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
-    rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
-    # more tree shapes measured in the same alternating rounds, e.g. [ddtree-w4-d7-b6,chain-d7] (kind, then any of
-    # wN dN bN; the rest from `tree`); the fastest shape (with `tree`) is reported as tree_tokens_per_s
-    trees: List[str] = field(default_factory=list)
-
-
-@dataclass
-class StopConfig:
-    run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
-    timeout_s: float = 10.0  # SIGTERM, wait serve.drain_timeout_s + this long (the drain, then the exit), then SIGKILL
-
-
 @dataclass
 class FleetConfig:
     """N replicas of this config (one per host) behind sglang-router (kdtree/fleet.py): fleet_serve / fleet_stop /
@@ -297,14 +261,8 @@ class RootConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    stop: StopConfig = field(default_factory=StopConfig)
-    bench: BenchConfig = field(default_factory=BenchConfig)
-    bench_load: BenchLoadConfig = field(default_factory=BenchLoadConfig)
-    bench_serve: BenchServeConfig = field(default_factory=BenchServeConfig)
-    export_gguf: ExportGgufConfig = field(default_factory=ExportGgufConfig)
-    bench_peer: BenchPeerConfig = field(default_factory=BenchPeerConfig)
-    fleet: FleetConfig = field(default_factory=FleetConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # the fleet_* stages share it
+    # + one section per stage that declares CONFIG (bench, plan, stop, ...): added by root_schema()
 
 
 GROUPS = {
@@ -318,10 +276,22 @@ GROUPS = {
 }
 
 
-def register() -> None:
-    """Register the root schema and one base schema per group (YAML files extend `base_<group>`)."""
+def root_schema(sections: Mapping[str, type]) -> type:
+    """RootConfig plus one field per stage section (name -> the stage's dataclass, its defaults the dataclass's)."""
+    core = {f.name for f in fields(RootConfig)}
+    clash = sorted(set(sections) & core)
+    if clash:
+        raise ValueError(f"stage section(s) {', '.join(clash)} clash with a shared section of RootConfig "
+                         f"(kdtree/config/schema.py); rename the stage or drop its CONFIG")
+    return make_dataclass("RootConfig", [(name, cls, field(default_factory=cls)) for name, cls in sorted(sections.items())],
+                          bases=(RootConfig,))
+
+
+def register(sections: Mapping[str, type]) -> None:
+    """Register the root schema (with the stage sections) and one base schema per group (YAML files extend
+    `base_<group>`). Callers: kdtree.pipeline.registry.register_schema(), which collects the stage sections."""
     cs = ConfigStore.instance()
-    cs.store(name="root_schema", node=RootConfig)
+    cs.store(name="root_schema", node=root_schema(sections))
     for group, node in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
 

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from kdtree.checkpoint.tiny import GENERATED_MODELS, is_generated
 from kdtree.decode.sampling import SamplingError, SamplingParams
+from kdtree.config.schema import GENERATED_MODELS, is_generated
 from kdtree.engines import check_engine
 from kdtree.errors import ConfigError
 

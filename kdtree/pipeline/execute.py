@@ -47,7 +47,7 @@ def execute_stage(ctx: StageContext, spec: StageSpec, events: EventLog,
         watchdog.daemon = True
         watchdog.start()
     try:
-        result = module.run(ctx, **spec.params)
+        result = registry.call_stage(module, ctx, spec.params)
     except Exception as e:
         seconds = round(time.monotonic() - t0, 3)
         _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)

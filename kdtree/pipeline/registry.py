@@ -2,10 +2,22 @@
 
 A stage module defines
     SIDE = "host" | "controller" | "any"      where it may run (host = inside the engine process)
-    def run(ctx, **params) -> dict | None       the work; the returned dict lands in the stage_end event
-and optionally (a value, or a function of the composed config `cfg` evaluated when the pipeline needs it)
-    PARAMS = {"name": type, ...}               checked at plan time (int is accepted for float);
-                                               required = the run() parameters without a default
+    def run(ctx[, conf]) -> dict | None         the work; the returned dict lands in the stage_end event
+and optionally
+    CONFIG = a dataclass                       the stage's config section, cfg.<stage name> (bench -> cfg.bench):
+                                               the ONE home of its options and their defaults. register_schema()
+                                               adds it to the root schema (so `bench.repeats=5` is typed and
+                                               `bench.repeat=5` fails at compose time); at plan time the runner
+                                               merges the pipeline YAML's `params:` (explicit per-pipeline
+                                               overrides) over cfg.<name>, checked against the dataclass, and
+                                               run() gets the result as `conf`, a CONFIG instance. A stage
+                                               without CONFIG takes no params and is called run(ctx). Options
+                                               of other sections (serve.port, load.*) are read from ctx.cfg;
+                                               sections that library packages read too (load, serve, health,
+                                               sampling) are declared in kdtree/config/schema.py, not by a stage.
+                                               register_schema() imports every stage module (kdtree.config cannot
+                                               import kdtree.stages: stages import config).
+and (a value, or a function of the composed config `cfg` evaluated when the pipeline needs it)
     NEEDS_ENGINE = bool | f(params, cfg)       a controller stage that watches this run's engine;
                                                the planner requires a host stage before it
     KEEPS_RUNNING = bool | f(cfg)              (host) the engine process running this stage may outlive the
@@ -30,14 +42,18 @@ KDTREE_STAGES environment variable (name=module,...), which the runner forwards.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
-import inspect
 import os
 import pkgutil
 from types import ModuleType
 from typing import Any, Dict, List, Union
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from kdtree.config import schema
 from kdtree.errors import PipelineError
 
 SIDES = ("host", "controller", "any")
@@ -113,22 +129,55 @@ def _check_module(name: str, module: ModuleType) -> None:
     if side not in SIDES:
         raise PipelineError(f"stage module {name!r} has SIDE={side!r}; set SIDE to one of {', '.join(SIDES)}")
     if not callable(getattr(module, "run", None)):
-        raise PipelineError(f"stage module {name!r} has no run(ctx, **params) function; define one")
+        raise PipelineError(f"stage module {name!r} has no run(ctx[, conf]) function; define one")
+    conf = getattr(module, "CONFIG", None)
+    if conf is not None and not dataclasses.is_dataclass(conf):
+        raise PipelineError(f"stage module {name!r} has CONFIG={conf!r}; make CONFIG a dataclass (its config section)")
 
 
-def stage_params(module: ModuleType) -> Dict[str, object]:
-    """name -> default (inspect.Parameter.empty when required) of the parameters run() takes after ctx."""
-    sig = inspect.signature(module.run)
-    out: Dict[str, object] = {}
-    for i, (pname, p) in enumerate(sig.parameters.items()):
-        if i == 0 or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        out[pname] = p.default
-    return out
+def stage_sections() -> Dict[str, type]:
+    """stage name -> CONFIG of every known stage that declares one (imports every stage module)."""
+    return {name: module.CONFIG for name in known_stages()
+            if getattr(module := load_stage(name), "CONFIG", None) is not None}
 
 
-def accepts_any_params(module: ModuleType) -> bool:
-    """True when run() takes **kwargs and the module declares no PARAMS: no unknown-parameter check."""
-    if getattr(module, "PARAMS", None) is not None:
-        return False
-    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(module.run).parameters.values())
+def register_schema() -> None:
+    """Register the root config schema, the stage sections included, in Hydra's ConfigStore (before compose)."""
+    schema.register(stage_sections())
+
+
+def section_params(name: str, module: ModuleType, cfg: Any, overrides: Dict[str, Any], label: str) -> Dict[str, Any]:
+    """The resolved section of stage `name`: cfg.<name> (or CONFIG's defaults when the composed config has no such
+    section) with the pipeline's `params:` overrides merged over it, checked against CONFIG. {} without CONFIG."""
+    conf = getattr(module, "CONFIG", None)
+    known = [f.name for f in dataclasses.fields(conf)] if conf is not None else []
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise PipelineError(f"{label}: unknown parameter(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(sorted(known) + ['timeout_s'])}")
+    if conf is None:
+        return {}
+    node = OmegaConf.structured(conf)
+    if cfg is not None and name in cfg:
+        node = OmegaConf.merge(node, cfg[name])
+    for key, value in overrides.items():
+        try:
+            node[key] = value
+        except OmegaConfBaseException:
+            typ = next(f.type for f in dataclasses.fields(conf) if f.name == key)
+            raise PipelineError(f"{label}: parameter {key}={value!r} is {type(value).__name__}, expected "
+                                f"{getattr(typ, '__name__', typ)}; fix the value (or the config key it "
+                                f"interpolates)") from None
+    missing = sorted(OmegaConf.missing_keys(node))
+    if missing:
+        raise PipelineError(f"{label}: missing parameter(s) {', '.join(missing)}; add them under params: or set "
+                            f"{', '.join(f'{name}.{k}' for k in missing)} on the command line")
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def call_stage(module: ModuleType, ctx: Any, params: Dict[str, Any]) -> Any:
+    """run(ctx, conf) with conf the CONFIG instance of `params` (section_params' dict); run(ctx) without CONFIG."""
+    conf = getattr(module, "CONFIG", None)
+    if conf is None:
+        return module.run(ctx)
+    return module.run(ctx, OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(conf), params)))

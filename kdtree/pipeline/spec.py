@@ -2,16 +2,17 @@
 
     name: serve
     stages:
-      - {stage: load,        on: host, params: {path: "${model.path}"}}
+      - {stage: bench,       on: host, params: {repeats: 1}}
       - {stage: health_poll, on: controller, params: {timeout_s: 900}}
 
-Params interpolate the composed config (resolved by OmegaConf against it). `timeout_s` is accepted by
+A stage's params are its config section cfg.<stage> (the stage module's CONFIG dataclass, pipeline/registry.py);
+`params:` in the YAML are explicit per-pipeline overrides of it, checked against the same dataclass, and may
+interpolate the composed config (resolved by OmegaConf against it). `timeout_s` is accepted by
 every stage and enforced by the runner. Every check fails with one line naming the pipeline, the stage,
 the value and the fix.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -169,7 +170,7 @@ def _check_stage(entry: Any, index: int, cfg: DictConfig, where: str) -> StageSp
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                   or timeout_s <= 0):
         raise PipelineError(f"{label}: timeout_s={timeout_s!r}; give a positive number of seconds or leave it out")
-    _check_params(module, params, label)
+    params = stage_registry.section_params(name, module, cfg, params, label)
     return StageSpec(stage=name, on=on, index=index, params=params,
                      timeout_s=float(timeout_s) if timeout_s is not None else None)
 
@@ -187,51 +188,6 @@ def _resolve_params(raw: Any, cfg: DictConfig, label: str) -> Dict[str, Any]:
             raise PipelineError(f"{label}: parameter {key}={value!r} cannot be resolved: {reason}; "
                                 f"set the config key on the command line (key=value)") from None
     return out
-
-
-def _type_name(t: Any) -> str:
-    if isinstance(t, tuple):
-        return " | ".join(_type_name(x) for x in t)
-    return getattr(t, "__name__", str(t))
-
-
-def _type_ok(value: Any, typ: Any) -> bool:
-    if typ is Any or typ is object:
-        return True
-    types = typ if isinstance(typ, tuple) else (typ,)
-    for t in types:
-        if t is None or t is type(None):
-            if value is None:
-                return True
-            continue
-        if t is float and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if t is int and isinstance(value, bool):
-            continue
-        if isinstance(t, type) and isinstance(value, t):
-            return True
-    return False
-
-
-def _check_params(module: Any, params: Dict[str, Any], label: str) -> None:
-    sig = stage_registry.stage_params(module)
-    declared = getattr(module, "PARAMS", None)
-    known = dict(declared) if declared is not None else {k: Any for k in sig}
-    if not stage_registry.accepts_any_params(module):
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            allowed = ", ".join(sorted(known) + ["timeout_s"])
-            raise PipelineError(f"{label}: unknown parameter(s) {', '.join(unknown)}; known: {allowed}")
-    missing = [k for k, d in sig.items() if d is inspect.Parameter.empty and k not in params]
-    if missing:
-        raise PipelineError(f"{label}: missing parameter(s) {', '.join(missing)}; add them under params:")
-    for key, value in params.items():
-        typ = known.get(key, Any)
-        if sig.get(key, inspect.Parameter.empty) is None and value is None:
-            continue
-        if not _type_ok(value, typ):
-            raise PipelineError(f"{label}: parameter {key}={value!r} is {type(value).__name__}, expected "
-                                f"{_type_name(typ)}; fix the value (or the config key it interpolates)")
 
 
 def _needs_engine(module: Any, params: Dict[str, Any], cfg: DictConfig) -> bool:

@@ -16,6 +16,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
@@ -29,8 +30,17 @@ from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-PARAMS = {"prompts": str, "max_new_tokens": int, "repeats": int}
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
+
+
+@dataclass
+class BenchConfig:
+    prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
+    max_new_tokens: int = 48  # per prompt
+    repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
+
+
+CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
 
 
 def load_prompts(path: str) -> list:
@@ -148,7 +158,8 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
     }
 
 
-def run(ctx, prompts: str = "", max_new_tokens: int = 48, repeats: int = 1) -> dict:
+def run(ctx, conf: BenchConfig) -> dict:
+    prompts, max_new_tokens, repeats = conf.prompts, conf.max_new_tokens, conf.repeats
     cfg = ctx.cfg
     state = EngineState.of(ctx)
     if state.engine is None:

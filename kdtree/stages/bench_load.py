@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -41,14 +42,24 @@ from kdtree.checkpoint.loader import load_checkpoint
 from kdtree.checkpoint.progress import ProgressReporter
 from kdtree.checkpoint.writer import write_checkpoint
 from kdtree.config.paths import cache_root
-from kdtree.config.schema import ModelConfig, QuantConfig
+from kdtree.config.schema import LoadConfig, ModelConfig, QuantConfig
 from kdtree.model import names
 from kdtree.quant.int4 import quantization_config_json
 
 SIDE = "controller"
-PARAMS = {"gb": float, "repeats": int, "threads": int, "strategy": str, "shards": int, "cold": bool}
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 FORMAT_VERSION = 1
+
+
+@dataclass
+class BenchLoadConfig:
+    gb: float = 2.0  # size of the synthetic K2-layout checkpoint (built once, cached under cache_dir)
+    repeats: int = 3  # alternating rounds (cat, loader variants); medians are reported
+    shards: int = 8  # about this many shard files
+    cold: bool = True  # also drop the page cache before each read (root only; skipped with a note otherwise)
+
+
+CONFIG = BenchLoadConfig  # cfg.bench_load: this stage's options (kdtree/pipeline/registry.py)
 _BLOCK = 128 * 2 ** 20          # one random block; every tensor is a view of part of it (no RAM per tensor)
 
 # A wide K2: real head dims, 64 experts; for small `gb` the widths are divided by 2, 4, ... (smallest divisor
@@ -229,8 +240,10 @@ def table(out: dict) -> str:
     return "\n".join(lines)
 
 
-def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, strategy: str = "mmap",
-        shards: int = 8, cold: bool = True) -> dict:
+def run(ctx, conf: BenchLoadConfig) -> dict:
+    gb, repeats, shards, cold = conf.gb, conf.repeats, conf.shards, conf.cold
+    load = OmegaConf.merge(OmegaConf.structured(LoadConfig), (ctx.cfg or {}).get("load") or {})  # the loader's knobs
+    strategy, threads = str(load.strategy), int(load.threads)
     if strategy not in ("mmap", "eager"):
         raise ValueError(f"bench_load strategy={strategy!r}; use mmap or eager (load.strategy)")
     if gb <= 0 or repeats < 1 or shards < 1:
@@ -238,8 +251,6 @@ def run(ctx, gb: float = 2.0, repeats: int = 3, threads: Optional[int] = None, s
                          f"(e.g. gb=2 repeats=3 shards=8)")
     cfg = ctx.cfg
     cache_dir = str(OmegaConf.select(cfg, "cache_dir", default="") or "") if cfg is not None else ""
-    if threads is None:
-        threads = int(OmegaConf.select(cfg, "load.threads", default=4) or 4) if cfg is not None else 4
     t_build = time.perf_counter()
     path, model, quant = ensure_bench_checkpoint(float(gb), int(shards), cache_dir)
     build_s = time.perf_counter() - t_build

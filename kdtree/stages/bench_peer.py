@@ -22,6 +22,7 @@ import ctypes.util
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Dict, List
@@ -37,8 +38,20 @@ from kdtree.stages.bench import _run_set, load_prompts, provenance
 from kdtree.stages.export_gguf import export
 
 SIDE = "host"
-PARAMS = {"prompts": str, "max_new_tokens": int, "rounds": int, "threads": int, "gguf": str, "trees": list}
 INSTALL = "pip install -e '.[peer]'"
+
+
+@dataclass
+class BenchPeerConfig:
+    gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
+    threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
+    rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
+    # more tree shapes measured in the same alternating rounds, e.g. [ddtree-w4-d7-b6,chain-d7] (kind, then any of
+    # wN dN bN; the rest from `tree`); the fastest shape (with `tree`) is reported as tree_tokens_per_s
+    trees: List[str] = field(default_factory=list)
+
+
+CONFIG = BenchPeerConfig  # cfg.bench_peer: this stage's options (kdtree/pipeline/registry.py)
 
 
 def _llama_cpp():
@@ -132,8 +145,9 @@ def _shape_name(t) -> str:
     return "ar" if t.kind == "ar" else f"{t.kind} w{t.width} d{t.depth} b{t.budget}"
 
 
-def run(ctx, prompts: str = "", max_new_tokens: int = 48, rounds: int = 3, threads: int = 1,
-        gguf: str = "", trees: list = ()) -> dict:
+def run(ctx, conf: BenchPeerConfig) -> dict:
+    prompts, max_new_tokens = ctx.cfg.bench.prompts, int(ctx.cfg.bench.max_new_tokens)  # bench's prompt set
+    rounds, threads, gguf, trees = conf.rounds, conf.threads, conf.gguf, conf.trees
     _llama_cpp()                                                # before any work: the one-line install hint
     cfg = ctx.cfg
     if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:

@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -25,9 +26,19 @@ from kdtree.errors import PipelineError
 
 SIDE = "controller"
 NEEDS_ENGINE = True
-PARAMS = {"clients": list, "requests": int, "max_tokens": int, "short_tokens": int, "long_tokens": int,
-          "prompts": str}
 PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
+
+
+@dataclass
+class BenchServeConfig:
+    clients: List[int] = field(default_factory=lambda: [1, 4, 16, 64])  # concurrent streaming clients per round
+    requests: int = 2  # completions per client per round
+    max_tokens: int = 64  # per completion
+    short_tokens: int = 4  # short_latency_ratio: this request's latency beside a long_tokens one, over alone
+    long_tokens: int = 1000
+
+
+CONFIG = BenchServeConfig  # cfg.bench_serve: this stage's options (kdtree/pipeline/registry.py)
 
 
 def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Event] = None) -> Dict[str, float]:
@@ -128,9 +139,10 @@ def _engine_url(ctx) -> str:
     return url
 
 
-def run(ctx, clients: Optional[list] = None, requests: int = 2, max_tokens: int = 64, short_tokens: int = 4,
-        long_tokens: int = 1000, prompts: str = "") -> dict:
-    clients = [int(n) for n in (clients or [1, 4, 16, 64])]
+def run(ctx, conf: BenchServeConfig) -> dict:
+    requests, max_tokens, short_tokens, long_tokens = conf.requests, conf.max_tokens, conf.short_tokens, conf.long_tokens
+    prompts = ctx.cfg.bench.prompts  # bench's prompt set
+    clients = [int(n) for n in conf.clients]
     if not clients or min(clients) < 1 or requests < 1 or max_tokens < 2:
         raise PipelineError(f"bench_serve: clients={clients} requests={requests} max_tokens={max_tokens}; "
                             f"use clients >= 1, requests >= 1, max_tokens >= 2")

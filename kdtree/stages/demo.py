@@ -9,10 +9,10 @@ from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-PARAMS = {"prompt": str, "max_new_tokens": int}
 
 
-def run(ctx, prompt: str, max_new_tokens: int) -> dict:
+def run(ctx) -> dict:
+    prompt, max_new_tokens = ctx.cfg.serve.demo_prompt, int(ctx.cfg.serve.demo_tokens)  # serve's demo
     if max_new_tokens <= 0:
         return {"skipped": True}
     engine = EngineState.of(ctx).engine

@@ -12,6 +12,7 @@ with K2's layout (the peer benchmark), not for exporting the real K2.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kdtree.checkpoint.loader import load_checkpoint, load_options
@@ -20,7 +21,14 @@ from kdtree.engine import resolve_checkpoint
 from kdtree.tokenizer import load_tokenizer
 
 SIDE = "any"
-PARAMS = {"path": str}
+
+
+@dataclass
+class ExportGgufConfig:
+    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-f32.gguf
+
+
+CONFIG = ExportGgufConfig  # cfg.export_gguf: this stage's options (kdtree/pipeline/registry.py)
 
 
 def default_path(ctx) -> Path:
@@ -42,5 +50,5 @@ def export(ctx, path: str = "") -> dict:
     return {**summary, "checkpoint": str(ckpt)}
 
 
-def run(ctx, path: str = "") -> dict:
-    return export(ctx, path)
+def run(ctx, conf: ExportGgufConfig) -> dict:
+    return export(ctx, conf.path)

@@ -14,7 +14,6 @@ from kdtree import fleet as F
 from kdtree.errors import PipelineError
 
 SIDE = "controller"
-PARAMS = {}
 
 
 def run(ctx) -> dict:

@@ -10,7 +10,6 @@ import threading
 from kdtree import fleet as F
 
 SIDE = "controller"
-PARAMS = {}
 
 
 def run(ctx) -> dict:

@@ -11,10 +11,10 @@ from kdtree.engine import Engine, EngineState
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-PARAMS = {"prompt": str, "max_new_tokens": int}
 
 
-def run(ctx, prompt: str, max_new_tokens: int) -> dict:
+def run(ctx) -> dict:
+    prompt, max_new_tokens = ctx.cfg.prompt, int(ctx.cfg.max_new_tokens)  # the root keys: prompt=... max_new_tokens=...
     state = EngineState.of(ctx)
     if state.engine is None:
         state.engine = Engine.from_config(ctx.cfg, status=ctx.status)

@@ -12,7 +12,6 @@ from kdtree.hosts import connect
 from kdtree.monitor.watcher import Target, history_for, watch
 
 SIDE = "controller"
-PARAMS = {}
 NEEDS_ENGINE = True
 
 

@@ -26,7 +26,6 @@ from kdtree.engines import command_line, launch_env, printable
 from kdtree.errors import PipelineError
 
 SIDE = "host"
-PARAMS = {}
 TERM_GRACE_S = 30.0              # SIGTERM to SIGKILL of the launched server when the stage is stopped
 
 

@@ -9,7 +9,6 @@ from kdtree.engine import Engine, EngineState
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-PARAMS = {}
 
 
 def progress_sink(ctx):

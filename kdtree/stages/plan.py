@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import types
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -31,7 +32,17 @@ from kdtree.quant import int4
 from kdtree.quant.int4 import module_is_quantized
 
 SIDE = "controller"
-PARAMS = {"disk_mb_s": list, "float_dtype": str, "shard_gb": float}
+
+
+@dataclass
+class PlanConfig:
+    disk_mb_s: List[float] = field(default_factory=lambda: [2000.0, 240.0])  # disk read rates to estimate load time
+    float_dtype: str = "auto"  # non-quantized weights without a checkpoint: auto (fp32 for quant=fp32, else bf16) | fp32 | bf16
+    shard_gb: float = 5.0  # shard size of the computed layout when there is no checkpoint index (GB = 1e9 B)
+
+
+CONFIG = PlanConfig  # cfg.plan: this stage's options (kdtree/pipeline/registry.py)
+
 
 GB, MB, KiB, MiB, GiB = 1e9, 1e6, 1024, 1024 ** 2, 1024 ** 3
 FLOAT_BYTES = {"fp32": 4, "bf16": 2}
@@ -419,7 +430,8 @@ def engine_command(cfg) -> str:
     return printable(command_line(c, key if c.engine.name == "sglang" else ""), key)
 
 
-def run(ctx, disk_mb_s: list = (2000.0, 240.0), float_dtype: str = "auto", shard_gb: float = 5.0) -> dict:
+def run(ctx, conf: PlanConfig) -> dict:
+    disk_mb_s, float_dtype, shard_gb = conf.disk_mb_s, conf.float_dtype, conf.shard_gb
     p = make_plan(ctx.cfg, [float(r) for r in disk_mb_s], float_dtype, float(shard_gb))
     print(format_plan(p), flush=True)
     engine = str(ctx.cfg.engine.name)

@@ -8,14 +8,23 @@ dst empty = <run_dir>/int4. Which Linear modules become INT4 is quant.targets / 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kdtree.checkpoint.quantize import quantize_checkpoint
-from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
+from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+from kdtree.config.schema import is_generated
 from kdtree.errors import ConfigError
 
 SIDE = "any"
-PARAMS = {"src": str, "dst": str}
+
+
+@dataclass
+class QuantizeConfig:
+    dst: str = ""  # the INT4 checkpoint to write; empty = <run_dir>/int4 (the source is model.path)
+
+
+CONFIG = QuantizeConfig  # cfg.quantize: this stage's options (kdtree/pipeline/registry.py)
 
 
 def _source(cfg) -> Path:
@@ -27,11 +36,12 @@ def _source(cfg) -> Path:
     return Path(ensure_tiny_checkpoint(cfg.model, None, cfg.get("cache_dir", "")))   # None = the FP32 one
 
 
-def run(ctx, src: str = "", dst: str = "") -> dict:
+def run(ctx, conf: QuantizeConfig) -> dict:
+    dst = conf.dst
     cfg = ctx.cfg
     if cfg.quant.method != "int4_w4a16":
         raise ConfigError(f"pipeline=quantize with quant={cfg.quant.method} has nothing to do; add quant=int4_w4a16")
-    src_path = Path(src).expanduser() if src else _source(cfg)
+    src_path = _source(cfg)
     dst_path = Path(dst).expanduser() if dst else Path(ctx.run_dir) / "int4"
     summary = quantize_checkpoint(src_path, dst_path, cfg.quant)
     ratio = summary["dst_bytes"] / max(summary["src_bytes"], 1)

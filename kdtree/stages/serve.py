@@ -16,7 +16,6 @@ from kdtree.serve.sd_notify import SdNotifier
 from kdtree.serve.status import StatusFile, make_status
 
 SIDE = "host"
-PARAMS = {}
 FAILED_LINGER_S = 5.0            # a failed engine with its port open answers /health 503 + the error this long
 
 

@@ -12,6 +12,7 @@ connection. The run's files are left as they are (an engine_stop event is append
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict
 
@@ -24,7 +25,15 @@ from kdtree.pipeline import engine_process as ep
 from kdtree.pipeline.events import EVENTS_FILE, EventLog
 
 SIDE = "controller"
-PARAMS = {"run_dir": str, "port": int, "grace_s": float, "drain_s": float}
+
+
+@dataclass
+class StopConfig:
+    run_dir: str = ""  # the run whose engine to stop; empty = the most recent engine serving on serve.port
+    timeout_s: float = 10.0  # SIGTERM, wait serve.drain_timeout_s + this long (the drain, then the exit), then SIGKILL
+
+
+CONFIG = StopConfig  # cfg.stop: this stage's options (kdtree/pipeline/registry.py)
 
 
 def _entry_for_run_dir(cfg, run_dir: Path) -> Dict[str, Any]:
@@ -63,7 +72,9 @@ def _drain_report(host, entry: Dict[str, Any]) -> Dict[str, Any]:
     return {k: snap[k] for k in ("drained", "cut") if k in snap} if snap.get("phase") == "stopped" else {}
 
 
-def run(ctx, run_dir: str = "", port: int = 0, grace_s: float = 10.0, drain_s: float = 0.0) -> dict:
+def run(ctx, conf: StopConfig) -> dict:
+    run_dir, grace_s = conf.run_dir, conf.timeout_s
+    port, drain_s = int(ctx.cfg.serve.port), float(ctx.cfg.serve.drain_timeout_s)  # the engine's serve section
     if run_dir:
         entry = _entry_for_run_dir(ctx.cfg, Path(run_dir).expanduser().resolve())
     elif port:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from kdtree.train.data import Corpus
@@ -20,18 +21,35 @@ from kdtree.train.export import training_md, write_assets
 from kdtree.train.recipe import RECIPE as R
 
 SIDE = "controller"
-PARAMS = {"target_steps": int, "drafter_steps": int, "batch": int, "seq_len": int, "target_lr": float,
-          "drafter_lr": float, "n_prompts": int, "n_new": int, "seed": int, "threads": int, "out": str,
-          "eval_prompts": int, "eval_new": int}
 
 
-def run(ctx, target_steps: int = R.target_steps, drafter_steps: int = R.drafter_steps, batch: int = R.batch,
-        seq_len: int = R.seq_len, target_lr: float = R.target_lr, drafter_lr: float = R.drafter_lr,
-        n_prompts: int = R.n_prompts, n_new: int = R.n_new, seed: int = R.seed, threads: int = R.threads,
-        out: str = "", eval_prompts: int = 0, eval_new: int = 96) -> dict:
-    """Defaults: the recipe of the committed checkpoint (kdtree/train/recipe.py). threads: torch threads; 1 is as
-    fast as 2 on a loaded 2-core machine at a third of the CPU time (small ops spin on OpenMP barriers), and 4x
-    faster for the token-by-token greedy generation."""
+@dataclass
+class TrainTinyConfig:
+    """Training defaults: the recipe of the committed checkpoint (kdtree/train/recipe.py). threads: torch threads;
+    1 is as fast as 2 on a loaded 2-core machine at a third of the CPU time (small ops spin on OpenMP barriers),
+    and 4x faster for the token-by-token greedy generation."""
+    target_steps: int = R.target_steps
+    drafter_steps: int = R.drafter_steps
+    batch: int = R.batch
+    seq_len: int = R.seq_len
+    target_lr: float = R.target_lr
+    drafter_lr: float = R.drafter_lr
+    n_prompts: int = R.n_prompts
+    n_new: int = R.n_new
+    seed: int = R.seed
+    threads: int = R.threads
+    out: str = ""  # empty = <run_dir>/tiny
+    eval_prompts: int = 8  # held-out prompts of the numpy-engine acceptance check (0 = none)
+    eval_new: int = 96  # new tokens per held-out prompt
+
+
+CONFIG = TrainTinyConfig  # cfg.train_tiny: this stage's options (kdtree/pipeline/registry.py)
+
+
+def run(ctx, conf: TrainTinyConfig) -> dict:
+    target_steps, drafter_steps, batch, seq_len = conf.target_steps, conf.drafter_steps, conf.batch, conf.seq_len
+    target_lr, drafter_lr, n_prompts, n_new = conf.target_lr, conf.drafter_lr, conf.n_prompts, conf.n_new
+    seed, threads, out, eval_prompts, eval_new = conf.seed, conf.threads, conf.out, conf.eval_prompts, conf.eval_new
     import torch  # optional heavy dependency: only this stage needs it
 
     from kdtree.train import loop  # torch

@@ -25,7 +25,6 @@ from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-PARAMS = {}
 PREFILL_LENGTHS = (1, 16, 128)     # tokens; capped by the context
 BATCH = 4                          # requests of the batched shape (the server's multi-request step)
 

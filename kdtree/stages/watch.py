@@ -18,7 +18,6 @@ from kdtree.hosts import connect
 from kdtree.monitor.watcher import Target, history_for, watch
 
 SIDE = "controller"
-PARAMS = {}
 
 
 def run(ctx) -> dict:

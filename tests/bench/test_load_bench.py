@@ -37,7 +37,7 @@ def ctx_for(cache, run_dir, events):
 
 def test_stage_writes_bench_load_json_and_reuses_its_checkpoint(cache, tmp_path):
     events = []
-    out = bench_load.run(ctx_for(cache, tmp_path / "a", events), gb=GB, repeats=1)
+    out = bench_load.run(ctx_for(cache, tmp_path / "a", events), bench_load.BenchLoadConfig(gb=GB, repeats=1))
     saved = json.loads((tmp_path / "a" / "bench_load.json").read_text())
     for key in ("loader_mb_s", "plain_read_mb_s", "ratio", "bytes", "progress_overhead"):
         assert saved[key] == out[key] and key in events[0][1]
@@ -57,7 +57,7 @@ def test_stage_writes_bench_load_json_and_reuses_its_checkpoint(cache, tmp_path)
         assert "drop the page cache" in saved["cold_skipped"]
     ckpt = saved["checkpoint"]
     stamp = {p: p.stat().st_mtime_ns for p in Path(ckpt).iterdir()}
-    again = bench_load.run(ctx_for(cache, tmp_path / "b", []), gb=GB, repeats=1)
+    again = bench_load.run(ctx_for(cache, tmp_path / "b", []), bench_load.BenchLoadConfig(gb=GB, repeats=1))
     assert json.loads((tmp_path / "b" / "bench_load.json").read_text())["checkpoint"] == ckpt
     assert {p: p.stat().st_mtime_ns for p in stamp} == stamp and again["bytes"] == saved["bytes"]
 

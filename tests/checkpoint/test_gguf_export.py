@@ -28,7 +28,7 @@ from tests.tokenizer.test_tokenizers import write_bpe
 def _export(cfg, run_dir: Path):
     events = []
     ctx = StageContext(cfg=cfg, run_dir=run_dir, emit=lambda kind, **f: events.append((kind, f)))
-    out = export_gguf.run(ctx, **load_pipeline("export_gguf", cfg).stages[0].params)
+    out = export_gguf.run(ctx, export_gguf.ExportGgufConfig(**load_pipeline("export_gguf", cfg).stages[0].params))
     assert events and events[0][0] == "gguf_exported" and events[0][1]["path"] == out["path"]
     return out, gguf.GGUFReader(out["path"])
 
@@ -205,5 +205,5 @@ def test_k2_layout_int4_export_dequantizes_and_keeps_tiktoken_ids(k2_layout_int4
 def test_unexportable_config_is_one_error(compose_cfg, tmp_path):
     cfg = compose_cfg("pipeline=export_gguf", "model.moe_layer_freq=2")
     with pytest.raises(ConfigError, match="moe_layer_freq=2: llama.cpp's deepseek2 runs MoE in every layer"):
-        export_gguf.run(StageContext(cfg=cfg, run_dir=tmp_path))
+        export_gguf.run(StageContext(cfg=cfg, run_dir=tmp_path), export_gguf.ExportGgufConfig())
     assert not list(tmp_path.iterdir())

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kdtree.backends import check_device, cuda_device_problem
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.config.validate import validate
 from kdtree.errors import ConfigError
 

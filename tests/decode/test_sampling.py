@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.decode import generate, generate_n
 from kdtree.decode.sampling import (SamplingError, SamplingParams, Sampler, distribution, log_softmax,
                                     penalized_logits, random_bits, sample_seed, sample_token, top_ids,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kdtree.config.schema import TreeConfig, register
+from kdtree.config.schema import TreeConfig
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.decode import generate
 from kdtree.decode.sampling import SamplingParams
 from kdtree.engine import Engine

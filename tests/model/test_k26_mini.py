@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kdtree.config.paths import cache_root
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.decode import generate
 from kdtree.engine import Engine
 from kdtree.stages.plan import make_plan

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from kdtree.backends.native_forward import NativeTarget
 from kdtree.checkpoint.index import open_checkpoint
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from tests.native_lib import CPU_ERROR, CPU_SKIPPED
 from tests.procs import alive, wait_gone
 from kdtree.decode import generate

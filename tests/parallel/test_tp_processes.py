@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from tests.procs import alive, wait_gone
 from kdtree.engine import Engine
 from kdtree.parallel.model import TPError
@@ -31,7 +31,7 @@ register()
 ENGINE_SCRIPT = f"""
 import sys, time
 from hydra import compose, initialize_config_dir
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.engine import Engine
 register()
 with initialize_config_dir(config_dir={str(CONF)!r}, version_base="1.3"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from kdtree.model import names
 from kdtree.checkpoint.index import open_checkpoint
 from kdtree.checkpoint.loader import load_checkpoint
-from kdtree.config.schema import register
+from kdtree.pipeline.registry import register_schema as register
 from kdtree.engine import resolve_checkpoint
 from kdtree.errors import ConfigError
 from kdtree.parallel.sharding import ROWS, COLS, bytes_per_rank, shard_fn, shard_slices, split_axis

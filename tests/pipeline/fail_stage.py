@@ -6,18 +6,28 @@ paths, timeouts and stop.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from kdtree.errors import PipelineError
 
 SIDE = "any"
-PARAMS = {"message": str, "delay_s": float}
+
+
+@dataclass
+class FailConfig:
+    message: str = "deliberate failure"
+    delay_s: float = 0.0
+
+
+CONFIG = FailConfig
 
 
 def KEEPS_RUNNING(cfg) -> bool:  # the detach tests use a long `fail` as a stand-in for serve
     return bool(cfg.serve.detach)
 
 
-def run(ctx, message: str = "deliberate failure", delay_s: float = 0.0):
+def run(ctx, conf: FailConfig):
+    message, delay_s = conf.message, conf.delay_s
     deadline = time.monotonic() + float(delay_s)
     while time.monotonic() < deadline:  # short sleeps so a SIGTERM/alarm lands promptly
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))

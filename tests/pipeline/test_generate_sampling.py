@@ -83,7 +83,7 @@ def test_generation_config_json_sets_the_defaults(tmp_path, kdtree_cache):
         {"temperature": 0.6, "top_p": 0.95, "do_sample": True, "eos_token_id": 257}))
     assert generation_config_defaults(ckpt) == {"temperature": 0.6, "top_p": 0.95}
     from hydra import compose, initialize_config_dir
-    from kdtree.config.schema import register
+    from kdtree.pipeline.registry import register_schema as register
     register()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"cache_dir={kdtree_cache}", f"model.path={ckpt}", "tree=ar",

@@ -1,6 +1,7 @@
 """Plan-time checks of pipeline specs: every mistake fails before any work, in one line naming the fix."""
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -46,7 +47,7 @@ def test_params_interpolate_the_composed_config(compose_cfg, tmp_path):
 def test_groups_put_consecutive_host_stages_in_one_process(compose_cfg):
     spec = load_pipeline("generate", compose_cfg("pipeline=generate", "prompt=hi", "max_new_tokens=3"))
     assert [(side, [s.stage for s in g]) for side, g in spec.groups()] == [("host", ["load", "generate"])]
-    assert spec.stages[1].params == {"prompt": "hi", "max_new_tokens": 3}
+    assert spec.stages[1].params == {}   # generate reads prompt / max_new_tokens from the config
 
 
 def test_unknown_stage_lists_the_known_ones(compose_cfg, tmp_path):
@@ -59,9 +60,30 @@ def test_unknown_parameter(compose_cfg, tmp_path):
     assert "unknown parameter(s) mesage; known: delay_s, message, timeout_s" in msg
 
 
+def _stage_with_config(name: str, conf: type) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.SIDE, m.CONFIG, m.run = "controller", conf, lambda ctx, conf: None
+    return m
+
+
 def test_missing_parameter(compose_cfg, tmp_path):
-    msg = _fails(compose_cfg, tmp_path, "stages:\n  - {stage: load, on: host}\n  - {stage: generate, on: host}\n")
-    assert "stage #1 'generate': missing parameter(s) prompt, max_new_tokens" in msg
+    needs = dataclasses.make_dataclass("NeedsConfig", [("url", str, dataclasses.field(default="???"))])
+    stages.register_stage("needs", _stage_with_config("needs", needs))
+    try:
+        msg = _fails(compose_cfg, tmp_path, "stages:\n  - {stage: needs}\n")
+        assert "stage #0 'needs': missing parameter(s) url; add them under params: or set needs.url" in msg
+    finally:
+        stages.unregister_stage("needs")
+
+
+def test_params_override_the_section_and_the_rest_comes_from_it(compose_cfg):
+    spec = load_pipeline("bench", compose_cfg("pipeline=bench", "bench.repeats=5"))
+    assert spec.stages[1].params == {"prompts": "", "max_new_tokens": 48, "repeats": 5}
+
+
+def test_a_stage_without_config_takes_no_params(compose_cfg, tmp_path):
+    msg = _fails(compose_cfg, tmp_path, "stages:\n  - {stage: load, on: host, params: {path: x}}\n")
+    assert "stage #0 'load': unknown parameter(s) path; known: timeout_s" in msg
 
 
 def test_mistyped_parameter_names_value_and_type(compose_cfg, tmp_path):
@@ -87,9 +109,9 @@ def test_stage_on_the_wrong_side(compose_cfg, tmp_path):
 def test_controller_stage_that_needs_the_engine_must_follow_a_host_stage(compose_cfg, tmp_path):
     watcher = types.ModuleType("watcher")
     watcher.SIDE = "controller"
-    watcher.PARAMS = {"url": str}
+    watcher.CONFIG = dataclasses.make_dataclass("WatcherConfig", [("url", str, dataclasses.field(default=""))])
     watcher.NEEDS_ENGINE = lambda params, cfg: not params.get("url")
-    watcher.run = lambda ctx, url="": None
+    watcher.run = lambda ctx, conf: None
     stages.register_stage("watcher", watcher)
     try:
         msg = _fails(compose_cfg, tmp_path, "stages:\n  - {stage: watcher}\n  - {stage: load, on: host}\n")

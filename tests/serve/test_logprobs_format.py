@@ -17,7 +17,7 @@ from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 @pytest.fixture(scope="module")
 def generated(kdtree_cache):
     from hydra import compose, initialize_config_dir
-    from kdtree.config.schema import register
+    from kdtree.pipeline.registry import register_schema as register
     from tests.conftest import REPO
 
     register()

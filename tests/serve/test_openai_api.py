@@ -259,7 +259,7 @@ def engine(kdtree_cache):
     """An in-process engine of the same tiny model and tree as `served` (tests/serve/served_engine.py)."""
     from hydra import compose, initialize_config_dir
 
-    from kdtree.config.schema import register
+    from kdtree.pipeline.registry import register_schema as register
     from kdtree.engine import Engine
     from served_engine import TREE
     from tests.conftest import REPO

@@ -63,8 +63,8 @@ def test_stage_writes_loadable_checkpoint(cfg, tmp_path):
 
     ctx = SimpleNamespace(cfg=OmegaConf.create({"model": OmegaConf.to_container(cfg)}), run_dir=tmp_path,
                           emit=lambda kind, **f: None)
-    out = train_tiny.run(ctx, target_steps=2, drafter_steps=2, batch=2, seq_len=32, n_prompts=8, n_new=10,
-                         eval_prompts=1, eval_new=6, threads=1)
+    out = train_tiny.run(ctx, train_tiny.TrainTinyConfig(target_steps=2, drafter_steps=2, batch=2, seq_len=32,
+                                                         n_prompts=8, n_new=10, eval_prompts=1, eval_new=6, threads=1))
     ck = Path(out["out"])
     assert (ck / "config.json").exists() and (ck / "drafter" / "model.safetensors").exists()
     tw, _ = load_checkpoint(ck, cfg, None)
