@@ -28,7 +28,7 @@ def engine(kdtree_cache):
     """The trained tiny model (the embedded checkpoint) with its DFlash drafter, numpy backend."""
     from hydra import compose, initialize_config_dir
 
-    from kdtree.config.schema import register
+    from kdtree.pipeline.registry import register_schema as register
     from kdtree.engine import Engine
     from tests.conftest import REPO
     register()
