@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from kdtree.serve.status import PHASES, StatusFile

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
 from scripted_drafter import PROMPTS, scripted

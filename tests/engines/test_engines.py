@@ -9,7 +9,6 @@ Run: .venv/bin/python -m pytest -q tests/engines/test_engines.py
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from kdtree.engines import command_line, printable
-from kdtree.errors import ConfigError
 from tests.conftest import REPO, free_port
 from tests.procs import alive
 from tests.serve.served_engine import kdtree_run
@@ -105,14 +103,7 @@ def test_sglang_shaped_stand_in_is_launched_watched_and_stopped(kdtree_cache, tm
     progressing = [line for line in out.splitlines() if " PROGRESSING " in line]
     assert progressing and any("MB/s" in line for line in progressing[:3]), out
     assert re.search(r"READY: completion answered", out), out
-    pid = int((run_dir / "engine.pid").read_text())
-    assert alive(pid)
-    s = kdtree_run(["pipeline=stop", f"serve.port={port}"], kdtree_cache, tmp_path, timeout=60)
-    assert s.returncode == 0 and "terminated" in s.stdout, s.stdout + s.stderr
-    deadline = time.monotonic() + 10
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not alive(pid)
+    stop_by_port(run_dir, port, kdtree_cache, tmp_path)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     launch = next(e for e in events if e.get("kind") == "engine_command")
     assert str(STANDIN) in launch["command"] and f"--port {port}" in launch["command"]
@@ -128,7 +119,13 @@ def test_llamacpp_serves_the_exported_gguf_and_stops(kdtree_cache, tmp_path):
                     f"hydra.run.dir={run_dir}"], kdtree_cache, tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "READY: completion answered" in r.stdout and list(run_dir.glob("*.gguf"))
+    stop_by_port(run_dir, port, kdtree_cache, tmp_path)
+
+
+def stop_by_port(run_dir, port, kdtree_cache, tmp_path):
+    """pipeline=stop by port reports the engine terminated, and its pid (from the run dir) is gone within 10 s."""
     pid = int((run_dir / "engine.pid").read_text())
+    assert alive(pid)
     s = kdtree_run(["pipeline=stop", f"serve.port={port}"], kdtree_cache, tmp_path, timeout=60)
     assert s.returncode == 0 and "terminated" in s.stdout, s.stdout + s.stderr
     deadline = time.monotonic() + 10

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from served_engine import REPO, alive, kdtree_run, start_served, stop
+from served_engine import alive, start_served, stop
 
 
 def post(url: str, body, path="/v1/completions", raw: bytes = None, headers=None, timeout=60):
@@ -171,14 +171,14 @@ def test_stream_with_stop_strings_echo_usage_and_two_prompts_equals_non_streamed
     # that is never generated, and a single-character one (a stop token id: the engine itself stops)
     mid = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3) if "\ufffd" not in full[i:i + 3])
     single = next(ch for ch in full[5:] if len(ch.encode()) == 1)
-    for stop in ([mid], ["never-generated-zzz", mid], [single], "never-generated-zzz"):
-        body = dict(base, stop=stop)
+    for stop_at in ([mid], ["never-generated-zzz", mid], [single], "never-generated-zzz"):
+        body = dict(base, stop=stop_at)
         code, want = post(served.url, body)
         assert code == 200
         events = sse(served.url, body)
-        assert streamed_text(events) == want["choices"][0]["text"], stop
-        assert finish_reason(events) == want["choices"][0]["finish_reason"], stop
-        if stop != "never-generated-zzz":
+        assert streamed_text(events) == want["choices"][0]["text"], stop_at
+        assert finish_reason(events) == want["choices"][0]["finish_reason"], stop_at
+        if stop_at != "never-generated-zzz":
             assert finish_reason(events) == "stop" and len(want["choices"][0]["text"]) < len(full)
     body = {"prompt": ["2+2=", "Once upon a time"], "max_tokens": 20, "stop": [mid], "echo": True, "temperature": 0,
             "stream_options": {"include_usage": True}}

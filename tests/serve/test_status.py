@@ -1,5 +1,4 @@
 """StatusFile: merged, atomic, readable by another process at any moment."""
-import json
 import subprocess
 import sys
 import threading
