@@ -28,23 +28,22 @@ finished) is an SSE `{"error": ...}` event before [DONE]: a stream never just en
 """
 from __future__ import annotations
 
-import asyncio
 import socket
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from kdtree.decode.request import ContextLengthExceeded
+from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
 from kdtree.serve.batch_worker import BatchWorker
-from kdtree.serve.bridge import LoopSink, Mailbox, notifier
+from kdtree.serve.bridge import wired
 from kdtree.serve.chat_template import ChatTemplate, ChatTemplateError
-from kdtree.serve.errors import job_error
+from kdtree.serve.errors import request_error
 from kdtree.serve.metrics import Metrics
-from kdtree.serve.request_queue import Draining, Job, QueueFull
+from kdtree.serve.request_queue import Draining, QueueFull
 from kdtree.serve.sse import seed_of
 from kdtree.serve.status import StatusFile, describe
 from kdtree.serve.transport import MAX_CONNECTIONS, ApiError, JsonH11Protocol
@@ -271,42 +270,40 @@ class ServeApp:
         except SamplingError as e:
             raise ApiError(400, str(e), param=e.param) from None
 
-    def _submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
-                sampling: Optional[SamplingParams] = None) -> List[Job]:
-        """One job per prompt and sample: prompt-major, so job k is choice index k (prompt k // n, sample k % n,
-        whose seed is sampling.for_sample(k % n).seed)."""
+    def submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
+               sampling: Optional[SamplingParams] = None) -> List[Request]:
+        """One Request per prompt and sample, wired to this loop (kdtree/serve/bridge.py): prompt-major, so request k
+        is choice index k (prompt k // n, sample k % n, whose seed is sampling.for_sample(k % n).seed). All of them
+        or none: a refusal cancels the ones already queued."""
         if not self.ready:
             raise self.not_ready_error()
-        stop_ids, jobs = self._stop_ids(stops), []
+        stop_ids, reqs = self._stop_ids(stops), []
         n = sampling.n if sampling is not None else 1
         try:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
-                fut = loop.create_future()
-                q: Optional[asyncio.Queue] = asyncio.Queue() if stream else None
-                box = Mailbox.of(loop)
-                job = Job(ids, max_tokens, stop_ids, stops=tuple(stops), stream=LoopSink(box, q) if stream else None)
-                job.sampling = sampling.for_sample(i) if sampling is not None else None
-                job.notify = notifier(box, fut)
-                job.future, job.aqueue = fut, q
-                jobs.append(self.worker.submit(job))
+                req = Request(ids, max_tokens, sampling=sampling.for_sample(i) if sampling is not None else None,
+                              stop_ids=stop_ids, stop_strings=tuple(stops))
+                reqs.append(self.worker.submit(wired(req, loop, stream)))
         except QueueFull:
-            for job in jobs:
-                job.cancel()
+            self._cancel(reqs)
             raise ApiError(429, f"request queue is full ({self.max_queue} waiting, serve.max_queue); retry later",
                            "rate_limit_error", code="queue_full") from None
         except Draining:
-            for job in jobs:
-                job.cancel()
+            self._cancel(reqs)
             raise self.not_ready_error() from None
         except ContextLengthExceeded as e:            # larger than the whole cache pool (serve.kv_pool_tokens)
-            for job in jobs:
-                job.cancel()
+            self._cancel(reqs)
             raise ApiError(400, str(e), param="prompt", code=e.code) from None
-        return jobs
+        return reqs
 
     @staticmethod
-    def job_error(job: Job) -> ApiError:
-        return job_error(job)
+    def _cancel(reqs: List[Request]) -> None:
+        for r in reqs:
+            r.cancel()
+
+    @staticmethod
+    def request_error(req: Request) -> ApiError:
+        return request_error(req)
 
     def stats(self, results, sampling: Optional[SamplingParams] = None) -> P.KdtreeStats:
         accepted = [a for r in results for a in r.acceptance_lengths]

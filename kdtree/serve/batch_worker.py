@@ -1,10 +1,11 @@
 """The server's engine thread with continuous batching: every accepted request is decoded together.
 
-The seam between the HTTP routes and the engine (submit(Job) / drain / depth / in_flight / finished): the routes
-submit a Job and wait on it; this worker turns it into a kdtree.decode.request.Request for the engine's own
-scheduler (the one generate, warm-up and bench drive) and starts that scheduler's thread. A job's cancel() (its client went away, its stream hit a stop string)
-ends it at the next step; its multi-token stop strings end generation in the step they complete in (the same
-tokens streamed or not, so usage agrees). Each request's tokens equal its solo run (tests/decode).
+The seam between the HTTP routes and the engine (submit / drain / depth / in_flight / finished): the routes build a
+kdtree.decode.request.Request -- the one record from the route to the scheduler -- and this worker hands it to the
+engine's own scheduler (the one generate, warm-up and bench drive), whose thread it starts; it adds only the
+server's accounting (queue limit, draining, metrics). A request's cancel() (its client went away, its stream hit a
+stop string) ends it at the next step; its multi-token stop strings end generation in the step they complete in
+(the same tokens streamed or not, so usage agrees). Each request's tokens equal its solo run (tests/decode).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from kdtree.decode.request import Request, RequestCancelled
-from kdtree.serve.request_queue import Cancelled, Draining, Job, QueueFull
+from kdtree.decode.request import Request
+from kdtree.serve.request_queue import Draining, QueueFull
 
 
 def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
@@ -55,16 +56,16 @@ def stop_string_check(tokenizer, stops: Sequence[str]) -> Optional[Callable]:
 class BatchWorker:
     def __init__(self, engine: Any, max_queue: int = 256, on_done=None):
         self.engine = engine
-        self.on_done = on_done                     # fn(job) after each finished job (metrics)
+        self.on_done = on_done                     # fn(request) after each finished request (metrics)
         self.max_queue = max(1, int(max_queue))
         self.scheduler = engine.scheduler          # the engine's: serve.max_batch_tokens, kv_pool_tokens, ...
         self._accepting = True
         self._lock = threading.Lock()
-        self.finished = 0                          # jobs ended with a result (metrics, drain report)
-        self._jobs = {}                            # id(request) -> job, while it runs or waits
+        self.finished = 0                          # requests ended with a result (metrics, drain report)
+        self._live = {}                            # id(request) -> (request, its own notify) while it runs or waits
         self.scheduler.start()
 
-    running = None                                 # no single running job: see snapshot()
+    running = None                                 # no single running request: see snapshot()
 
     @property
     def depth(self) -> int:
@@ -77,63 +78,56 @@ class BatchWorker:
     def snapshot(self) -> dict:
         return self.scheduler.snapshot()
 
-    def submit(self, job: Job) -> Job:
-        """Queue a job; raises Draining, QueueFull, or the scheduler's ContextLengthExceeded (a 400)."""
+    def submit(self, req: Request) -> Request:
+        """Queue a request; raises Draining, QueueFull, or the scheduler's ContextLengthExceeded (a 400). Its
+        stop_strings get their check here (the tokenizer is the engine's); its notify runs after the worker's
+        accounting."""
         with self._lock:
             if not self._accepting:
                 raise Draining()
             if self.scheduler.waiting >= self.max_queue:
                 raise QueueFull()
-            req = Request(job.prompt_ids, job.max_new_tokens, stop_ids=tuple(job.stop_ids),
-                               stop_check=stop_string_check(self.engine.tokenizer, getattr(job, "stops", ())),
-                               on_tokens=job._on_tokens, notify=self._done, cancelled=job.cancelled,
-                               sampling=getattr(job, "sampling", None))
-            self._jobs[id(req)] = job
-            job.live = req.result
+            if req.stop_strings and req.stop_check is None:
+                req.stop_check = stop_string_check(self.engine.tokenizer, req.stop_strings)
+            self._live[id(req)] = (req, req.notify)
+            req.notify = self._done
             try:
                 self.scheduler.submit(req)
             except BaseException:
-                self._jobs.pop(id(req), None)
+                req.notify = self._live.pop(id(req))[1]
                 raise
-        return job
+        return req
 
     def _done(self, req: Request) -> None:
-        job = self._jobs.pop(id(req))
-        job.result = req.result
-        job.error = Cancelled() if isinstance(req.error, RequestCancelled) else req.error
-        job.finished_at = req.finished_at
-        job.started_at = req.admitted_at or req.finished_at     # queue time ends when it joins the batch
-        if job.error is None:
+        _, notify = self._live.pop(id(req))
+        if req.error is None:
             self.finished += 1
             if self.on_done is not None:
                 try:
-                    self.on_done(job)
+                    self.on_done(req)
                 except Exception:
                     pass
-        if job.stream is not None:
-            job.stream.put(None)
-        job.done.set()
-        if job.notify is not None:
-            job.notify()
+        if notify is not None:
+            notify(req)
 
     def stop_accepting(self) -> None:
         with self._lock:
             self._accepting = False
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Refuse new jobs, finish every accepted one, stop the thread. True when it finished in time; on a
-        timeout the jobs still waiting or running are cancelled (their requests end with an error)."""
+        """Refuse new requests, finish every accepted one, stop the thread. True when it finished in time; on a
+        timeout the requests still waiting or running are cancelled (they end with RequestCancelled)."""
         self.stop_accepting()
         end = None if timeout is None else time.monotonic() + timeout
         while self.scheduler.running + self.scheduler.waiting and (end is None or time.monotonic() < end):
             time.sleep(0.01)
         finished = not (self.scheduler.running + self.scheduler.waiting)
         if not finished:
-            for job in list(self._jobs.values()):
-                job.cancel()                       # they leave at the next step
+            for req, _ in list(self._live.values()):
+                req.cancel()                       # they leave at the next step
             self.scheduler.wake()
             stop_by = time.monotonic() + 5.0
-            while self._jobs and time.monotonic() < stop_by:
+            while self._live and time.monotonic() < stop_by:
                 time.sleep(0.01)
         self.scheduler.stop()
         return finished

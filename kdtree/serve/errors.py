@@ -1,4 +1,4 @@
-"""Error translation: pydantic's validation errors -> one OpenAI-shaped 400 naming the field; a finished job's error
+"""Error translation: pydantic's validation errors -> one OpenAI-shaped 400 naming the field; a finished request's error
 -> its HTTP status; the error responses every route documents (ERRORS)."""
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from fastapi.exceptions import RequestValidationError
 
-from kdtree.decode.request import RequestTimeout
+from kdtree.decode.request import Request, RequestCancelled, RequestTimeout
 from kdtree.errors import KdtreeError
 from kdtree.serve import protocol as P
-from kdtree.serve.request_queue import Cancelled, Job
 from kdtree.serve.transport import ApiError
 
 
@@ -57,13 +56,14 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 ERRORS = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503)}
 
 
-def job_error(job: Job) -> ApiError:
-    """The HTTP error of a job that ended with an error."""
-    if isinstance(job.error, Cancelled):
+def request_error(req: Request) -> ApiError:
+    """The HTTP error of a request that ended with an error (a cancelled one that still has a client: the server
+    stopped before it finished)."""
+    if isinstance(req.error, RequestCancelled):
         return ApiError(503, "the server stopped before this completion finished (drain timeout, "
                              "serve.drain_timeout_s); retry", "service_unavailable", code="cut_by_shutdown")
-    if isinstance(job.error, RequestTimeout):
-        return ApiError(408, str(job.error), "timeout_error", code="request_timeout")
-    if isinstance(job.error, KdtreeError):
-        return ApiError(400, str(job.error), param="prompt")
-    return ApiError(500, f"engine error: {type(job.error).__name__}: {job.error}", "server_error")
+    if isinstance(req.error, RequestTimeout):
+        return ApiError(408, str(req.error), "timeout_error", code="request_timeout")
+    if isinstance(req.error, KdtreeError):
+        return ApiError(400, str(req.error), param="prompt")
+    return ApiError(500, f"engine error: {type(req.error).__name__}: {req.error}", "server_error")

@@ -102,14 +102,14 @@ class Metrics:
     def request(self, endpoint: str, code: int) -> None:
         self.requests.labels(code=str(int(code)), endpoint=endpoint).inc()
 
-    def generation(self, job: Any) -> None:
-        """Count one finished Job (its GenerationResult and its timestamps, time.monotonic seconds)."""
-        result = job.result
+    def generation(self, req: Any) -> None:
+        """Count one finished Request (its GenerationResult and its timestamps, time.monotonic seconds)."""
+        result = req.result
         n = len(result.tokens)
         with self._lock:
             self.completions += 1
             self.generated_tokens += n
-        self.prompt_tok.inc(len(job.prompt_ids))
+        self.prompt_tok.inc(len(req.prompt_ids))
         self.gen_tok.inc(n)
         self.finished.labels(finished_reason="stop" if result.finish_reason in ("stop", "eos") else "length").inc()
         self.target_fw.inc(int(result.target_forwards))
@@ -118,12 +118,13 @@ class Metrics:
             self.accept.observe(a)
         for stage, s in result.stage_seconds.items():
             self.stage.labels(stage=stage).inc(float(s))
-        self.queue.observe(max(0.0, job.started_at - job.submitted_at))
-        self.e2e.observe(max(0.0, job.finished_at - job.submitted_at))
-        if job.first_token_at:
-            self.ttft.observe(max(0.0, job.first_token_at - job.submitted_at))
+        joined = req.admitted_at or req.finished_at    # queue time ends when it joins the batch
+        self.queue.observe(max(0.0, joined - req.submitted_at))
+        self.e2e.observe(max(0.0, req.finished_at - req.submitted_at))
+        if req.first_token_at:
+            self.ttft.observe(max(0.0, req.first_token_at - req.submitted_at))
             if n > 1:
-                self.tpot.observe(max(0.0, job.finished_at - job.first_token_at) / (n - 1))
+                self.tpot.observe(max(0.0, req.finished_at - req.first_token_at) / (n - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

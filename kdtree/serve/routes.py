@@ -1,11 +1,10 @@
 """The HTTP routes (FastAPI): operator endpoints, the OpenAI endpoints, the exception handlers and middleware. Thin:
-parse (pydantic) -> ServeApp's checks and submission -> the response or the SSE stream (kdtree/serve/sse.py)."""
+parse (pydantic) -> ServeApp's checks -> a Generation -> kdtree/serve/generation.py's respond (submission, then the
+response or the SSE stream), the one path both generation APIs share."""
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,12 +12,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kdtree.serve import protocol as P
-from kdtree.serve.bridge import until_done_or_gone
 from kdtree.serve.chat_template import ChatTemplateError
 from kdtree.serve.errors import ERRORS, validation_error
-from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
+from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kdtree.serve.sse import final_text, stream
 from kdtree.serve.status import describe
 from kdtree.serve.transport import Access, ApiError, Guard
 
@@ -117,33 +114,10 @@ def build_app(serve) -> FastAPI:
         encoded = [serve._token_ids(p) for p in req.prompts()]
         for ids, _ in encoded:
             serve._check_context(ids, max_tokens, "prompt")
-        stops = req.stops()
-        loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids for ids, _ in encoded], max_tokens, stops, loop, req.stream, sp)
-        texts = [encoded[k // sp.n][1] for k in range(len(jobs))]
-        n_prompt = sum(len(ids) for ids, _ in encoded)
-        if req.stream:
-            return await stream(serve, jobs, stops, "text_completion", req.echo, texts, n_prompt,
-                                 bool(req.stream_options and req.stream_options.include_usage), sp)
-        choices, results = [], []
-        await until_done_or_gone(request, jobs)
-        tok = serve.engine.tokenizer
-        for i, job in enumerate(jobs):
-            if job.error is not None:
-                raise serve.job_error(job)
-            text, finish = final_text(serve, job, stops)
-            lp = None
-            if sp.logprobs is not None:
-                lp = completion_logprobs(tok, job.result, prompt_ids=job.prompt_ids if req.echo else None,
-                                         text_offset=0 if req.echo else len(texts[i]))
-            choices.append(P.CompletionChoice(index=i, text=(texts[i] + text) if req.echo else text, logprobs=lp,
-                                              finish_reason=finish))
-            results.append(job.result)
-        n_out = sum(len(r.tokens) for r in results)
-        resp = P.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices,
-                                    usage=P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out,
-                                                  total_tokens=n_prompt + n_out), kdtree=serve.stats(results, sp))
-        return JSONResponse(P.dump(resp))
+        return await respond(serve, request, Generation(
+            chat=False, prompts=[ids for ids, _ in encoded], texts=[text for _, text in encoded],
+            max_tokens=max_tokens, stops=req.stops(), sampling=sp, stream=bool(req.stream), echo=bool(req.echo),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage)))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
@@ -164,28 +138,10 @@ def build_app(serve) -> FastAPI:
         max_tokens = limit if limit is not None else min(serve.max_model_len, serve.pool_tokens) - len(ids) - \
             serve._headroom()
         serve._check_context(ids, max(1, max_tokens), "messages")
-        stops = req.stops() + list(tpl.stops)
-        loop = asyncio.get_running_loop()
-        jobs = serve._submit([ids], max_tokens, stops, loop, req.stream, sp)
-        if req.stream:
-            return await stream(serve, jobs, stops, "chat.completion.chunk", False, [text] * len(jobs), len(ids),
-                                 bool(req.stream_options and req.stream_options.include_usage), sp)
-        await until_done_or_gone(request, jobs)
-        choices = []
-        for i, job in enumerate(jobs):
-            if job.error is not None:
-                raise serve.job_error(job)
-            out, finish = final_text(serve, job, stops)
-            lp = chat_logprobs(serve.engine.tokenizer, job.result) if sp.logprobs is not None else None
-            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=out), logprobs=lp,
-                                        finish_reason=finish))
-        results = [job.result for job in jobs]
-        n_out = sum(len(r.tokens) for r in results)
-        resp = P.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", model=serve.model_name,
-                                        choices=choices,
-                                        usage=P.Usage(prompt_tokens=len(ids), completion_tokens=n_out,
-                                                      total_tokens=len(ids) + n_out), kdtree=serve.stats(results, sp))
-        return JSONResponse(P.dump(resp))
+        return await respond(serve, request, Generation(
+            chat=True, prompts=[ids], texts=[text], max_tokens=max_tokens, stops=req.stops() + list(tpl.stops),
+            sampling=sp, stream=bool(req.stream),
+            include_usage=bool(req.stream_options and req.stream_options.include_usage)))
 
     # -- middleware (the last added is the outermost) --------------------------------------------------
     app.add_middleware(Guard, serve=serve)

@@ -7,6 +7,7 @@ import sys
 import time
 import uuid
 from types import SimpleNamespace
+from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
 from fastapi.responses import Response, StreamingResponse
@@ -14,7 +15,7 @@ from fastapi.responses import Response, StreamingResponse
 from kdtree.decode.sampling import SamplingParams
 from kdtree.serve.bridge import pieces
 from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
-from kdtree.serve.request_queue import Job
+from kdtree.decode.request import Request
 from kdtree.serve.text_stream import TextStream, cut_at_stop
 
 
@@ -27,103 +28,139 @@ def seed_of(sampling: Optional[SamplingParams]) -> Optional[int]:
     return None if sampling is None or sampling.greedy else int(sampling.seed)
 
 
-def final_text(serve, job: Job, stops: List[str]) -> Tuple[str, str]:
-    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(job.result.tokens), stops)
-    return text, "stop" if stopped or job.result.finish_reason in ("stop", "eos") else "length"
+def final_text(serve, req: Request, stops: List[str]) -> Tuple[str, str]:
+    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(req.result.tokens), stops)
+    return text, "stop" if stopped or req.result.finish_reason in ("stop", "eos") else "length"
 
 
-async def stream(serve, jobs: List[Job], stops: List[str], kind: str, echo: bool, texts: List[str],
-                  n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None) -> Response:
-    first = await jobs[0].aqueue.get()                 # the first tokens, or the end of a job that failed
-    if first is None and jobs[0].error is not None:
-        for job in jobs:
-            job.cancel()
-        raise serve.job_error(jobs[0])                 # nothing sent yet: a JSON error like a non-streamed one
-    chat = kind == "chat.completion.chunk"
-    cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    created = int(time.time())
-    tok = serve.engine.tokenizer
-    want_lp = sampling is not None and sampling.logprobs is not None
-    seed = seed_of(sampling)
+@dataclass
+class Chunks:
+    """How one streamed response's chunks look: its id, kind (text_completion | chat.completion.chunk), model, seed."""
+    kind: str
+    model: str
+    seed: Optional[int]
+    chat: bool = field(init=False)
+    cid: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
 
-    def event(index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None) -> bytes:
-        if chat:
+    def __post_init__(self):
+        self.chat = self.kind == "chat.completion.chunk"
+        self.cid = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+
+    def head(self) -> dict:
+        return {"id": self.cid, "object": self.kind, "created": self.created, "model": self.model}
+
+    def event(self, index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None) -> bytes:
+        if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        out = {"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [choice]}
-        if seed is not None:
-            out["kdtree"] = {"seed": seed}
+        out = {**self.head(), "choices": [choice]}
+        if self.seed is not None:
+            out["kdtree"] = {"seed": self.seed}
         return sse(out)
 
+
+class _Logprobs:
+    """The logprobs of one streamed choice, sent as its text goes out (completions count their text_offset)."""
+
+    def __init__(self, tok, chunks: Chunks, req: Request, want: bool, offset: int):
+        self.tok, self.chat, self.req, self.want = tok, chunks.chat, req, want
+        self.sent, self.offset = 0, offset
+
+    def prompt(self) -> Any:
+        """Completions with echo: the prompt's logprobs (the prompt's text is the choice's first chunk)."""
+        if not self.want:
+            return None
+        part = SimpleNamespace(logprobs=[], prompt_logprobs=self.req.result.prompt_logprobs)
+        lp = completion_logprobs(self.tok, part, prompt_ids=self.req.prompt_ids)
+        self.offset = sum(len(t) for t in lp["tokens"])
+        return lp
+
+    def next(self, upto: int, final: bool = False) -> Any:
+        if not self.want:
+            return None
+        have = self.req.result.logprobs or []
+        entries = have[self.sent:] if final else have[self.sent:upto]
+        self.sent += len(entries)
+        part = SimpleNamespace(logprobs=entries, prompt_logprobs=None)
+        if self.chat:
+            return chat_logprobs(self.tok, part)
+        out = completion_logprobs(self.tok, part, text_offset=self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+
+async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops: List[str], echo: bool,
+                  text: str, want_lp: bool, out: List[int]):
+    """The chunks of choice `index`: (chat) the role, (echo) the prompt, the text as it commits, the finish chunk.
+    An engine error after the stream started ends it with an SSE error event (out[1] = 1)."""
+    tok = serve.engine.tokenizer
+    ts = TextStream(tok, stops)
+    lps = _Logprobs(tok, ch, req, want_lp, 0 if ch.chat else len(text))
+    if ch.chat:
+        yield ch.event(index, None, None, role=True)
+    if echo:
+        if want_lp and index > 0:
+            first = await req.tag.aqueue.get()      # its prefill is done: the prompt's logprobs are in
+        yield ch.event(index, text, None, lp=lps.prompt())
+    async for ids in pieces(req, first):
+        piece = ts.push(ids)
+        if piece:
+            yield ch.event(index, piece, None, lp=lps.next(len(ts.tokens)))
+        if ts.stopped:
+            req.cancel()                            # the text is over; free the engine for the next request
+            break
+    if not ts.stopped:
+        await req.tag.future
+        if req.error is not None:
+            e = serve.request_error(req)
+            print(f"[serve] stream ended early: {e.message}", file=sys.stderr, flush=True)
+            out[1] = 1
+            yield sse(e.body())
+            return
+    piece = ts.finish()
+    if piece:
+        yield ch.event(index, piece, None, lp=lps.next(len(ts.tokens)))
+    finish = "stop" if ts.stopped or req.result.finish_reason in ("stop", "eos") else "length"
+    rest = lps.next(len(ts.tokens), final=True)
+    if rest is not None and not (rest.get("content") if ch.chat else rest["tokens"]):
+        rest = None
+    yield ch.event(index, None if ch.chat else "", finish, lp=rest)
+    out[0] += len(ts.tokens)
+
+
+async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: bool, texts: List[str],
+                 n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None) -> Response:
+    """The SSE response of `reqs` (one per choice, in order); an error before the first token is a JSON error."""
+    first = await reqs[0].tag.aqueue.get()             # the first tokens, or the end of a request that failed
+    if first is None and reqs[0].error is not None:
+        for r in reqs:
+            r.cancel()
+        raise serve.request_error(reqs[0])             # nothing sent yet: a JSON error like a non-streamed one
+    ch = Chunks(kind, serve.model_name, seed_of(sampling))
+    want_lp = sampling is not None and sampling.logprobs is not None
+
     async def body():
-        t0, n_out = time.monotonic(), 0
+        t0, out = time.monotonic(), [0, 0]             # completion tokens sent, failed
         try:
-            for index, job in enumerate(jobs):
-                ts = TextStream(tok, stops)
-                sent, offset = 0, 0 if chat else len(texts[index])   # logprob entries sent; completions' text_offset
-
-                def logprobs(final: bool = False):
-                    nonlocal sent, offset
-                    if not want_lp or job.live is None:
-                        return None
-                    have = job.live.logprobs or []
-                    entries = have[sent:] if final else have[sent:len(ts.tokens)]
-                    sent += len(entries)
-                    part = SimpleNamespace(logprobs=entries, prompt_logprobs=None)
-                    if chat:
-                        return chat_logprobs(tok, part)
-                    out = completion_logprobs(tok, part, text_offset=offset)
-                    offset += sum(len(t) for t in out["tokens"])
-                    return out
-
-                if chat:
-                    yield event(index, None, None, role=True)
-                pre = first if index == 0 else ...
-                if echo and want_lp and index > 0:
-                    pre = await job.aqueue.get()       # its prefill is done: the prompt's logprobs are in
-                if echo:
-                    lp = None
-                    if want_lp and job.live is not None:
-                        prompt = SimpleNamespace(logprobs=[], prompt_logprobs=job.live.prompt_logprobs)
-                        lp = completion_logprobs(tok, prompt, prompt_ids=job.prompt_ids)
-                        offset = sum(len(t) for t in lp["tokens"])
-                    yield event(index, texts[index], None, lp=lp)
-                async for ids in pieces(job, pre):
-                    piece = ts.push(ids)
-                    if piece:
-                        yield event(index, piece, None, lp=logprobs())
-                    if ts.stopped:
-                        job.cancel()                # the text is over; free the engine for the next request
-                        break
-                if not ts.stopped:
-                    await job.future
-                if not ts.stopped and job.error is not None:
-                    e = serve.job_error(job)
-                    print(f"[serve] stream ended early: {e.message}", file=sys.stderr, flush=True)
-                    yield sse(e.body())
-                    yield b"data: [DONE]\n\n"
-                    return
-                piece = ts.finish()
-                if piece:
-                    yield event(index, piece, None, lp=logprobs())
-                r = job.result
-                finish = "stop" if ts.stopped or (r is not None and r.finish_reason in ("stop", "eos")) else "length"
-                rest = logprobs(final=True)
-                if rest is not None and not (rest.get("content") if chat else rest["tokens"]):
-                    rest = None
-                yield event(index, None if chat else "", finish, lp=rest)
-                n_out += len(ts.tokens)
-            if include_usage:
-                yield sse({"id": cid, "object": kind, "created": created, "model": serve.model_name, "choices": [],
-                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
-                                      "total_tokens": n_prompt + n_out}})
+            for index, req in enumerate(reqs):
+                async for chunk in _choice(serve, ch, index, req, first if index == 0 else ..., stops, echo,
+                                           texts[index], want_lp, out):
+                    yield chunk
+                if out[1]:
+                    break
+            else:
+                if include_usage:
+                    yield sse({**ch.head(), "choices": [], "usage": {
+                        "prompt_tokens": n_prompt, "completion_tokens": out[0], "total_tokens": n_prompt + out[0]}})
             yield b"data: [DONE]\n\n"
-            print(f"[serve] stream {n_prompt}+{n_out} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,
-                  flush=True)
+            if not out[1]:
+                print(f"[serve] stream {n_prompt}+{out[0]} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,
+                      flush=True)
         finally:                                        # a stop string, an error, the client gone: stop the rest
-            for job in jobs:
-                job.cancel()
+            for r in reqs:
+                r.cancel()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -7,7 +7,7 @@ import queue
 import random
 
 from kdtree.serve.text_stream import TextStream, cut_at_stop
-from kdtree.serve.request_queue import Cancelled, Job
+from kdtree.decode.request import Request, RequestCancelled
 from kdtree.tokenizer.byte import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -67,7 +67,7 @@ def test_held_back_only_while_a_stop_string_could_still_start():
     assert ts.push(TOK.encode("d")) == "" and ts.stopped
 
 
-def test_worker_streams_commits_before_the_job_ends_and_cancels(compose_cfg):
+def test_worker_streams_commits_before_the_request_ends_and_cancels(compose_cfg):
     from kdtree.engine import Engine
     from kdtree.serve.batch_worker import BatchWorker
 
@@ -75,14 +75,20 @@ def test_worker_streams_commits_before_the_job_ends_and_cancels(compose_cfg):
     w = BatchWorker(engine, 4)
     ids = engine.tokenizer.encode("def __init__(self, ")
     solo = engine.generate(ids, 40).tokens
-    job = w.submit(Job(ids, 40, stream=queue.Queue()))
-    commits = list(iter(job.stream.get, None))
-    assert len(commits) > 1 and sum(commits, []) == job.result.tokens == solo     # streamed commit by commit
-    job = w.submit(Job(ids, 1500, stream=queue.Queue()))
-    assert job.stream.get() and not job.done.is_set()      # the first tokens arrive while it generates
-    job.cancel()
-    assert job.wait(10) and isinstance(job.error, Cancelled)
-    plain = w.submit(Job(ids, 40))                         # not streamed: no callback, same result
+
+    def streamed(n):
+        q = queue.Queue()
+        req = Request(ids, n, on_tokens=lambda t: q.put(list(t)), notify=lambda r: q.put(None))
+        return w.submit(req), q
+
+    req, q = streamed(40)
+    commits = list(iter(q.get, None))
+    assert len(commits) > 1 and sum(commits, []) == req.result.tokens == solo     # streamed commit by commit
+    req, q = streamed(1500)
+    assert q.get() and not req.done.is_set()               # the first tokens arrive while it generates
+    req.cancel()
+    assert req.wait(10) and isinstance(req.error, RequestCancelled)
+    plain = w.submit(Request(ids, 40))                     # not streamed: no callback, same result
     assert plain.wait(30) and plain.result.tokens == solo
     assert w.drain(10)
 

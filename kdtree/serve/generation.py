@@ -1,0 +1,70 @@
+"""The one generation path of /v1/completions and /v1/chat/completions: the route has turned its request into token
+ids, texts and sampling parameters (a Generation); this submits one kdtree.decode.request.Request per choice to the
+engine's scheduler, then answers with the SSE stream (kdtree/serve/sse.py) or the whole response, whose choices
+differ between the two APIs only in shape (text + logprobs vs message + logprobs)."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import List
+
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response
+
+from kdtree.decode.sampling import SamplingParams
+from kdtree.serve import protocol as P
+from kdtree.serve.bridge import until_done_or_gone
+from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
+from kdtree.serve.sse import final_text, stream
+
+
+@dataclass
+class Generation:
+    chat: bool
+    prompts: List[List[int]]       # token ids of each prompt (chat: the one rendered conversation)
+    texts: List[str]               # each prompt's text (completions: echo and logprobs' text_offset)
+    max_tokens: int
+    stops: List[str]
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False    # stream_options.include_usage
+    echo: bool = False             # completions only
+
+
+def _choice(serve, g: Generation, i: int, req, text: str, finish: str):
+    tok = serve.engine.tokenizer
+    if g.chat:
+        lp = chat_logprobs(tok, req.result) if g.sampling.logprobs is not None else None
+        return P.ChatChoice(index=i, message=P.AssistantMessage(content=text), logprobs=lp, finish_reason=finish)
+    prompt_text = g.texts[i // g.sampling.n]
+    lp = None
+    if g.sampling.logprobs is not None:
+        lp = completion_logprobs(tok, req.result, prompt_ids=req.prompt_ids if g.echo else None,
+                                 text_offset=0 if g.echo else len(prompt_text))
+    return P.CompletionChoice(index=i, text=(prompt_text + text) if g.echo else text, logprobs=lp,
+                              finish_reason=finish)
+
+
+async def respond(serve, http: HttpRequest, g: Generation) -> Response:
+    """Submit every choice of `g` (all or none), then stream them or wait for all (a client that goes away cancels
+    them) and answer; a choice that ended with an error answers that error."""
+    reqs = serve.submit(g.prompts, g.max_tokens, g.stops, asyncio.get_running_loop(), g.stream, g.sampling)
+    n_prompt = sum(len(ids) for ids in g.prompts)
+    if g.stream:
+        texts = [g.texts[k // g.sampling.n] for k in range(len(reqs))]
+        kind = "chat.completion.chunk" if g.chat else "text_completion"
+        return await stream(serve, reqs, g.stops, kind, g.echo, texts, n_prompt, g.include_usage, g.sampling)
+    await until_done_or_gone(http, reqs)
+    choices = []
+    for i, req in enumerate(reqs):
+        if req.error is not None:
+            raise serve.request_error(req)
+        choices.append(_choice(serve, g, i, req, *final_text(serve, req, g.stops)))
+    results = [req.result for req in reqs]
+    n_out = sum(len(r.tokens) for r in results)
+    usage = P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+    cls, prefix = (P.ChatCompletionResponse, "chatcmpl") if g.chat else (P.CompletionResponse, "cmpl")
+    resp = cls(id=f"{prefix}-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices, usage=usage,
+               kdtree=serve.stats(results, g.sampling))
+    return JSONResponse(P.dump(resp))
