@@ -23,7 +23,23 @@ from kdtree.serve.transport import Access, ApiError, Guard
 def build_app(serve) -> FastAPI:
     app = FastAPI(title="kdtree", version="1", description="OpenAI-compatible completions served with DDTree "
                   "speculative decoding", docs_url=None, redoc_url=None)
+    _error_handlers(app)
+    _operator_routes(app, serve)
+    _openai_routes(app, serve)
+    # -- middleware (the last added is the outermost) --------------------------------------------------
+    app.add_middleware(Guard, serve=serve)
+    if serve.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
 
+        app.add_middleware(CORSMiddleware, allow_origins=list(serve.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(Access, serve=serve)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error, whoever raised it, answers as OpenAI-shaped JSON (ApiError)."""
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         if exc.status >= 500 and exc.status != 503:
@@ -59,7 +75,9 @@ def build_app(serve) -> FastAPI:
               flush=True)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
 
-    # -- operator endpoints ----------------------------------------------------------------------------
+
+def _operator_routes(app: FastAPI, serve) -> None:
+    """/health, /ready, /status, /metrics: open without a key (monitors and load balancers poll them)."""
     @app.api_route("/health", methods=["GET", "HEAD"], tags=["operator"])
     async def health():
         snap = serve.status.snapshot()
@@ -87,7 +105,9 @@ def build_app(serve) -> FastAPI:
     async def metrics():
         return Response(serve.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    # -- OpenAI API ------------------------------------------------------------------------------------
+
+def _openai_routes(app: FastAPI, serve) -> None:
+    """/v1/models, /v1/completions, /v1/chat/completions (behind the key when one is set)."""
     def card() -> P.ModelCard:
         return P.ModelCard(id=serve.model_name, created=serve.created, max_model_len=serve.max_model_len,
                            root=serve.model_name)
@@ -142,14 +162,3 @@ def build_app(serve) -> FastAPI:
             chat=True, prompts=[ids], texts=[text], max_tokens=max_tokens, stops=req.stops() + list(tpl.stops),
             sampling=sp, stream=bool(req.stream),
             include_usage=bool(req.stream_options and req.stream_options.include_usage)))
-
-    # -- middleware (the last added is the outermost) --------------------------------------------------
-    app.add_middleware(Guard, serve=serve)
-    if serve.cors_origins:
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(serve.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id"])
-    app.add_middleware(Access, serve=serve)
-    return app
