@@ -57,6 +57,7 @@ class _Registry:
     def __init__(self, lib):
         self.lib, self.ffi = lib, lib.ffi
         self.keep: List[Any] = []
+        self.bytes: Dict[str, Tuple[int, int]] = {}   # weight name -> (bytes held, elements): weight_bytes()
 
     def ptr(self, a: np.ndarray, ctype: str = "float[]"):
         a = np.ascontiguousarray(a)
@@ -76,6 +77,7 @@ class _Registry:
             w = np.ascontiguousarray(w, np.float32)
             dst.f32 = self.ptr(w)
             dst.n_out, dst.n_in = w.shape
+            self.bytes[name] = (int(w.nbytes), int(w.size))
             return
         if not supports(w):
             raise NativeError(f"{name}: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
@@ -84,6 +86,8 @@ class _Registry:
         dst.scales = self.ptr(np.ascontiguousarray(w.scale, np.float32))
         dst.n_out, dst.n_in = int(w.shape[0]), int(w.shape[1])
         dst.group = int(w.group_size)
+        self.bytes[name] = (int(self.keep[-4].nbytes + self.keep[-2].nbytes),   # packed + scales as held
+                            int(w.shape[0]) * int(w.shape[1]))
 
     def mlp(self, dst, m: Any, name: str) -> None:
         self.weight(dst.gate, m.gate, f"{name}.gate_proj")
@@ -287,6 +291,8 @@ class NativeTarget:
             ly.kv_a_norm = reg.vec(w(f"{a}.kv_a_layernorm.weight"))
             heads, w_uk, w_uv = split_kv_b(cfg, w, i)
             ly.w_uk_t, ly.w_uv = reg.ptr(transposed_w_uk(w_uk)), reg.ptr(w_uv)
+            for key, arr in ((f"{a}.w_uk", reg.keep[-4]), (f"{a}.w_uv", reg.keep[-2])):
+                reg.bytes[key] = (int(arr.nbytes), int(arr.size))
             reg.weight(ly.o, w(f"{a}.o_proj.weight"), f"{a}.o_proj")
             ly.heads = heads
             if not is_moe_layer(cfg, i):
@@ -296,6 +302,7 @@ class NativeTarget:
             ly.is_moe = 1
             gate, bias = router_weights(w, i)
             ly.router, ly.router_bias = reg.ptr(gate), reg.vec(bias)
+            reg.bytes[f"{p}.mlp.gate"] = (int(reg.keep[-4].nbytes), int(reg.keep[-4].size))
             experts = ffi.new("kd_mlp[]", int(cfg.n_routed_experts))
             reg.keep.append(experts)
             for e in range(int(cfg.n_routed_experts)):
@@ -396,6 +403,21 @@ class NativeTarget:
             return False
         self.set_graph_rows(rows)
         return True
+
+    def weight_bytes(self) -> Dict[str, Tuple[int, int]]:
+        """{matrix name: (bytes the library holds and a forward that uses it streams, elements = multiply-adds
+        per row)} for every linear (norms, biases and the embedding are not counted: a forward reads T of its rows)."""
+        return dict(self._reg.bytes)
+
+    def moe_stats(self, reset: bool = False) -> Dict[int, Dict[str, int]]:
+        """{MoE layer: {forwards, experts, rows}} since the last reset: forwards of the layer, the distinct routed
+        experts they used (summed: each forward streams the union of its rows' experts) and the rows. The CUDA
+        build does not count (it routes on the device): {}."""
+        st = self.lib.ffi.new("int64_t[]", 3 * self.n_layers)
+        if self.lib.c.kd_model_moe_stats(self.handle, st, 1 if reset else 0):
+            return {}
+        return {i: {"forwards": int(st[3 * i]), "experts": int(st[3 * i + 1]), "rows": int(st[3 * i + 2])}
+                for i in range(self.n_layers) if st[3 * i]}
 
     def graph_stats(self) -> Dict[str, float]:
         """{graphs, replays, eager, buckets, capture_s}: the CUDA graph counters (zeros on the CPU build)."""

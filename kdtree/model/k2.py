@@ -261,7 +261,7 @@ class K2Model:
             x = self.ops.rms_norm(h, layer["in_norm"], self.eps)
             h = h + self._attention_rows(layer["attn"], x, i, segments, rot)
             x = self.ops.rms_norm(h, layer["post_norm"], self.eps)
-            m = self._moe(layer["moe"], x) if layer["moe"] is not None else self._mlp(layer["mlp"], x)
+            m = self._moe(layer["moe"], x, i) if layer["moe"] is not None else self._mlp(layer["mlp"], x)
             h = h + (self.all_reduce(m) if self.all_reduce else m)
             if i in want:
                 hiddens[i] = h.copy()
@@ -310,7 +310,15 @@ class K2Model:
         ops = self.ops
         return ops.linear(ops.silu_mul(ops.linear(x, m.gate), ops.linear(x, m.up)), m.down)
 
-    def _moe(self, moe: _Moe, x: np.ndarray) -> np.ndarray:
+    def moe_stats(self, reset: bool = False) -> Dict[int, Dict[str, int]]:
+        """{MoE layer: {forwards, experts, rows}} since the last reset (NativeTarget.moe_stats' counters): the
+        distinct routed experts each forward used, summed -- each forward streams the union of its rows' experts."""
+        stats = {i: dict(v) for i, v in sorted(getattr(self, "_moe_counts", {}).items())}
+        if reset:
+            self._moe_counts = {}
+        return stats
+
+    def _moe(self, moe: _Moe, x: np.ndarray, layer: int = -1) -> np.ndarray:
         """Routed experts grouped by expert (one gate/up/down call over the rows routed to it), then per token
         acc = 0 + w_1 y_1 + ... + w_k y_k (descending choice order) + shared: row-wise ops only, so a token's
         output is the same whatever other tokens share the call."""
@@ -319,6 +327,10 @@ class K2Model:
         logits = self.ops.linear(x, moe.gate)                               # [T, E]
         scores = one / (one + np.exp(-logits))
         experts, weights = route_rows(self._route_cfg, scores, moe.bias)          # [T, k] each
+        counts = self.__dict__.setdefault("_moe_counts", {}).setdefault(layer, {"forwards": 0, "experts": 0, "rows": 0})
+        counts["forwards"] += 1
+        counts["experts"] += int(np.unique(experts).size)
+        counts["rows"] += T
         fused_op = getattr(self.ops, "moe", None)                           # backend=cpu: one native call
         fused = fused_op(x, experts, weights, moe) if fused_op is not None else None
         if fused is not None:

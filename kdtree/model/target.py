@@ -57,6 +57,10 @@ class Target(Protocol):
     def graph_stats(self) -> Dict[str, float]:
         """{graphs, replays, eager, buckets, capture_s} (zeros where nothing is captured)."""
 
+    def moe_stats(self, reset: bool = False) -> Dict[int, Dict[str, int]]:
+        """{MoE layer: {forwards, experts, rows}} since the last reset: the distinct routed experts each forward
+        used, summed (the expert bytes it streamed); {} where not counted (CUDA, tp)."""
+
     def close(self) -> None:
         """Release what outlives the object (tp: the worker processes). Idempotent."""
 

@@ -156,6 +156,10 @@ class TPModel:
     def graph_stats(self) -> Dict[str, float]:
         return dict(NO_GRAPHS)
 
+    def moe_stats(self, reset: bool = False) -> Dict[int, Dict[str, int]]:
+        """{}: the ranks count their own forwards; not gathered here."""
+        return {}
+
     # -- plumbing --------------------------------------------------------------------------------------
     def _send(self, op: str, *args) -> None:
         if self._closed:

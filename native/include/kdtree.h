@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 8   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 9   /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -250,6 +250,18 @@ int kd_model_set_graph_rows(kd_model *m, const int64_t *rows, int64_t n);
 /* stats i64[4]: graphs captured, graph replays, eager forwards, buckets set; *capture_seconds: time spent
  * capturing (may be NULL). The CPU build reports zeros (no graphs). */
 int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds);
+/* The MoE tax: stats i64[n_layers * 3], per layer (0 for dense layers): MoE forwards, the distinct routed experts
+ * they used summed over those forwards (each streams the union of its rows' experts), rows summed; reset != 0 zeroes
+ * them after the copy. The CUDA build answers KD_EINVAL (it routes on the device). */
+int kd_model_moe_stats(kd_model *m, int64_t *stats, int reset);
+
+/* Roofs of this host, for the forward-cost curve (pipeline=bench_forward): kd_roof_read sums n floats from p
+ * (a streaming read: its bytes / its time is the read roof); kd_roof_fma runs iters x KD_ROOF_CHAINS independent
+ * 8-lane multiply-adds on registers per thread (2 x 8 x KD_ROOF_CHAINS flops per iteration per thread). Both use
+ * `threads` threads (<= 0: kd_threads()) and return a value that keeps the work alive. Host code in both builds. */
+#define KD_ROOF_CHAINS 12
+double kd_roof_read(const float *p, int64_t n, int threads);
+double kd_roof_fma(int64_t iters, int threads);
 
 /* Tensor parallel on the device (CUDA build): the forward's all-reduce as an NCCL all-gather on its stream plus a
  * rank-ordered sum kernel, ((p0 + p1) + p2) + ... elementwise (kdtree/parallel/comm.py's order: the host hook's

@@ -617,3 +617,101 @@ int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab, 
                      (long long)j, (long long)a->hidden_layers[j], (long long)(n_layers - 1));
   return KD_OK;
 }
+
+/* ---- roofs of this host (kdtree.h: kd_roof_read, kd_roof_fma) ------------------------------------------------ */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) static double kd_roof_read_avx2(const float *p, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  double s = 0;
+  for (int j = 0; j < 8; j++) s += lanes[j];
+  for (; i < n; i++) s += p[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) static double kd_roof_fma_avx2(int64_t iters, float seed) {
+  __m256 acc[KD_ROOF_CHAINS];
+  const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(1e-7f);
+  for (int c = 0; c < KD_ROOF_CHAINS; c++) acc[c] = _mm256_set1_ps(seed + (float)c);
+  for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 12
+    for (int c = 0; c < KD_ROOF_CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+  float lanes[8];
+  __m256 s = acc[0];
+  for (int c = 1; c < KD_ROOF_CHAINS; c++) s = _mm256_add_ps(s, acc[c]);
+  _mm256_storeu_ps(lanes, s);
+  double out = 0;
+  for (int j = 0; j < 8; j++) out += lanes[j];
+  return out;
+}
+#endif
+
+static double kd_roof_read_plain(const float *p, int64_t n) {
+  float acc[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; j++) acc[j] += p[i + j];
+  double s = 0;
+  for (int j = 0; j < 8; j++) s += acc[j];
+  for (; i < n; i++) s += p[i];
+  return s;
+}
+
+double kd_roof_read(const float *p, int64_t n, int threads) {
+  if (!p || n <= 0) return 0.0;
+#ifdef _OPENMP
+  int nt = threads > 0 ? threads : kd_threads();
+#else
+  int nt = 1; /* a build without OpenMP (the CUDA library's host code): one thread */
+  (void)threads;
+#endif
+  double total = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
+#endif
+  for (int t = 0; t < nt; t++) {
+    int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
+#if defined(__x86_64__) && defined(__GNUC__)
+    total += kd_host_avx2() ? kd_roof_read_avx2(p + lo, hi - lo) : kd_roof_read_plain(p + lo, hi - lo);
+#else
+    total += kd_roof_read_plain(p + lo, hi - lo);
+#endif
+  }
+  return total;
+}
+
+double kd_roof_fma(int64_t iters, int threads) {
+  if (iters <= 0) return 0.0;
+#ifdef _OPENMP
+  int nt = threads > 0 ? threads : kd_threads();
+#else
+  int nt = 1; /* a build without OpenMP (the CUDA library's host code): one thread */
+  (void)threads;
+#endif
+  double total = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
+#endif
+  for (int t = 0; t < nt; t++) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (kd_host_avx2()) {
+      total += kd_roof_fma_avx2(iters, (float)t);
+      continue;
+    }
+#endif
+    float acc[KD_ROOF_CHAINS * 8];
+    for (int c = 0; c < KD_ROOF_CHAINS * 8; c++) acc[c] = (float)(t + c);
+    for (int64_t i = 0; i < iters; i++)
+      for (int c = 0; c < KD_ROOF_CHAINS * 8; c++) acc[c] = acc[c] * 0.999999f + 1e-7f;
+    for (int c = 0; c < KD_ROOF_CHAINS * 8; c++) total += acc[c];
+  }
+  return total;
+}

@@ -92,6 +92,7 @@ struct kd_model {
   int64_t pool_rows;
   int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
   kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, attn, work, tg;
+  int64_t *moe_stats; /* [n_layers][3]: MoE forwards, distinct routed experts summed, rows summed (kd_model_moe_stats) */
 };
 
 int kd_model_destroy(kd_model *m) {
@@ -99,6 +100,7 @@ int kd_model_destroy(kd_model *m) {
   if (m->experts)
     for (int64_t i = 0; i < m->d.n_layers; i++) free(m->experts[i]);
   free(m->experts);
+  free(m->moe_stats);
   free(m->layers);
   free(m->inv_freq);
   for (int64_t s = 0; s < m->n_slots; s++)
@@ -132,7 +134,8 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   m->layers = (kd_layer *)malloc(sizeof(kd_layer) * (size_t)d->n_layers);
   m->experts = (kd_mlp **)calloc((size_t)d->n_layers, sizeof(kd_mlp *));
   m->inv_freq = (double *)malloc(sizeof(double) * (size_t)(R / 2));
-  if (!m->layers || !m->experts || !m->inv_freq) {
+  m->moe_stats = (int64_t *)calloc((size_t)d->n_layers * 3, sizeof(int64_t));
+  if (!m->layers || !m->experts || !m->inv_freq || !m->moe_stats) {
     kd_model_destroy(m);
     return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
   }
@@ -326,6 +329,14 @@ int kd_model_set_nccl(kd_model *m, const char *nccl_lib, const uint8_t *id128, i
   return kd_fail(KD_EINVAL, "kd_model_set_nccl: NCCL is the CUDA build's; the CPU build reduces through all_reduce");
 }
 
+int kd_model_moe_stats(kd_model *m, int64_t *stats, int reset) {
+  KD_CHECK_PTR("kd_model_moe_stats", m);
+  KD_CHECK_PTR("kd_model_moe_stats", stats);
+  memcpy(stats, m->moe_stats, sizeof(int64_t) * (size_t)(m->d.n_layers * 3));
+  if (reset) memset(m->moe_stats, 0, sizeof(int64_t) * (size_t)(m->d.n_layers * 3));
+  return KD_OK;
+}
+
 int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
   KD_CHECK_PTR("kd_model_graph_stats", m);
   KD_CHECK_PTR("kd_model_graph_stats", stats);
@@ -432,6 +443,8 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
    * the threads, each with its own g/u scratch (an MLP's linears then stay on its thread: same bits) */
   int64_t units = E + (ly->has_shared ? 1 : 0), busy = 0;
   for (int64_t e = 0; e < E; e++) busy += cnt[e + 1] > cnt[e];
+  int64_t *st = m->moe_stats + (ly - m->layers) * 3; /* the union of this forward's experts: bytes it streams */
+  st[0] += 1, st[1] += busy, st[2] += N;
   if (ly->has_shared) busy++;
   if (kd_par_worth((S + (ly->has_shared ? N : 0)) * 3 * D * I, busy)) {
     int nt = kd_threads();

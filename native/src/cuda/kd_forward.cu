@@ -1328,6 +1328,14 @@ extern "C" int kd_model_set_nccl(kd_model *m, const char *nccl_lib, const uint8_
   return rc;
 }
 
+extern "C" int kd_model_moe_stats(kd_model *m, int64_t *stats, int reset) {
+  (void)reset;
+  KD_CHECK_PTR("kd_model_moe_stats", m);
+  KD_CHECK_PTR("kd_model_moe_stats", stats);
+  return kd_fail(KD_EINVAL, "kd_model_moe_stats: the CUDA build routes on the device and does not count experts "
+                            "per forward; measure the expert union with backend=cpu");
+}
+
 extern "C" int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds) {
   KD_CHECK_PTR("kd_model_graph_stats", m);
   KD_CHECK_PTR("kd_model_graph_stats", stats);

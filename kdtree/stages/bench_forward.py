@@ -1,0 +1,199 @@
+"""bench_forward: the cost of ONE target forward of T rows at a fixed context, against this host's two roofs.
+
+    python -m kdtree.run pipeline=bench_forward model=tiny_wide backend=cpu
+    python -m kdtree.run pipeline=bench_forward bench_forward.rows=[1,2,9] bench_forward.threads=[2]
+
+Decoding a memory-bound MoE streams the active weights once per forward: a forward of T rows (a tree verify, a
+batch, a prefill chunk) should cost about one single-row step until its arithmetic catches up. For each thread count
+and each T this measures the best of `repeats` forwards of T causal rows after a `context`-token prefill (real text:
+the bench prompts, so the rows route as text does), and puts it next to its roofline time
+
+    max(bytes / read roof, FLOPs / FMA roof)
+
+where bytes = every linear the forward reads (the dense layers, attention, shared experts, routers, lm_head: as the
+backend holds them, NativeTarget.weight_bytes) + the routed experts the T rows chose (the union per MoE layer, counted
+by the forward itself: Target.moe_stats) + the latent cache rows it reads; FLOPs = 2 x T x (the multiply-adds of those
+weights) (attention over the context is counted too). The roofs are measured in the same run with the same threads:
+a streaming read of `roof_mb` MB (kd_roof_read) and independent 8-lane FMAs on registers (kd_roof_fma).
+Writes bench_forward.json (a row per (threads, T): seconds, ratio to T=1, bytes, GB/s, FLOPs, GFLOP/s, roofline
+seconds, share of the roofline, mean distinct experts per MoE layer) and bench_forward.png (cost vs T).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from kdtree.backends import native
+from kdtree.engine import Engine, EngineState
+from kdtree.errors import PipelineError
+from kdtree.stages.bench import load_prompts, provenance
+
+SIDE = "host"
+
+
+@dataclass
+class BenchForwardConfig:
+    rows: List[int] = field(default_factory=lambda: [1, 2, 5, 9, 17, 33, 65])  # T: rows of one forward
+    threads: List[int] = field(default_factory=lambda: [1, 2])  # native threads per curve (kd_set_threads)
+    context: int = 64  # tokens already in the latent cache before each forward
+    repeats: int = 3  # forwards per point; the fastest is kept
+    roof_mb: int = 1024  # bytes of the streaming-read roof (far beyond the caches)
+
+
+CONFIG = BenchForwardConfig  # cfg.bench_forward: this stage's options (kdtree/pipeline/registry.py)
+
+
+def roofs(lib, threads: int, roof_mb: int, repeats: int = 3) -> Dict[str, float]:
+    """{read_gb_s, fma_gflop_s} of this host with `threads` threads: best of `repeats`."""
+    buf = np.ones(max(1, roof_mb) * (1 << 20) // 4, np.float32)
+    ptr = lib.ffi.cast("float *", buf.ctypes.data)
+    lib.c.kd_roof_read(ptr, buf.size, threads)                     # pages touched before timing
+    read = min(_timed(lambda: lib.c.kd_roof_read(ptr, buf.size, threads)) for _ in range(repeats))
+    iters = 20_000_000
+    chains = int(getattr(lib.c, "KD_ROOF_CHAINS", 12))
+    fma = min(_timed(lambda: lib.c.kd_roof_fma(iters, threads)) for _ in range(repeats))
+    return {"read_gb_s": buf.nbytes / read / 1e9, "fma_gflop_s": threads * iters * chains * 16 / fma / 1e9}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _text_ids(engine, need: int) -> List[int]:
+    ids: List[int] = []
+    for text in load_prompts(""):
+        ids += engine.tokenizer.encode(text)
+    while len(ids) < need:
+        ids = ids + ids
+    return ids[:need]
+
+
+def forward_cost(cfg, weight_bytes: Dict[str, Tuple[int, int]], experts: Dict[int, Dict[str, int]], T: int,
+                 context: int) -> Dict[str, Any]:
+    """bytes and FLOPs of one forward of T rows after `context` rows: the linears it reads (routed experts: the
+    union its rows chose, per MoE layer, from the forward's own counters), the latent rows it attends to."""
+    E, k = int(cfg.n_routed_experts or 0), int(cfg.num_experts_per_tok or 0)
+    dense_b = dense_e = 0
+    expert_b: Dict[int, float] = {}
+    expert_e: Dict[int, float] = {}
+    for name, (b, n) in weight_bytes.items():
+        if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*: per-expert averages
+            layer = int(name.split(".")[2])
+            expert_b[layer] = expert_b.get(layer, 0.0) + b / E
+            expert_e[layer] = expert_e.get(layer, 0.0) + n / E
+        else:
+            dense_b, dense_e = dense_b + b, dense_e + n
+    union = {layer: st["experts"] / max(st["forwards"], 1) for layer, st in experts.items()}
+    routed_b = sum(expert_b.get(layer, 0.0) * u for layer, u in union.items())
+    width = int(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    layers = int(cfg.num_hidden_layers)
+    kv_b = layers * (context + T) * width * 4
+    attn_macs = layers * int(cfg.num_attention_heads) * (context + T) * (width + int(cfg.kv_lora_rank))
+    flops = 2.0 * T * (dense_e + k * sum(expert_e.values()) + attn_macs)
+    return {"bytes": dense_b + routed_b + kv_b, "dense_bytes": dense_b, "expert_bytes": routed_b, "kv_bytes": kv_b,
+            "flops": flops, "experts_per_layer": union}
+
+
+def _curve(engine, lib, conf: BenchForwardConfig, threads: int) -> List[dict]:
+    target, cfg = engine.model, engine.cfg.model
+    weight_bytes = target.weight_bytes()
+    ids = _text_ids(engine, conf.context + max(conf.rows))
+    cache = target.new_cache(conf.context + max(conf.rows) + 1)
+    target.forward(np.asarray(ids[:conf.context], np.int32), np.arange(conf.context, dtype=np.int32), cache)
+    rows = []
+    for T in conf.rows:
+        tokens = np.asarray(ids[conf.context:conf.context + T], np.int32)
+        positions = np.arange(conf.context, conf.context + T, dtype=np.int32)
+        best = float("inf")
+        target.moe_stats(reset=True)
+        for _ in range(max(1, conf.repeats)):
+            t0 = time.perf_counter()
+            target.forward(tokens, positions, cache)
+            best = min(best, time.perf_counter() - t0)
+            cache.truncate(conf.context)
+        cost = forward_cost(cfg, weight_bytes, target.moe_stats(reset=True), T, conf.context)
+        rows.append({"threads": threads, "rows": T, "seconds": best, **cost})
+    return rows
+
+
+def _table(rows: List[dict], roof: Dict[int, Dict[str, float]]) -> List[dict]:
+    base = {r["threads"]: r["seconds"] for r in rows if r["rows"] == min(x["rows"] for x in rows)}
+    for r in rows:
+        rf = roof[r["threads"]]
+        r["ratio_to_t1"] = r["seconds"] / base[r["threads"]]
+        r["gb_s"] = r["bytes"] / r["seconds"] / 1e9
+        r["gflop_s"] = r["flops"] / r["seconds"] / 1e9
+        r["roofline_s"] = max(r["bytes"] / (rf["read_gb_s"] * 1e9), r["flops"] / (rf["fma_gflop_s"] * 1e9))
+        r["bound"] = "memory" if r["bytes"] / rf["read_gb_s"] >= r["flops"] / rf["fma_gflop_s"] else "compute"
+        r["roofline_share"] = r["roofline_s"] / r["seconds"]
+    return rows
+
+
+def plot(rows: List[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for th in sorted({r["threads"] for r in rows}):
+        pts = [r for r in rows if r["threads"] == th]
+        ax.plot([r["rows"] for r in pts], [r["ratio_to_t1"] for r in pts], "o-", label=f"measured, {th} thr")
+        t1 = pts[0]["seconds"]
+        ax.plot([r["rows"] for r in pts], [r["roofline_s"] / t1 for r in pts], "--", label=f"roofline, {th} thr")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows T of one forward")
+    ax.set_ylabel("seconds / seconds of T=1")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(ctx, conf: BenchForwardConfig) -> dict:
+    cfg = ctx.cfg
+    state = EngineState.of(ctx)
+    if state.engine is None:
+        state.engine = Engine.from_config(cfg, status=ctx.status)
+    engine = state.engine
+    target = engine.model
+    if not hasattr(target, "weight_bytes") or cfg.backend.name != "cpu":
+        raise PipelineError(f"bench_forward measures the native CPU forward; backend={cfg.backend.name} has no "
+                            f"byte accounting: run it with backend=cpu")
+    if not conf.rows or min(conf.rows) < 1 or not conf.threads or min(conf.threads) < 1:
+        raise PipelineError(f"bench_forward.rows={list(conf.rows)} and bench_forward.threads={list(conf.threads)} "
+                            f"must be non-empty lists of positive integers")
+    lib = target.lib
+    rows, roof = [], {}
+    before = lib.c.kd_threads()
+    try:
+        for th in conf.threads:
+            native.set_loaded_threads(int(th))
+            roof[int(th)] = roofs(lib, int(th), conf.roof_mb)
+            rows += _curve(engine, lib, conf, int(th))
+    finally:
+        native.set_loaded_threads(int(before))
+    rows = _table(rows, roof)
+    out = {"model": cfg.model.name, "quant": cfg.quant.method, "backend": cfg.backend.name, "context": conf.context,
+           "roofs": {str(k): v for k, v in roof.items()}, "rows": rows, "provenance": provenance(ctx)}
+    (ctx.run_dir / "bench_forward.json").write_text(json.dumps(out, indent=2))
+    plot(rows, ctx.run_dir / "bench_forward.png", f"{cfg.model.name} {cfg.quant.method}: one forward of T rows")
+    print(f"bench_forward {cfg.model.name} {cfg.quant.method} context={conf.context}: roofs "
+          + ", ".join(f"{th} thr {r['read_gb_s']:.1f} GB/s read, {r['fma_gflop_s']:.0f} GFLOP/s FMA"
+                      for th, r in roof.items()))
+    print("| threads | T | seconds | x T=1 | MB streamed | GB/s | GFLOP/s | bound | roofline share | experts/layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ex = np.mean(list(r["experts_per_layer"].values())) if r["experts_per_layer"] else 0.0
+        print(f"| {r['threads']} | {r['rows']} | {r['seconds']:.4f} | {r['ratio_to_t1']:.2f} | {r['bytes'] / 1e6:.0f} "
+              f"| {r['gb_s']:.1f} | {r['gflop_s']:.1f} | {r['bound']} | {r['roofline_share']:.2f} | {ex:.2f} |")
+    print(f"-> {ctx.run_dir / 'bench_forward.json'}")
+    worst = min(r["roofline_share"] for r in rows if r["rows"] <= 33)
+    return {"worst_roofline_share_t33": worst}

@@ -1,0 +1,51 @@
+"""pipeline=bench_forward: one target forward of T rows against this host's roofs measured in the same run, with
+the bytes it must stream (dense + the union of its rows' routed experts, counted by the forward itself)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from tests.native_lib import needs_cpu_library
+from tests.serve.served_engine import kdtree_run
+
+
+@needs_cpu_library
+def test_bench_forward_curve_has_roofs_bytes_and_the_expert_union(kdtree_cache, tmp_path):
+    run_dir = tmp_path / "bf"
+    r = kdtree_run(["pipeline=bench_forward", "backend=cpu", "bench_forward.rows=[1,2,9]", "bench_forward.threads=[1]",
+                    "bench_forward.repeats=1", "bench_forward.roof_mb=32", f"hydra.run.dir={run_dir}"],
+                   kdtree_cache, tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads((run_dir / "bench_forward.json").read_text())
+    assert out["roofs"]["1"]["read_gb_s"] > 0.5 and out["roofs"]["1"]["fma_gflop_s"] > 1
+    rows = {x["rows"]: x for x in out["rows"]}
+    assert sorted(rows) == [1, 2, 9] and rows[1]["ratio_to_t1"] == 1.0
+    # tiny: 8 experts, top-2 -> one row streams exactly 2 experts per MoE layer; 9 rows stream more, at most all 8
+    assert set(rows[1]["experts_per_layer"].values()) == {2.0}
+    u9 = list(rows[9]["experts_per_layer"].values())
+    assert len(u9) == 3 and all(2.0 < u <= 8.0 for u in u9)
+    assert rows[9]["expert_bytes"] > rows[1]["expert_bytes"] and rows[9]["dense_bytes"] == rows[1]["dense_bytes"]
+    assert rows[9]["flops"] > 8 * rows[1]["flops"]
+    for x in rows.values():
+        assert 0 < x["roofline_share"] and x["bound"] in ("memory", "compute")
+    assert "| threads | T | seconds |" in r.stdout and (run_dir / "bench_forward.png").stat().st_size > 1000
+
+
+@needs_cpu_library
+def test_moe_stats_count_the_same_union_on_the_native_and_numpy_targets(compose_cfg):
+    from kdtree.engine import Engine
+
+    ids = np.arange(40, 60, dtype=np.int32)
+    stats = []
+    for backend in ("cpu", "numpy"):
+        t = Engine.from_config(compose_cfg(f"backend={backend}", "load.progress=false")).model
+        cache = t.new_cache(64)
+        t.moe_stats(reset=True)
+        t.forward(ids[:12], np.arange(12, dtype=np.int32), cache)
+        t.forward(ids[12:13], np.array([12], np.int32), cache)
+        stats.append(t.moe_stats(reset=True))
+        assert t.moe_stats() == {}                        # reset
+    assert stats[0] == stats[1]
+    assert all(s == {"forwards": 2, "experts": s["experts"], "rows": 13} and 4 <= s["experts"] <= 10
+               for s in stats[0].values())
