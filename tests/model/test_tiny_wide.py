@@ -123,3 +123,11 @@ def test_an_unknown_tensor_name_raises(engines):
                                    "moe_intermediate_size": 512})
     with pytest.raises(CheckpointError, match="no rule"):
         w.widen("model.layers.0.mlp.new_proj.weight", np.zeros((4, 128), np.float32), drafter=False)
+
+
+def test_two_generations_are_byte_identical(engines, tmp_path):
+    m = engines["cfg"](*NARROW).model
+    a, b = ensure_tiny_checkpoint(m, None, str(tmp_path / "a")), ensure_tiny_checkpoint(m, None, str(tmp_path / "b"))
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert a.name == b.name and files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
