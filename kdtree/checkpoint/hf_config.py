@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 from kdtree.config.schema import DrafterConfig, ModelConfig
 from kdtree.errors import CheckpointError
 
-NOT_ARCH = ("name", "path", "tokenizer", "seed", "drafter", "int4_unquantized_dtype")
+NOT_ARCH = ("name", "path", "tokenizer", "seed", "drafter", "int4_unquantized_dtype", "widen_from")
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name not in NOT_ARCH)
 DRAFTER_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterConfig))
 # Fields every DeepseekV3/K2 config.json has: the shapes. A file without them is not this architecture's config.

@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # model.path empty = kdtree generates the checkpoint itself (kdtree/checkpoint/tiny.py); add a name here to add one
-GENERATED_MODELS = ("tiny", "k26_mini")  # k26_mini: K2.6 layer dims, 2 layers
+GENERATED_MODELS = ("tiny", "k26_mini", "tiny_wide")  # k26_mini: K2.6 layer dims, 2 layers; tiny_wide: tiny widened
 
 
 def is_generated(model_name: str) -> bool:
@@ -63,6 +63,7 @@ class ModelConfig:
     init: str = "trained"  # embedded tiny only: trained (kdtree/assets/tiny) | random (seeded, generated)
     seed: int = 0
     int4_unquantized_dtype: str = "fp32"  # generated INT4 checkpoints: dtype of the unquantized tensors (bf16 = K2.6's)
+    widen_from: str = ""  # generated only: "tiny" = the trained tiny widened to these widths (kdtree/checkpoint/widen.py)
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     intermediate_size: int = MISSING

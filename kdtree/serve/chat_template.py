@@ -76,7 +76,7 @@ class ChatTemplate:
                 source, origin = tpl, str(config)
         if ckpt is not None and (ckpt / "chat_template.jinja").exists():
             source, origin = (ckpt / "chat_template.jinja").read_text(), str(ckpt / "chat_template.jinja")
-        if source is None and model_name == "tiny":
+        if source is None and model_name in ("tiny", "tiny_wide"):
             source, origin = TINY_TEMPLATE.read_text(), str(TINY_TEMPLATE)
         if source is None:
             raise ChatTemplateError(f"checkpoint {ckpt} has no chat template (chat_template.jinja or chat_template "
