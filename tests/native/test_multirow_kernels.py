@@ -152,8 +152,9 @@ def test_blocked_kernels_equal_the_lane_order_dot_at_every_T(n_in, n_out, group)
 
 
 # (n_in, n_out, group): rows longer than a k block (the row-streaming kernel), odd n_in (a 16-element tail), odd
-# n_out (a last triple of 1 or 2 rows), weights >= 1 M (outputs split over threads); group 0 = float32 only
-STREAMED = [(1037, 1031, 0), (2056, 61, 8), (1040, 1100, 16), (3000, 7, 24), (1552, 2, 0)]
+# n_out (a last triple of 1 or 2 rows), weights >= 1 M (outputs split over threads), T x n_in past KD_ROWS_X_BYTES
+# (the k-blocked kernel); group 0 = float32 only
+STREAMED = [(1037, 1031, 0), (2056, 61, 8), (1040, 1100, 16), (3000, 7, 24), (1552, 2, 0), (4104, 37, 8)]
 
 
 @pytest.mark.parametrize("n_in,n_out,group", STREAMED)

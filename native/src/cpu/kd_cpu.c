@@ -542,6 +542,75 @@ __attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const 
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
+/* kd_linear_rows for many rows (x beyond ~L2: KD_ROWS_X_BYTES): k blocks of KD_OB outputs, so that the x block
+ * (T x KD_KC) stays in L2 across the output tiles while each 3-row weight slice is copied (or dequantized) into L1
+ * and applied to every row pair. w float32 [n_out, n_in] or (w == NULL) INT4 rows as kd_linear_rows. */
+#define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
+__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint32_t *qp,
+                                                               const float *qs, int64_t n_words, int64_t n_groups,
+                                                               int64_t wpg, float *out, int64_t T, int64_t n_in,
+                                                               int64_t n_out, int parallel) {
+  /* x rows copied once to 64-byte aligned rows: numpy's large arrays sit 16 bytes past a line, and a 32-byte load
+   * across two cache lines costs two (the tile kernel is load-bound). The weight slices get the same below. */
+  int64_t ldx = (n_in + 15) / 16 * 16;
+  float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx + 16));
+  if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+  int nomem = 0;
+#pragma omp parallel if (parallel) num_threads(kd_threads())
+  {
+    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_OB * 16));
+    float *wb = (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
+#pragma omp for schedule(static)
+    for (int64_t ob = 0; ob < n_out; ob += KD_OB) {
+      if (!P || !wb) {
+#pragma omp atomic write
+        nomem = 1;
+        continue;
+      }
+      int64_t no = n_out - ob < KD_OB ? n_out - ob : KD_OB;
+      memset(P, 0, sizeof(float) * (size_t)(T * KD_OB * 16));
+      for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
+        int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC;
+        for (int64_t o = 0; o < no; o += 3) {
+          int O = (int)(no - o < 3 ? no - o : 3);
+          for (int i = 0; i < O; i++) /* this tile's weight slice, aligned, read from memory once */
+            if (w)
+              memcpy(wb + i * KD_KC, w + (ob + o + i) * n_in + k0, sizeof(float) * (size_t)n);
+            else
+              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
+                                    k0 + n, wpg);
+          for (int64_t t = 0; t < T; t += 2)
+            kd_tiles[0][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB,
+                                          NULL, 0);
+        }
+      }
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < no; o++) {
+          const float *p = P + (t * KD_OB + o) * 16;
+          out[t * n_out + ob + o] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
+        }
+    }
+    free(P);
+    free(wb);
+  }
+  free(xa);
+  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+
+/* x bytes (T x n_in floats) up to which kd_linear_rows keeps x in L2 while it walks whole rows (T <= 13 at
+ * n_in = 7168); more rows take kd_linear_blocked, which walks k blocks across 48 outputs instead (x block in L2).
+ * Both compute every output as kd_dot_f32, so the switch never changes a bit. */
+#define KD_ROWS_X_BYTES (384 << 10)
+
+static int kd_linear_multirow(const float *x, const float *w, const uint32_t *qp, const float *qs, int64_t n_words,
+                              int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                              int parallel) {
+  if (T * n_in * (int64_t)sizeof(float) <= KD_ROWS_X_BYTES)
+    return kd_linear_rows(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  return kd_linear_blocked(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+}
+
 /* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
  * loads, so more rows gain nothing: 4 rows with the scales held in registers spilled an accumulator, and out of
  * cache 2 rows (4 accumulators + each row's scale and -8 * scale broadcasts) ran 5-10 % faster than 3. */
@@ -725,7 +794,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
     return KD_OK;
   }
   if (T >= 2 && kd_host_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
-    return kd_linear_rows(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
     kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
@@ -786,7 +855,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
       }
       return KD_OK;
     }
-    return kd_linear_rows(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
   }
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */
