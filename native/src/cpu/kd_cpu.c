@@ -475,8 +475,9 @@ __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t
  * Memory-bound calls (K2-sized weights) want the weight rows streamed at the T = 1 GEMV's rate while the tiles
  * compute, but a stream that waits through the later tiles of a block idles the memory: so the next triple's rows
  * (contiguous: 3 rows of n_in floats, or of n_words packed words) are prefetched into L2 evenly over this
- * triple's iterations (pfs bytes per 16 elements). When that would take more than one line per iteration (T <= 3:
- * one row pair, then the weight stream is the tiles' own loads) the hardware prefetcher is left to it. */
+ * triple's iterations (pfs bytes per 16 elements). When that would take more than one line per iteration (float32,
+ * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
+ * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
 __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
                                                             const uint32_t *qp, const float *qs, int64_t n_words,
                                                             int64_t n_groups, int64_t wpg, float *out, int64_t T,
@@ -484,11 +485,11 @@ __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int6
                                                             float *wb) {
   const int O = n_out - o < 3 ? (int)(n_out - o) : 3;
   const int64_t iters = (T + 1) / 2 * ((n_in + KD_LANES - 1) / KD_LANES); /* of all this triple's tiles */
-  const int64_t nb = w ? 3 * n_in * (int64_t)sizeof(float) : 3 * n_words * (int64_t)sizeof(uint32_t);
-  const int64_t nx = o + 3 < n_out ? o + 3 : o; /* the last triple: its own rows again (a prefetch never faults) */
+  const int64_t nx = o + 3 < n_out ? o + 3 : o, rows = n_out - nx < 3 ? n_out - nx : 3; /* the next triple */
+  const int64_t nb = rows * (w ? n_in * (int64_t)sizeof(float) : n_words * (int64_t)sizeof(uint32_t));
   const char *pf = w ? (const char *)(w + nx * n_in) : (const char *)(qp + nx * n_words);
   const int64_t pfs = (nb + iters - 1) / iters;
-  const int PF = pfs <= 64;
+  const int PF = nx > o && pfs <= 64; /* the last triple (nx = o) has nothing to prefetch; pf stays in bounds */
   memset(P, 0, sizeof(float) * (size_t)(T * 3 * 16));
   int64_t it = 0;
   for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
