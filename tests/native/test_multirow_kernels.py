@@ -149,3 +149,33 @@ def test_blocked_kernels_equal_the_lane_order_dot_at_every_T(n_in, n_out, group)
         want = _lane_dots(x, deq)
         for T in (1, 2, 3, 9, 33, 64):
             np.testing.assert_array_equal(ops.linear(x[:T], wt), want[:T], err_msg=f"T={T} {type(wt).__name__}")
+
+
+# (n_in, n_out, group): rows longer than a k block (the row-streaming kernel), odd n_in (a 16-element tail), odd
+# n_out (a last triple of 1 or 2 rows), weights >= 1 M (outputs split over threads), T x n_in past KD_ROWS_X_BYTES
+# (the k-blocked kernel); group 0 = float32 only
+STREAMED = [(1037, 1031, 0), (2056, 61, 8), (1040, 1100, 16), (3000, 7, 24), (1552, 2, 0), (4104, 37, 8)]
+
+
+@pytest.mark.parametrize("n_in,n_out,group", STREAMED)
+def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
+    """Batch invariance of the multi-row linear: a call of T rows (T = 1..33) gives, for each row, exactly the bits
+    of a one-row call on it (kd_gemv_f32_avx2 / the fused W4A16 GEMV), with 1 and 2 threads."""
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(n_in * 7 + n_out)
+    x = rng.standard_normal((33, n_in), dtype=np.float32)
+    w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    weights = [w]
+    if group:
+        packed, _, shape = int4.quantize_weight(w, group)
+        weights.append(int4.Int4Weight(packed, rng.uniform(0.01, 0.3, (n_out, n_in // group)).astype(np.float32),
+                                       shape, group))
+    try:
+        for threads in (1, 2):
+            ops.lib.set_threads(threads)
+            for wt in weights:
+                one = np.stack([ops.linear(x[t:t + 1], wt)[0] for t in range(33)])
+                for T in range(1, 34):
+                    assert np.array_equal(ops.linear(x[:T], wt), one[:T]), f"T={T} threads={threads} {type(wt).__name__}"
+    finally:
+        ops.lib.set_threads(0)

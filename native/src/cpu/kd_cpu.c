@@ -284,21 +284,21 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
   for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * ws, x, n);
 }
 
-/* ---- blocked AVX2 linear for T >= 2 and the fused W4A16 GEMV ---------------------------------------------
+/* ---- row-streaming AVX2 linear for T >= 2 and the fused W4A16 GEMV -------------------------------------
  * Same arithmetic as kd_dot_f32 on every output, only scheduled differently: a [2 rows x 3 outputs] register
  * tile (12 accumulators: lanes 0..7 / 8..15 of six dots) walks k in blocks of KD_KC elements; between blocks
  * each dot's 16 partial lanes wait in a per-thread buffer, so every lane still adds its products in
- * ascending k and kd_hsum combines them as kd_lanes_sum. The weight tile (3 rows x KD_KC) is read from memory
- * once and reused from L1 by every row pair; the x block (T x KD_KC) stays in L2 across the output tiles. */
+ * ascending k and kd_hsum combines them as kd_lanes_sum. kd_linear_rows streams each weight triple (3 rows x
+ * KD_KC per block, in L1) from memory once, front to back, and applies it to every row pair of x (in L2). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KD_KC 1024 /* k block (floats): 3 weight rows = 12 KB in L1, x block T x 4 KB in L2 */
-#define KD_OB 48  /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
 
 /* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
- * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. */
+ * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. PF: one
+ * prefetch (into L2) per 16 elements, of pf + i * pfs at the i-th (kd_rows_triple's stream of the next rows). */
 __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
-    const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *P,
-    int64_t ps) {
+    const int R, const int O, const int PF, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n,
+    float *P, int64_t ps, const char *pf, int64_t pfs) {
   __m256 lo[2][3], hi[2][3];
 #pragma GCC unroll 2
   for (int r = 0; r < R; r++)
@@ -312,6 +312,7 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
     __m256 wl[3], wh[3];
 #pragma GCC unroll 3
     for (int o = 0; o < O; o++) wl[o] = _mm256_loadu_ps(w + o * ws + k), wh[o] = _mm256_loadu_ps(w + o * ws + k + 8);
+    if (PF) _mm_prefetch(pf + k / KD_LANES * pfs, _MM_HINT_T1);
 #pragma GCC unroll 2
     for (int r = 0; r < R; r++) {
       __m256 xl = _mm256_loadu_ps(x + r * xs + k), xh = _mm256_loadu_ps(x + r * xs + k + 8);
@@ -336,15 +337,20 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
     }
 }
 
-#define KD_TILE(R, O)                                                                                          \
-  __attribute__((target("avx2"))) static void kd_tile_##R##x##O(const float *x, int64_t xs, const float *w,    \
-                                                                  int64_t ws, int64_t n, float *P, int64_t ps) { \
-    kd_tile_avx2(R, O, x, xs, w, ws, n, P, ps);                                                               \
+#define KD_TILE(R, O, PF)                                                                                      \
+  __attribute__((target("avx2"))) static void kd_tile_##R##x##O##_##PF(const float *x, int64_t xs, const float *w, \
+                                                                     int64_t ws, int64_t n, float *P, int64_t ps, \
+                                                                     const char *pf, int64_t pfs) {               \
+    kd_tile_avx2(R, O, PF, x, xs, w, ws, n, P, ps, pf, pfs);                                                    \
   }
-KD_TILE(2, 3) KD_TILE(2, 2) KD_TILE(2, 1) KD_TILE(1, 3) KD_TILE(1, 2) KD_TILE(1, 1)
-typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t);
-static const kd_tile_fn kd_tiles[2][3] = {{kd_tile_1x1, kd_tile_1x2, kd_tile_1x3},  /* [R - 1][O - 1] */
-                                          {kd_tile_2x1, kd_tile_2x2, kd_tile_2x3}};
+#define KD_TILES(PF) \
+  KD_TILE(2, 3, PF) KD_TILE(2, 2, PF) KD_TILE(2, 1, PF) KD_TILE(1, 3, PF) KD_TILE(1, 2, PF) KD_TILE(1, 1, PF)
+KD_TILES(0) KD_TILES(1)
+typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, const char *,
+                           int64_t);
+static const kd_tile_fn kd_tiles[2][2][3] = { /* [PF][R - 1][O - 1] */
+    {{kd_tile_1x1_0, kd_tile_1x2_0, kd_tile_1x3_0}, {kd_tile_2x1_0, kd_tile_2x2_0, kd_tile_2x3_0}},
+    {{kd_tile_1x1_1, kd_tile_1x2_1, kd_tile_1x3_1}, {kd_tile_2x1_1, kd_tile_2x2_1, kd_tile_2x3_1}}};
 
 /* Direct tiles for short rows (n_in <= KD_KC, the tiny model's and the drafter's matrices; T >= 2): an
  * [R rows x O outputs] tile computes whole dots in registers, from +0, and writes their kd_hsum -- no partial
@@ -462,8 +468,85 @@ __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t
   for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[g]);
 }
 
-/* out [T, n_out] = x [T, n_in] . w^T for T >= 1, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
- * [n_out, n_words], scales [n_out, n_groups], wpg words per group) dequantized slice by slice into L1. */
+/* Output rows o .. o + O - 1 (O <= 3) of out [T, n_out] = x . w^T for all T rows of x (xa: 64-byte aligned rows,
+ * stride ldx): w float32 rows (stride n_in, read in place) or (w == NULL) INT4 rows dequantized block by block into
+ * wb (3 x KD_KC, this thread's), each 2-row tile of x against them in turn, the 16 partial lanes of each dot in
+ * P [T x 3 x 16] between k blocks.
+ * Memory-bound calls (K2-sized weights) want the weight rows streamed at the T = 1 GEMV's rate while the tiles
+ * compute, but a stream that waits through the later tiles of a block idles the memory: so the next triple's rows
+ * (contiguous: 3 rows of n_in floats, or of n_words packed words) are prefetched into L2 evenly over this
+ * triple's iterations (pfs bytes per 16 elements). When that would take more than one line per iteration (float32,
+ * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
+ * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
+__attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
+                                                            const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            int64_t n_groups, int64_t wpg, float *out, int64_t T,
+                                                            int64_t n_in, int64_t n_out, int64_t o, float *P,
+                                                            float *wb) {
+  const int O = n_out - o < 3 ? (int)(n_out - o) : 3;
+  const int64_t iters = (T + 1) / 2 * ((n_in + KD_LANES - 1) / KD_LANES); /* of all this triple's tiles */
+  const int64_t nx = o + 3 < n_out ? o + 3 : o, rows = n_out - nx < 3 ? n_out - nx : 3; /* the next triple */
+  const int64_t nb = rows * (w ? n_in * (int64_t)sizeof(float) : n_words * (int64_t)sizeof(uint32_t));
+  const char *pf = w ? (const char *)(w + nx * n_in) : (const char *)(qp + nx * n_words);
+  const int64_t pfs = (nb + iters - 1) / iters;
+  const int PF = nx > o && pfs <= 64; /* the last triple (nx = o) has nothing to prefetch; pf stays in bounds */
+  memset(P, 0, sizeof(float) * (size_t)(T * 3 * 16));
+  int64_t it = 0;
+  for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
+    int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC, ws = w ? n_in : KD_KC;
+    const float *wk = w ? w + o * n_in + k0 : wb;
+    if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
+      for (int i = 0; i < O; i++)
+        kd_dequant_slice_avx2(qp + (o + i) * n_words, qs + (o + i) * n_groups, wb + i * KD_KC, k0, k0 + n, wpg);
+    }
+    for (int64_t t = 0; t < T; t += 2, it += (n + KD_LANES - 1) / KD_LANES)
+      kd_tiles[PF][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wk, ws, n, P + t * 48, 3, pf + it * pfs, pfs);
+  }
+  for (int64_t t = 0; t < T; t++)
+    for (int i = 0; i < O; i++) {
+      const float *p = P + (t * 3 + i) * 16;
+      out[t * n_out + o + i] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
+    }
+}
+
+/* out [T, n_out] = x [T, n_in] . w^T for T >= 2, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
+ * [n_out, n_words], scales [n_out, n_groups], wpg words per group). Large calls give each thread a contiguous
+ * range of output triples (static schedule): an output is one thread's fixed-order dot either way, so the bits do
+ * not depend on the number of threads, nor on T. */
+__attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const float *w, const uint32_t *qp,
+                                                           const float *qs, int64_t n_words, int64_t n_groups,
+                                                           int64_t wpg, float *out, int64_t T, int64_t n_in,
+                                                           int64_t n_out, int parallel) {
+  /* x rows copied once to 64-byte aligned rows (numpy's large arrays sit 16 bytes past a line, and a 32-byte load
+   * across two cache lines costs two), an odd number of lines apart: rows a multiple of 4 KB apart (n_in = 7168)
+   * would all fall in the same L1 sets. */
+  int64_t ldx = (n_in + 31) / 32 * 32 + 16, n3 = (n_out + 2) / 3;
+  float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
+  if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+  int nomem = 0;
+#pragma omp parallel if (parallel) num_threads(kd_threads())
+  {
+    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * 3 * 16));
+    float *wb = w ? NULL : (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
+    if (!P || (!w && !wb)) {
+#pragma omp atomic write
+      nomem = 1;
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n3; i++)
+      if (P && (w || wb)) kd_rows_triple(xa, ldx, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, 3 * i, P, wb);
+    free(P);
+    free(wb);
+  }
+  free(xa);
+  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+
+/* kd_linear_rows for many rows (x beyond ~L2: KD_ROWS_X_BYTES): k blocks of KD_OB outputs, so that the x block
+ * (T x KD_KC) stays in L2 across the output tiles while each 3-row weight slice is copied (or dequantized) into L1
+ * and applied to every row pair. w float32 [n_out, n_in] or (w == NULL) INT4 rows as kd_linear_rows. */
+#define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
 __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint32_t *qp,
                                                                const float *qs, int64_t n_words, int64_t n_groups,
                                                                int64_t wpg, float *out, int64_t T, int64_t n_in,
@@ -499,7 +582,8 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
               kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
                                     k0 + n, wpg);
           for (int64_t t = 0; t < T; t += 2)
-            kd_tiles[T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB);
+            kd_tiles[0][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB,
+                                          NULL, 0);
         }
       }
       for (int64_t t = 0; t < T; t++)
@@ -513,6 +597,19 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
   }
   free(xa);
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+
+/* x bytes (T x n_in floats) up to which kd_linear_rows keeps x in L2 while it walks whole rows (T <= 13 at
+ * n_in = 7168); more rows take kd_linear_blocked, which walks k blocks across 48 outputs instead (x block in L2).
+ * Both compute every output as kd_dot_f32, so the switch never changes a bit. */
+#define KD_ROWS_X_BYTES (384 << 10)
+
+static int kd_linear_multirow(const float *x, const float *w, const uint32_t *qp, const float *qs, int64_t n_words,
+                              int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                              int parallel) {
+  if (T * n_in * (int64_t)sizeof(float) <= KD_ROWS_X_BYTES)
+    return kd_linear_rows(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  return kd_linear_blocked(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
 }
 
 /* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
@@ -698,7 +795,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
     return KD_OK;
   }
   if (T >= 2 && kd_host_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
-    return kd_linear_blocked(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
     kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
@@ -759,7 +856,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
       }
       return KD_OK;
     }
-    return kd_linear_blocked(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
   }
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */
