@@ -533,6 +533,8 @@ class NativeOps(Ops):
                     self.lib.check(rc, "kd_linear_f32")
                 return out
         x = np.ascontiguousarray(x, np.float32)
+        if isinstance(w, np.ndarray) and w.dtype == np.uint16:   # BF16 bits (load_checkpoint(bf16=True))
+            return self.lib.linear_bf16(x, np.ascontiguousarray(w))
         if isinstance(w, np.ndarray):
             return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
         parts = _int4_parts(w)

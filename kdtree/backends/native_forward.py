@@ -47,10 +47,14 @@ LIBRARY_CLOCK = LibraryClock()
 def keeps_bf16(ops: Any) -> bool:
     """Whether these ops' target takes BF16 tensors as they are stored (load_checkpoint(bf16=True)): backend=cpu's
     native forward widens BF16 weights exactly in its kernels (kd_linear_bf16: the float32 path's bits), so they
-    stay uint16 in memory, half the bytes held and streamed per token. backend=numpy (the reference) and
+    stay uint16 in memory, half the bytes held and streamed per token (W_uk / W_uv, the router and the norms are
+    still widened copies: small). backend=numpy (the reference) and
     backend=cuda (which keeps exact-BF16 float32 tensors as BF16 on the device at upload) load them widened."""
     lib = getattr(ops, "lib", None)
-    return bool(getattr(ops, "native_forward", False)) and getattr(lib, "kind", "") == "cpu"
+    # the drafter shares the target's embed / lm_head: both must be native (backend.drafter_forward=per_op runs the
+    # numpy-formula drafter over the ops, which takes float32 tensors)
+    return (bool(getattr(ops, "native_forward", False)) and bool(getattr(ops, "native_drafter_forward", False))
+            and getattr(lib, "kind", "") == "cpu")
 
 
 def supports(w: Any) -> bool:

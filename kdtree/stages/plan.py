@@ -260,7 +260,8 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
     model.drafter = types.SimpleNamespace(**model.drafter)
     tp = int(cfg.tp.size)
     backend = str(OmegaConf.select(cfg, "backend.name", default="numpy"))
-    keep_bf16 = backend == "cpu"   # the native CPU forward takes BF16 as stored (native_forward.keeps_bf16)
+    # the native CPU forward takes BF16 as stored (native_forward.keeps_bf16; not with the per-op drafter)
+    keep_bf16 = backend == "cpu" and str(OmegaConf.select(cfg, "backend.drafter_forward", default="native")) != "per_op"
     strategy = str(OmegaConf.select(cfg, "load.strategy", default="mmap"))
     tree = OmegaConf.select(cfg, "tree", default=None)
     with_drafter = tree is not None and str(tree.kind) != "ar"
