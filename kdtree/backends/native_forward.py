@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from kdtree.errors import CachePoolBusy, ConfigError, NativeError
-from kdtree.model.derived import (as_f32, check_context, embed_weight, is_bf16, lm_head_weight, rope_mscale, route_params,
+from kdtree.model.derived import (as_f32, check_context, embed_weight, is_bf16, lm_head_weight, rope_mscale,
+                                  route_params,
                                   router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter,
                                   yarn_inv_freq)
 from kdtree.model.names import is_moe_layer
