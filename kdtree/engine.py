@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from kdtree.backends import get_ops
 from kdtree.backends.native import auto_threads as native_auto_threads
+from kdtree.backends.native_forward import keeps_bf16
 from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_drafter, load_options, resident_bytes
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
@@ -107,7 +108,7 @@ class Engine:
         else:
             rss0 = resident_bytes()
             weights, stats = load_checkpoint(ckpt, cfg.model, cfg.quant, progress=progress,
-                                             **load_options(cfg.load))
+                                             bf16=keeps_bf16(ops), **load_options(cfg.load))
             model = build_target(cfg.model, weights, ops)
             del weights
             resident = [resident_bytes() - rss0]
@@ -115,7 +116,8 @@ class Engine:
             drafter = None
             if cfg.tree.kind != "ar":
                 rss0 = resident_bytes()
-                dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
+                dweights, dstats = load_drafter(ckpt, cfg.model, cfg.quant, bf16=keeps_bf16(ops),
+                                                **load_options(cfg.load, throttle=False))
                 stats.bytes_read += dstats.bytes_read
                 drafter = build_drafter(cfg.model, dweights, model)
                 del dweights

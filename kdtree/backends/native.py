@@ -31,7 +31,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 9  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 10  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -311,6 +311,16 @@ class NativeLibrary:
         self._run("kd_linear_f32", (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
         return out
 
+    def linear_bf16(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
+        """x f32 [T, in] . w^T with w BF16 bit patterns uint16 [out, in]: exactly linear_f32 on the widened w."""
+        _c_contig(x, np.float32, "linear_bf16 x", 2)
+        _c_contig(w, np.uint16, "linear_bf16 w", 2)
+        if x.shape[1] != w.shape[1]:
+            raise NativeError(f"linear_bf16: x {x.shape} and w {w.shape} disagree on in_features")
+        out = self._out(out, (x.shape[0], w.shape[0]), "linear_bf16 out")
+        self._run("kd_linear_bf16", (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
+        return out
+
     def linear_w4a16(self, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, n_in: int, group: int,
                      out: Optional[np.ndarray] = None) -> np.ndarray:
         _c_contig(x, np.float32, "linear_w4a16 x", 2)
@@ -523,6 +533,8 @@ class NativeOps(Ops):
                     self.lib.check(rc, "kd_linear_f32")
                 return out
         x = np.ascontiguousarray(x, np.float32)
+        if isinstance(w, np.ndarray) and w.dtype == np.uint16:   # BF16 bits (load_checkpoint(bf16=True))
+            return self.lib.linear_bf16(x, np.ascontiguousarray(w))
         if isinstance(w, np.ndarray):
             return self.lib.linear_f32(x, np.ascontiguousarray(w, np.float32))
         parts = _int4_parts(w)

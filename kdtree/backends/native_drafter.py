@@ -70,7 +70,7 @@ class NativeDrafter:
         d.mask_token, d.eps, d.rope_theta = shape.mask_token_id, shape.eps, shape.theta
         reg.weight(d.fc, w["fc.weight"], "fc")
         d.hidden_norm, d.final_norm = reg.vec(w["hidden_norm.weight"]), reg.vec(w["norm.weight"])
-        d.embed = reg.ptr(np.ascontiguousarray(embed, np.float32))
+        reg.table(d, "embed", embed)
         reg.weight(d.lm_head, lm_head, "lm_head")
         layers = ffi.new("kd_drafter_layer[]", shape.num_layers)
         reg.keep.append(layers)

@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import numpy as np
 
 from kdtree.errors import CachePoolBusy, ConfigError, NativeError
-from kdtree.model.derived import (check_context, embed_weight, lm_head_weight, rope_mscale, route_params,
+from kdtree.model.derived import (as_f32, check_context, embed_weight, is_bf16, lm_head_weight, rope_mscale,
+                                  route_params,
                                   router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter,
                                   yarn_inv_freq)
 from kdtree.model.names import is_moe_layer
@@ -44,10 +45,24 @@ class LibraryClock:
 LIBRARY_CLOCK = LibraryClock()
 
 
+def keeps_bf16(ops: Any) -> bool:
+    """Whether these ops' target takes BF16 tensors as they are stored (load_checkpoint(bf16=True)): backend=cpu's
+    native forward widens BF16 weights exactly in its kernels (kd_linear_bf16: the float32 path's bits), so they
+    stay uint16 in memory, half the bytes held and streamed per token (W_uk / W_uv, the router and the norms are
+    still widened copies: small). backend=numpy (the reference) and
+    backend=cuda (which keeps exact-BF16 float32 tensors as BF16 on the device at upload) load them widened."""
+    lib = getattr(ops, "lib", None)
+    # the drafter shares the target's embed / lm_head: both must be native (backend.drafter_forward=per_op runs the
+    # numpy-formula drafter over the ops, which takes float32 tensors)
+    return (bool(getattr(ops, "native_forward", False)) and bool(getattr(ops, "native_drafter_forward", False))
+            and getattr(lib, "kind", "") == "cpu")
+
+
 def supports(w: Any) -> bool:
-    """A weight the native forward takes as is: a float32 2-D ndarray or a packed Int4Weight."""
+    """A weight the native forward takes as is: a float32 or BF16 (uint16 bits) 2-D ndarray or a packed
+    Int4Weight."""
     if isinstance(w, np.ndarray):
-        return w.dtype == _F32 and w.ndim == 2
+        return w.dtype in (_F32, np.dtype(np.uint16)) and w.ndim == 2
     return hasattr(w, "packed") and hasattr(w, "scale") and hasattr(w, "group_size")
 
 
@@ -66,14 +81,26 @@ class _Registry:
         return c
 
     def vec(self, a: Any):
-        """A 1-D float32 vector (norm weights, router bias)."""
-        return self.ptr(np.ascontiguousarray(np.asarray(a, np.float32).reshape(-1)))
+        """A 1-D float32 vector (norm weights, router bias; BF16 bits widened)."""
+        return self.ptr(np.ascontiguousarray(as_f32(a).reshape(-1)))
+
+    def table(self, dst, name: str, a: np.ndarray) -> None:
+        """An embedding table [V, D]: dst.<name>_bf16 for BF16 bits, else dst.<name> as float32."""
+        if is_bf16(a):
+            setattr(dst, f"{name}_bf16", self.ptr(a, "uint16_t[]"))
+        else:
+            setattr(dst, name, self.ptr(np.ascontiguousarray(a, np.float32)))
 
     def weight(self, dst, w: Any, name: str) -> None:
-        """Fill a kd_weight from a float32 [out, in] ndarray or an Int4Weight."""
+        """Fill a kd_weight from a float32 or BF16 (uint16 bits) [out, in] ndarray or an Int4Weight."""
         if isinstance(w, np.ndarray):
             if w.ndim != 2:
                 raise NativeError(f"{name}: expected a 2-D weight, got shape {w.shape}")
+            if is_bf16(w):
+                dst.bf16 = self.ptr(w, "uint16_t[]")
+                dst.n_out, dst.n_in = w.shape
+                self.bytes[name] = (int(w.nbytes), int(w.size))
+                return
             w = np.ascontiguousarray(w, np.float32)
             dst.f32 = self.ptr(w)
             dst.n_out, dst.n_in = w.shape
@@ -274,7 +301,7 @@ class NativeTarget:
         d.eps, d.attn_scale = float(cfg.rms_norm_eps), float(softmax_scale(cfg))
         d.inv_freq = reg.ptr(np.ascontiguousarray(yarn_inv_freq(cfg), np.float64), "double[]")
         d.rope_mscale = float(rope_mscale(cfg))
-        d.embed = reg.ptr(np.ascontiguousarray(self.embed_tokens, np.float32))
+        reg.table(d, "embed", self.embed_tokens)
         d.final_norm = reg.vec(w("model.norm.weight"))
         reg.weight(d.lm_head, self.lm_head_w, "lm_head")
         layers = ffi.new("kd_layer[]", self.n_layers)
@@ -301,7 +328,7 @@ class NativeTarget:
                 continue
             ly.is_moe = 1
             gate, bias = router_weights(w, i)
-            ly.router, ly.router_bias = reg.ptr(gate), reg.vec(bias)
+            ly.router, ly.router_bias = reg.ptr(np.ascontiguousarray(gate, np.float32)), reg.vec(bias)
             reg.bytes[f"{p}.mlp.gate"] = (int(reg.keep[-4].nbytes), int(reg.keep[-4].size))
             experts = ffi.new("kd_mlp[]", int(cfg.n_routed_experts))
             reg.keep.append(experts)
@@ -522,4 +549,4 @@ class NativeTarget:
         return arrays["logits"], arrays["argmax"], {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
 
 
-__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "supports"]
+__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "keeps_bf16", "supports"]

@@ -108,9 +108,9 @@ def check_target_config(file, have: dict, model_cfg, quant_cfg) -> None:
     if q["method"] == "int4_w4a16" and not qc:
         raise CheckpointError(f"{file}: no quantization_config (an unquantized checkpoint) but the composed config "
                               f"has quant.method=int4_w4a16; use quant=fp32")
-    if q["method"] == "fp32" and qc:
+    if q["method"] in ("fp32", "bf16") and qc:
         raise CheckpointError(f"{file}: quantization_config.format={qc.get('format')!r} (a quantized checkpoint) "
-                              f"but the composed config has quant.method=fp32; use quant=int4_w4a16")
+                              f"but the composed config has quant.method={q['method']}; use quant=int4_w4a16")
     if qc and _group_size(qc) not in (None, q.get("group_size")):
         raise CheckpointError(f"{file}: quantization_config group_size={_group_size(qc)} but the composed config "
                               f"has quant.group_size={q.get('group_size')}; set quant.group_size={_group_size(qc)}")

@@ -18,6 +18,9 @@ strategy="eager": every tensor gets its own buffer (one np.empty arena per shard
 `os.preadv` scattering the bytes straight into the final buffers (bf16/fp16 land in the first half of
 their float32 buffer and are widened in place by the thread that completes the tensor).
 raw=True keeps every tensor as stored (BF16 as uint16 bits, INT4 modules as their three parts).
+bf16=True keeps every BF16 tensor outside INT4 modules as its uint16 bits (mmap: a zero-copy view), INT4 still
+assembled (its BF16 scales widened to float32): what backend=cpu's native forward takes (it widens BF16 exactly
+in its kernels), half the bytes of the widened copy.
 
 `shard(name, shape) -> tuple of slices | None` selects part of a tensor (tensor parallelism): row
 slices are one contiguous byte range, column slices one range per row; only those bytes are read
@@ -225,12 +228,14 @@ class _Job:
     info: TensorInfo
     shape: Tuple[int, ...]          # output shape (the slice's)
     raw: bool = False               # keep the stored dtype (BF16 as uint16 bits)
+    bf16: bool = False              # keep BF16 as uint16 bits unless an INT4 part (its scales are widened)
     pieces: int = 0
     result: Optional[np.ndarray] = None
 
     def __post_init__(self):
         # INT4 scales too: Int4Weight keeps float32 scales
-        self.widen = self.info.dtype in ("BF16", "F16") and not self.raw
+        keep = self.raw or (self.bf16 and self.info.dtype == "BF16" and self.want.module is None)
+        self.widen = self.info.dtype in ("BF16", "F16") and not keep
         self.count = math.prod(self.shape)
         self.nbytes = self.count * self.info.storage.itemsize    # bytes read from the file
         self.out_dtype = np.dtype(np.float32) if self.widen else self.info.storage
@@ -610,7 +615,7 @@ def _read_mmap(files: List[Path], jobs: List[_Job], runs, slices: List, threads:
 
 def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], progress: Optional[ProgressFn],
           threads: int, strategy: str, throttle_mb_s: float, chunk_mb: float, raw: bool = False,
-          mlock: bool = False):
+          mlock: bool = False, bf16: bool = False):
     if strategy not in ("eager", "mmap"):
         raise ValueError(f"strategy={strategy!r}; use 'eager' or 'mmap'")
     if chunk_mb <= 0:
@@ -620,7 +625,7 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
                          "anonymous memory, which only swap can evict)")
     t_start = time.monotonic()
     idx, files, file_no, jobs, slices, runs, module_slices, linear, group = _prepare(path, cfg, quant_cfg, drafter,
-                                                                                     shard, raw)
+                                                                                     shard, raw, bf16)
     assembler = _Assembler(module_slices, linear, group, raw)
     shard_stats = [{"t0": math.inf, "t1": -math.inf, "bytes": 0} for _ in files]
     total = sum(job.nbytes for job in jobs)
@@ -644,7 +649,7 @@ def _load(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], p
     return weights, stats
 
 
-def _prepare(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], raw: bool):
+def _prepare(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn], raw: bool, bf16: bool = False):
     """Checks, then one _Job per on-disk tensor (or slice) and the file byte runs to read: headers only."""
     idx, wants = _checked(path, cfg, quant_cfg, drafter)
     group = int(plain(quant_cfg)["group_size"]) if quant_cfg is not None else 32
@@ -668,7 +673,7 @@ def _prepare(path: Path, cfg, quant_cfg, drafter: bool, shard: Optional[ShardFn]
                                                         shard(f"{w.module}.weight", logical)) if shard else None)
             sl = _int4_part_slices(w, module_slices[w.module], linear[w.module], group)
         out_shape, offsets, run = _runs(info, sl)
-        jobs.append(_Job(w, info, out_shape, raw))
+        jobs.append(_Job(w, info, out_shape, raw, bf16))
         slices.append(sl)
         f = file_no[info.path]
         runs.extend((f, off, run, len(jobs) - 1) for off in offsets)
@@ -687,11 +692,11 @@ class MemoryPlan:
 
 
 def plan_load(path, model_cfg, quant_cfg, *, drafter: bool = False, shard: Optional[ShardFn] = None,
-              strategy: str = "mmap", raw: bool = False) -> MemoryPlan:
+              strategy: str = "mmap", raw: bool = False, bf16: bool = False) -> MemoryPlan:
     """The memory a load_checkpoint/load_drafter call with these arguments will hold, computed the way the
     loader plans its reads (same slices, same span merging), without reading a weight byte."""
     p = Path(path) / DRAFTER_DIR if drafter else Path(path)
-    _, _, _, jobs, _, runs, _, _, _ = _prepare(p, model_cfg, quant_cfg, drafter, shard, raw)
+    _, _, _, jobs, _, runs, _, _, _ = _prepare(p, model_cfg, quant_cfg, drafter, shard, raw, bf16)
     pieces: Dict[int, int] = {}
     for _, _, _, j in runs:
         pieces[j] = pieces.get(j, 0) + 1
@@ -773,23 +778,28 @@ def _int4(module: str, p: Dict[str, _Job], sl, logical: Tuple[int, int], group: 
 
 def load_checkpoint(path, model_cfg, quant_cfg, *, shard: Optional[ShardFn] = None,
                     progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
-                    throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False):
+                    throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False,
+                    bf16: bool = False):
     """Target checkpoint at `path` -> ({name: float32 ndarray | Int4Weight}, LoadStats).
+
+    bf16=True: BF16 tensors (outside INT4 modules) stay uint16 bits, for a backend that widens them itself
+    (kdtree.backends.native_forward.keeps_bf16).
 
     raw=True: {on-disk name: ndarray as stored} (BF16 as uint16 bits, INT4 modules as their three parts),
     nothing converted or assembled: what a backend that uploads the stored format as is takes.
     mlock=True (mmap): the mapped pages are locked in RAM, so memory pressure cannot evict weights.
     """
     return _load(Path(path), model_cfg, quant_cfg, False, shard, progress, threads, strategy, throttle_mb_s,
-                 chunk_mb, raw, mlock)
+                 chunk_mb, raw, mlock, bf16)
 
 
 def load_drafter(path, model_cfg, quant_cfg=None, *, shard: Optional[ShardFn] = None,
                  progress: Optional[ProgressFn] = None, threads: int = 4, strategy: str = "mmap",
-                 throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False):
-    """DFlash drafter in `<path>/drafter` -> ({name: float32 ndarray}, LoadStats)."""
+                 throttle_mb_s: float = 0, chunk_mb: float = 32, raw: bool = False, mlock: bool = False,
+                 bf16: bool = False):
+    """DFlash drafter in `<path>/drafter` -> ({name: float32 ndarray}, LoadStats); bf16 as load_checkpoint."""
     return _load(Path(path) / DRAFTER_DIR, model_cfg, quant_cfg, True, shard, progress, threads, strategy,
-                 throttle_mb_s, chunk_mb, raw, mlock)
+                 throttle_mb_s, chunk_mb, raw, mlock, bf16)
 
 
 def load_options(load_cfg, throttle: bool = True) -> Dict[str, object]:

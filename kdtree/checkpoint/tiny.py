@@ -19,6 +19,7 @@ tensor and the drafter stay BF16, as K2.6 ships. model=k26_mini (K2.6's layer di
 generated the same way, one shard at a time (names.LazyWeights), into ~1/8-size shards. model=tiny_wide
 (model.widen_from=tiny) is the trained tiny widened, function-preserving, to its widths (kdtree/checkpoint/widen.py),
 keyed by the widths and the shipped checkpoint's digest.
+quant=bf16 is the fp32 checkpoint (the trained one for tiny) with every tensor rounded to BF16 (_bf16_copy).
 """
 from __future__ import annotations
 
@@ -109,6 +110,10 @@ def _bf16_copy(src: Path, dst: Path) -> None:
         config = json.loads((d / CONFIG_FILE).read_text())
         config["torch_dtype"] = "bfloat16"
         write_config(out, config)
+        for f in sorted(d.iterdir()):   # tokenizer / chat template / notes: copied unchanged
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, CONFIG_FILE) \
+                    and not (out / f.name).exists():
+                shutil.copy2(f, out / f.name)
 
 
 def _publish(tmp: Path, final: Path) -> Path:
@@ -175,6 +180,8 @@ def ensure_tiny_checkpoint(model_cfg, quant_cfg, cache_dir: str = "") -> Path:
     try:
         if method == "fp32":
             write_tiny_checkpoint(tmp, model_cfg)
+        elif method == "bf16":   # every tensor of the fp32 checkpoint rounded to BF16 (RNE), drafter included
+            _bf16_copy(ensure_tiny_checkpoint(model_cfg, None, cache_dir), tmp)
         elif plain(model_cfg).get("int4_unquantized_dtype", "fp32") == "bf16":
             src = root / f"{tmp.name}-bf16"   # K2.6's layout: quantized from BF16, the rest kept BF16
             try:

@@ -101,7 +101,7 @@ class ModelConfig:
 
 @dataclass
 class QuantConfig:
-    method: str = "fp32"  # fp32 | int4_w4a16
+    method: str = "fp32"  # fp32 | bf16 (unquantized, BF16 on disk) | int4_w4a16
     group_size: int = 32
     symmetric: bool = True
     num_bits: int = 4

@@ -23,7 +23,7 @@ PIPELINES_DIR = REPO_DIR / "pipelines"
 MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf", "launch"}
 TREE_KINDS = ("ar", "chain", "ddtree")
 BACKENDS = ("numpy", "cpu", "cuda")
-QUANT_METHODS = ("fp32", "int4_w4a16")
+QUANT_METHODS = ("fp32", "bf16", "int4_w4a16")
 LOAD_STRATEGIES = ("mmap", "eager")
 
 
@@ -321,7 +321,7 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     """All cross-field checks; the checkpoint check only when the pipeline loads the model. The backend's
     device check is kdtree.backends.check_device (config does not import the backends)."""
     if cfg.quant.method not in QUANT_METHODS:
-        raise ConfigError(f"quant.method={cfg.quant.method} is unknown; use quant=fp32 or quant=int4_w4a16")
+        raise ConfigError(f"quant.method={cfg.quant.method} is unknown; use quant=fp32, quant=bf16 or quant=int4_w4a16")
     if cfg.quant.group_size <= 0 or cfg.quant.group_size % 8:
         raise ConfigError(f"quant.group_size={cfg.quant.group_size} must be a positive multiple of 8 (32 for K2)")
     if cfg.max_new_tokens < 1:

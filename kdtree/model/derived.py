@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Tuple
 
 import numpy as np
 
+from kdtree.bf16 import bf16_to_f32
 from kdtree.errors import CheckpointError, ConfigError
 from kdtree.model.rope import rope_mscale, softmax_scale, yarn_inv_freq
 
@@ -30,11 +31,21 @@ def weight_getter(cfg, weights: Mapping[str, Any]) -> Callable[[str], Any]:
     return w
 
 
+def is_bf16(a: Any) -> bool:
+    """A tensor the loader kept as BF16 bits (load_checkpoint(bf16=True): uint16 ndarray)."""
+    return isinstance(a, np.ndarray) and a.dtype == np.uint16
+
+
+def as_f32(a: Any) -> np.ndarray:
+    """A float tensor as float32 values: BF16 bits widened exactly, anything else converted."""
+    return bf16_to_f32(a) if is_bf16(a) else np.asarray(a, np.float32)
+
+
 def dense(w: Any, name: str) -> np.ndarray:
     """A weight the model needs as float32 values (kv_b_proj, the router): an ndarray, or a quantized one
     dequantized; anything else is a CheckpointError naming the tensor."""
     if isinstance(w, np.ndarray):
-        return w
+        return as_f32(w)
     if hasattr(w, "dequantize"):
         return np.asarray(w.dequantize(), np.float32)
     raise CheckpointError(f"{name}: expected a float32 array, got {type(w).__name__}; "
@@ -42,8 +53,9 @@ def dense(w: Any, name: str) -> np.ndarray:
 
 
 def embed_weight(weights: Mapping[str, Any], w: Callable[[str], Any]) -> np.ndarray:
-    """model.embed_tokens.weight as f32[V, D]."""
-    return np.asarray(w("model.embed_tokens.weight"), np.float32)
+    """model.embed_tokens.weight as f32[V, D] (kept as BF16 bits u16[V, D] when the loader kept it so)."""
+    e = w("model.embed_tokens.weight")
+    return e if is_bf16(e) else np.asarray(e, np.float32)
 
 
 def lm_head_weight(cfg, weights: Mapping[str, Any], embed: np.ndarray) -> Any:
@@ -79,7 +91,7 @@ def router_weights(w: Callable[[str], Any], layer: int) -> Tuple[np.ndarray, np.
     """The MoE router of `layer`: gate f32[E, D] and e_score_correction_bias f32[E]."""
     p = f"model.layers.{layer}.mlp.gate"
     gate = dense(w(f"{p}.weight"), f"{p}.weight").astype(np.float32)
-    return gate, np.asarray(w(f"{p}.e_score_correction_bias"), np.float32)
+    return gate, as_f32(w(f"{p}.e_score_correction_bias"))
 
 
 def route_params(cfg) -> SimpleNamespace:

@@ -34,6 +34,7 @@ from typing import List, Optional, Tuple
 from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.config.validate import validate_tp
 from kdtree.errors import ConfigError
+from kdtree.backends.native_forward import keeps_bf16
 from kdtree.model.target import build_target
 from kdtree.parallel.comm import init_group, leave_group, ordered_all_reduce, resolve_collective, resolve_dist_backend
 from kdtree.parallel.model import TPError, TPModel
@@ -194,7 +195,8 @@ def launch_tp(cfg, checkpoint, ops, progress=None) -> Tuple[TPModel, object]:
         init_group(store, 0, tp, dist_backend, timeout_s)
         rss0 = resident_bytes()
         weights, stats = load_checkpoint(checkpoint, cfg.model, cfg.quant, shard=shard_fn(cfg.model, 0, tp),
-                                         progress=_watched(progress, workers, tp), **load_options(cfg.load))
+                                         progress=_watched(progress, workers, tp), bf16=keeps_bf16(ops),
+                                         **load_options(cfg.load))
         local = build_target(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
             tp, dist_backend, resolve_collective(cfg.tp, str(cfg.backend.name)),
             strict=str(cfg.tp.get("collective", "auto")) == "nccl"))

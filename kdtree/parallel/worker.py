@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 from kdtree.backends import get_ops
 from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
+from kdtree.backends.native_forward import keeps_bf16
 from kdtree.model.target import build_target
 from kdtree.parallel.comm import init_group, ordered_all_reduce, resolve_collective
 from kdtree.parallel.sharding import shard_fn
@@ -62,7 +63,7 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     ops = get_ops(cfg.backend)
     rss0 = resident_bytes()
     weights, stats = load_checkpoint(setup["checkpoint"], cfg.model, cfg.quant, shard=shard_fn(cfg.model, rank, world),
-                                     **load_options(cfg.load))
+                                     bf16=keeps_bf16(ops), **load_options(cfg.load))
     collective = resolve_collective(cfg.tp, str(cfg.backend.name))
     model = build_target(cfg.model, weights, ops, all_reduce=ordered_all_reduce(
         world, setup["dist_backend"], collective, strict=str(cfg.tp.get("collective", "auto")) == "nccl"))

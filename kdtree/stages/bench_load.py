@@ -264,12 +264,13 @@ def run(ctx, conf: BenchLoadConfig) -> dict:
     del touched
     other = _other(strategy)
     # (key, reader, how): the headline loader keeps the stored formats (packed INT4, BF16): bytes from the
-    # files to resident, usable memory. "float32" adds the widening the fp32 numpy/cpu backends need.
+    # files to resident, usable memory. "float32" adds the widening the numpy backend needs (backend=cpu keeps BF16).
     variants = [
         ("cat", "`cat shards > /dev/null`", None),
         ("loader", f"loader {strategy}, stored dtypes", dict(strategy=strategy)),
         ("progress", f"loader {strategy}, stored dtypes, progress on", dict(strategy=strategy, progress=True)),
-        ("float32", f"loader {strategy}, widened to float32 (numpy/cpu backends)", dict(strategy=strategy, raw=False)),
+        ("float32", f"loader {strategy}, widened to float32 (the numpy backend; cpu keeps BF16)",
+         dict(strategy=strategy, raw=False)),
         ("other", f"loader {other}, stored dtypes", dict(strategy=other)),
     ]
     first_load_s = _load(path, model, quant, threads, strategy)[0]   # warm-up; not in the medians

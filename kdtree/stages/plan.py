@@ -127,19 +127,22 @@ def _drafter_tensors(model, float_bytes: int) -> List[Tuple[str, str, int]]:
             for n, s in drafter_tensor_shapes(model).items()]
 
 
-def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_rows: Dict[str, int]) -> dict:
+def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_rows: Dict[str, int],
+                     keep_bf16: bool = False) -> dict:
     """Memory of one rank's load when there is no checkpoint to plan from: the loader's rules, per tensor.
 
-    Float tensors are held as float32 (numpy/cpu): fp32 whole tensors and row slices are views of the mapped
+    Float tensors are held as float32 (numpy): fp32 whole tensors and row slices are views of the mapped
     pages, bf16 ones are widened copies; column slices are gathered copies, and their pages are mapped whole
-    when the row gap is under the loader's _SPAN_GAP (runs that close are read as one)."""
+    when the row gap is under the loader's _SPAN_GAP (runs that close are read as one). keep_bf16 (backend=cpu:
+    load_checkpoint(bf16=True)): bf16 tensors are held as stored (views), only INT4 group scales widened."""
     read = mapped = copied = 0
     for name, _, nbytes in layout:
         axis = split_axis(name)
         share = nbytes / tp if axis else nbytes
         read += share
         part = name.rpartition(".")[2]
-        widen = stored_float == 2 and part not in ("weight_packed", "weight_shape")   # bf16 -> float32
+        widen = stored_float == 2 and part not in ("weight_packed", "weight_shape") and \
+            (not keep_bf16 or part == "weight_scale")                             # bf16 -> float32
         held = share * (2 if widen else 1)
         if strategy == "eager":
             copied += held
@@ -257,6 +260,8 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
     model.drafter = types.SimpleNamespace(**model.drafter)
     tp = int(cfg.tp.size)
     backend = str(OmegaConf.select(cfg, "backend.name", default="numpy"))
+    # the native CPU forward takes BF16 as stored (native_forward.keeps_bf16; not with the per-op drafter)
+    keep_bf16 = backend == "cpu" and str(OmegaConf.select(cfg, "backend.drafter_forward", default="native")) != "per_op"
     strategy = str(OmegaConf.select(cfg, "load.strategy", default="mmap"))
     tree = OmegaConf.select(cfg, "tree", default=None)
     with_drafter = tree is not None and str(tree.kind) != "ar"
@@ -303,17 +308,19 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
     for r in range(tp):
         if ckpt is not None:   # the loader's own plan: same slices, same span merging, nothing read
             m = plan_load(ckpt, cfg.model, cfg.quant, shard=shard_fn(cfg.model, r, tp) if tp > 1 else None,
-                          strategy=strategy)
+                          strategy=strategy, bf16=keep_bf16)
             mem = {"read_bytes": m.read_bytes, "mapped_bytes": m.mapped_bytes, "copied_bytes": m.copied_bytes}
-            dm = plan_load(ckpt, cfg.model, cfg.quant, drafter=True, strategy=strategy) if with_drafter and r == 0 \
+            dm = plan_load(ckpt, cfg.model, cfg.quant, drafter=True, strategy=strategy, bf16=keep_bf16) \
+                if with_drafter and r == 0 \
                 else None
             dmem = dm and {"read_bytes": dm.read_bytes, "mapped_bytes": dm.mapped_bytes, "copied_bytes": dm.copied_bytes}
         else:
             if r == 0:   # every rank holds the same amount of its own slices
                 out_rows = {m: shape[0] for m, shape in target_linear_shapes(model).items()}
-                mem = _computed_memory(layout, tp, FLOAT_BYTES[float_dtype], strategy, out_rows)
+                mem = _computed_memory(layout, tp, FLOAT_BYTES[float_dtype], strategy, out_rows, keep_bf16)
             dmem = (_computed_memory(_drafter_tensors(model, FLOAT_BYTES[float_dtype]), 1,
-                                     FLOAT_BYTES[float_dtype], strategy, {}) if with_drafter and r == 0 else None)
+                                     FLOAT_BYTES[float_dtype], strategy, {}, keep_bf16)
+                    if with_drafter and r == 0 else None)
         row = {"rank": r, "files": files, "bytes": per_rank, **mem, "model_copies_bytes": copies,
                "drafter": dmem, "kv_bytes_per_token": kv_per_token + (drafter_kv_per_token if dmem else 0),
                "scratch_bytes": _scratch(model, rows, tp),
@@ -400,7 +407,8 @@ def format_plan(p: dict) -> str:
     lines += [
         "  read: tensor bytes read (rank 0: + the whole drafter); mapped: page cache pages each rank maps and keeps",
         "  (column slices of o_proj/down_proj map whole rows where the row gap is < 64 KiB: the loader reads runs that",
-        "  close as one); copied: float32 widening of bf16, gathered column slices, W_uk/W_uv; resident = mapped +",
+        "  close as one); copied: float32 widening of bf16 (backend=cpu: INT4 scales only, bf16 weights held as",
+        "  stored), gathered column slices, W_uk/W_uv; resident = mapped +",
         "  copied + drafter, after the load; then + KV per token + scratch (one forward of the tree's rows)"
         + (f" + up to {_fmt_bytes(r0['int4_unpacked_bytes'])} of unpacked INT4 (numpy, $KDTREE_INT4_CACHE_MB caps it)"
            if r0["int4_unpacked_bytes"] else ""),

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 9   /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 10  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -94,6 +94,11 @@ int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width,
 int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                   void *stream);
 
+/* BF16 weights: w holds bfloat16 bit patterns [out, in] (uint16), widened exactly (bits << 16) in registers or
+ * into L1; computes exactly kd_linear_f32 on the widened float32 weight (same products, same order, every T). */
+int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                   void *stream);
+
 /* W4A16 (compressed-tensors pack-quantized): packed int32 [out, ceil(in/8)], element k of a row in bits
  * 4*(k%8).. of word k/8 holding q+8 (q in -8..7); scales f32 [out, ceil(in/group)]; w = q * scale.
  * Computes exactly kd_linear_f32 on the dequantized float32 weight (same products, same order). */
@@ -150,10 +155,12 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
  * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order).
  * One call at a time per model (its scratch is shared); callers serialise (the engine's one worker does). */
 typedef struct {
-  const float *f32;        /* f32 [n_out, n_in], or NULL when packed is set */
+  const float *f32;        /* f32 [n_out, n_in], or NULL when packed or bf16 is set */
   const int32_t *packed;   /* W4A16 [n_out, ceil(n_in/8)] (kd_linear_w4a16), or NULL */
   const float *scales;     /* f32 [n_out, ceil(n_in/group)] with packed */
   int64_t n_out, n_in, group;
+  const uint16_t *bf16;    /* BF16 bits [n_out, n_in] (kd_linear_bf16: the same bits as f32 of the widened values),
+                              or NULL; exactly one of f32 / packed / bf16 is set */
 } kd_weight;
 
 typedef struct {
@@ -197,6 +204,7 @@ typedef struct {
   const kd_layer *layers;             /* [n_layers], copied at create */
   kd_all_reduce_fn all_reduce;
   void *all_reduce_ctx;
+  const uint16_t *embed_bf16;         /* [V, D] BF16 bits instead of embed (rows widened exactly), or NULL */
 } kd_model_desc;
 
 typedef struct kd_model kd_model;
@@ -293,6 +301,7 @@ typedef struct {
   const kd_model *target;                    /* CUDA: the target whose DEVICE embed / lm_head these are (it must
                                                 outlive the drafter), so they are not uploaded twice; NULL = the
                                                 drafter's own copies. The CPU build reads embed / lm_head above. */
+  const uint16_t *embed_bf16;                /* [V, D] BF16 bits instead of embed, or NULL */
 } kd_drafter_desc;
 
 typedef struct kd_drafter kd_drafter;

@@ -541,8 +541,8 @@ int kd_tree_build_job(kd_tree_job *j) {
 /* ---- weight and drafter-descriptor checks, the drafter's RoPE table (both builds) --------------------------- */
 int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
   if (w->n_out != n_out || w->n_in != n_in) return 0;
-  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0;
-  return w->f32 != NULL;
+  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0 && !w->f32 && !w->bf16;
+  return (w->f32 != NULL) != (w->bf16 != NULL); /* exactly one of f32 / bf16 */
 }
 
 int kd_mlp_ok(const kd_mlp *p, int64_t D) {
@@ -556,7 +556,7 @@ int kd_drafter_desc_check(const kd_drafter_desc *d) {
       hd % 2 || d->block_size < 2)
     return kd_fail(KD_EINVAL, "kd_drafter_create: bad sizes (D=%lld Hq=%lld Hkv=%lld hd=%lld block=%lld)",
                    (long long)D, (long long)d->hq, (long long)d->hkv, (long long)hd, (long long)d->block_size);
-  int ok = d->layers && d->embed && d->hidden_norm && d->final_norm && kd_weight_ok(&d->lm_head, d->vocab, D) &&
+  int ok = d->layers && (d->embed || d->embed_bf16) && d->hidden_norm && d->final_norm && kd_weight_ok(&d->lm_head, d->vocab, D) &&
            d->fc.n_out == D && d->fc.n_in > 0 && kd_weight_ok(&d->fc, D, d->fc.n_in);
   for (int64_t i = 0; ok && i < d->n_layers; i++) {
     const kd_drafter_layer *ly = &d->layers[i];

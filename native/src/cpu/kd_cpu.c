@@ -72,6 +72,14 @@ KD_CLONES static float kd_dot_f32(const float *a, const float *b, int64_t n) {
   return kd_lanes_sum(acc);
 }
 
+/* BF16 bits -> float32, exact (bits << 16): the portable loop; kd_bf16_widen picks the AVX2 one */
+static void kd_bf16_widen_generic(const uint16_t *s, float *d, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t b = (uint32_t)s[i] << 16;
+    memcpy(d + i, &b, 4);
+  }
+}
+
 /* Dequantize one packed row: w[k] = q_k * scale_(k / group), exactly numpy's q.astype(float32) * scale. */
 static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
@@ -183,15 +191,61 @@ __attribute__((target("avx2"))) static inline __m128 kd_hsum4_avx2(__m256 l0, __
     }                                                                                                 \
   } while (0)
 
-__attribute__((target("avx2"))) static float kd_dot_avx2(const float *w, const float *x, int64_t n) {
+/* The weight-load step the dot kernels are generic over (bf = 0: float32 weights, 1: BF16 bits): 8 weights from
+ * element k of row w, as float32. BF16 is widened exactly in the register (zero-extend, << 16), so a kernel
+ * instantiated with bf = 1 adds exactly the products the bf = 0 one adds on the widened weights, in the same order. */
+__attribute__((target("avx2"), always_inline)) static inline __m256 kd_wload_avx2(const void *w, int64_t k, const int bf) {
+  if (bf)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))), 16));
+  return _mm256_loadu_ps((const float *)w + k);
+}
+
+/* row o (stride ws elements) of a float32 / BF16 weight */
+static inline const void *kd_wrow(const void *w, int64_t o, int64_t ws, const int bf) {
+  return bf ? (const void *)((const uint16_t *)w + o * ws) : (const void *)((const float *)w + o * ws);
+}
+
+/* 8 BF16 -> float32 (exact), eight at a time; the tail one by one */
+__attribute__((target("avx2"))) static void kd_bf16_widen_avx2(const uint16_t *s, float *d, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, kd_wload_avx2(s, i, 1));
+  kd_bf16_widen_generic(s + i, d + i, n - i);
+}
+
+/* KD_TAIL_AVX2 of a float32 or BF16 row: a BF16 tail (< 16 elements) is widened into a float buffer first, then the
+ * same masked loads run on it */
+#define KD_WTAIL_AVX2(lo, hi, w, x, k, n, bf)                                                         \
+  do {                                                                                                \
+    if (bf) {                                                                                         \
+      float t_[KD_LANES];                                                                             \
+      int64_t r2_ = (n) - (k);                                                                        \
+      if (r2_ > 0) {                                                                                  \
+        kd_bf16_widen_generic((const uint16_t *)(w) + (k), t_, r2_);                                  \
+        KD_TAIL_AVX2(lo, hi, t_, (x) + (k), 0, r2_);                                                  \
+      }                                                                                               \
+    } else {                                                                                          \
+      KD_TAIL_AVX2(lo, hi, (const float *)(w), x, k, n);                                              \
+    }                                                                                                 \
+  } while (0)
+
+__attribute__((target("avx2"), always_inline)) static inline float kd_dot_avx2_t(const void *w, const float *x,
+                                                                                 int64_t n, const int bf) {
   __m256 lo = _mm256_setzero_ps(), hi = lo;
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k)));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8)));
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_wload_avx2(w, k, bf), _mm256_loadu_ps(x + k)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_wload_avx2(w, k + 8, bf), _mm256_loadu_ps(x + k + 8)));
   }
-  KD_TAIL_AVX2(lo, hi, w, x, k, n);
+  KD_WTAIL_AVX2(lo, hi, w, x, k, n, bf);
   return kd_hsum_avx2(lo, hi);
+}
+
+__attribute__((target("avx2"))) static float kd_dot_avx2(const float *w, const float *x, int64_t n) {
+  return kd_dot_avx2_t(w, x, n, 0);
+}
+__attribute__((target("avx2"))) static float kd_dot_bf16_avx2(const uint16_t *w, const float *x, int64_t n) {
+  return kd_dot_avx2_t(w, x, n, 1);
 }
 
 /* one weight row against four x rows */
@@ -217,28 +271,38 @@ __attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, cons
   r[0] = kd_hsum_avx2(l0, h0), r[1] = kd_hsum_avx2(l1, h1), r[2] = kd_hsum_avx2(l2, h2), r[3] = kd_hsum_avx2(l3, h3);
 }
 
-/* four weight rows (stride ws) against one x row */
-__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, int64_t ws, const float *x, int64_t n,
-                                                             float *r) {
-  const float *w0 = w, *w1 = w + ws, *w2 = w + 2 * ws, *w3 = w + 3 * ws;
+/* four weight rows (stride ws) against one x row; w float32 (bf = 0) or BF16 bits (bf = 1) */
+__attribute__((target("avx2"), always_inline)) static inline void kd_dot_4x1_avx2_t(const void *w, int64_t ws,
+                                                                                    const float *x, int64_t n,
+                                                                                    float *r, const int bf) {
+  const void *w0 = w, *w1 = kd_wrow(w, 1, ws, bf), *w2 = kd_wrow(w, 2, ws, bf), *w3 = kd_wrow(w, 3, ws, bf);
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
     __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
-    l0 = _mm256_add_ps(l0, _mm256_mul_ps(_mm256_loadu_ps(w0 + k), xl));
-    h0 = _mm256_add_ps(h0, _mm256_mul_ps(_mm256_loadu_ps(w0 + k + 8), xh));
-    l1 = _mm256_add_ps(l1, _mm256_mul_ps(_mm256_loadu_ps(w1 + k), xl));
-    h1 = _mm256_add_ps(h1, _mm256_mul_ps(_mm256_loadu_ps(w1 + k + 8), xh));
-    l2 = _mm256_add_ps(l2, _mm256_mul_ps(_mm256_loadu_ps(w2 + k), xl));
-    h2 = _mm256_add_ps(h2, _mm256_mul_ps(_mm256_loadu_ps(w2 + k + 8), xh));
-    l3 = _mm256_add_ps(l3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k), xl));
-    h3 = _mm256_add_ps(h3, _mm256_mul_ps(_mm256_loadu_ps(w3 + k + 8), xh));
+    l0 = _mm256_add_ps(l0, _mm256_mul_ps(kd_wload_avx2(w0, k, bf), xl));
+    h0 = _mm256_add_ps(h0, _mm256_mul_ps(kd_wload_avx2(w0, k + 8, bf), xh));
+    l1 = _mm256_add_ps(l1, _mm256_mul_ps(kd_wload_avx2(w1, k, bf), xl));
+    h1 = _mm256_add_ps(h1, _mm256_mul_ps(kd_wload_avx2(w1, k + 8, bf), xh));
+    l2 = _mm256_add_ps(l2, _mm256_mul_ps(kd_wload_avx2(w2, k, bf), xl));
+    h2 = _mm256_add_ps(h2, _mm256_mul_ps(kd_wload_avx2(w2, k + 8, bf), xh));
+    l3 = _mm256_add_ps(l3, _mm256_mul_ps(kd_wload_avx2(w3, k, bf), xl));
+    h3 = _mm256_add_ps(h3, _mm256_mul_ps(kd_wload_avx2(w3, k + 8, bf), xh));
   }
-  KD_TAIL_AVX2(l0, h0, w0, x, k, n);
-  KD_TAIL_AVX2(l1, h1, w1, x, k, n);
-  KD_TAIL_AVX2(l2, h2, w2, x, k, n);
-  KD_TAIL_AVX2(l3, h3, w3, x, k, n);
+  KD_WTAIL_AVX2(l0, h0, w0, x, k, n, bf);
+  KD_WTAIL_AVX2(l1, h1, w1, x, k, n, bf);
+  KD_WTAIL_AVX2(l2, h2, w2, x, k, n, bf);
+  KD_WTAIL_AVX2(l3, h3, w3, x, k, n, bf);
   _mm_storeu_ps(r, kd_hsum4_avx2(l0, h0, l1, h1, l2, h2, l3, h3));
+}
+
+__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, int64_t ws, const float *x, int64_t n,
+                                                             float *r) {
+  kd_dot_4x1_avx2_t(w, ws, x, n, r, 0);
+}
+__attribute__((target("avx2"))) static void kd_dot_4x1_bf16_avx2(const uint16_t *w, int64_t ws, const float *x,
+                                                                  int64_t n, float *r) {
+  kd_dot_4x1_avx2_t(w, ws, x, n, r, 1);
 }
 
 /* T = 1: out[o] = kd_dot_avx2(w row o, x), four weight rows per x load, the dots written straight to out. Small
@@ -255,7 +319,31 @@ __attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, con
   }
   for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_avx2(w + o * n_in, x, n_in);
 }
+
+/* kd_gemv_f32_avx2 over BF16 weights: the same dots (kd_dot_4x1_avx2_t / kd_dot_avx2_t with bf = 1), half the bytes */
+__attribute__((target("avx2"))) static void kd_gemv_bf16_avx2(const float *x, const uint16_t *w, float *out,
+                                                               int64_t n_in, int64_t n_out, int parallel) {
+  int64_t n4 = n_out / 4 * 4;
+  if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_bf16_avx2(w + o * n_in, n_in, x, n_in, out + o);
+  } else {
+    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_bf16_avx2(w + o * n_in, n_in, x, n_in, out + o);
+  }
+  for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_bf16_avx2(w + o * n_in, x, n_in);
+}
 #endif
+
+/* dst[0..n) = the BF16 bits src widened to float32 (exact) */
+void kd_bf16_widen(const uint16_t *src, float *dst, int64_t n) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_host_avx2()) {
+    kd_bf16_widen_avx2(src, dst, n);
+    return;
+  }
+#endif
+  kd_bf16_widen_generic(src, dst, n);
+}
 
 static float kd_dot(const float *w, const float *x, int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -469,8 +557,8 @@ __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t
 }
 
 /* Output rows o .. o + O - 1 (O <= 3) of out [T, n_out] = x . w^T for all T rows of x (xa: 64-byte aligned rows,
- * stride ldx): w float32 rows (stride n_in, read in place) or (w == NULL) INT4 rows dequantized block by block into
- * wb (3 x KD_KC, this thread's), each 2-row tile of x against them in turn, the 16 partial lanes of each dot in
+ * stride ldx): w float32 rows (stride n_in, read in place) or (w == NULL) BF16 rows w16 widened exactly, or INT4
+ * rows dequantized, block by block into wb (3 x KD_KC, this thread's), each 2-row tile of x against them in turn, the 16 partial lanes of each dot in
  * P [T x 3 x 16] between k blocks.
  * Memory-bound calls (K2-sized weights) want the weight rows streamed at the T = 1 GEMV's rate while the tiles
  * compute, but a stream that waits through the later tiles of a block idles the memory: so the next triple's rows
@@ -479,15 +567,17 @@ __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t
  * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
  * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
 __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
-                                                            const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            const uint16_t *w16, const uint32_t *qp, const float *qs, int64_t n_words,
                                                             int64_t n_groups, int64_t wpg, float *out, int64_t T,
                                                             int64_t n_in, int64_t n_out, int64_t o, float *P,
                                                             float *wb) {
   const int O = n_out - o < 3 ? (int)(n_out - o) : 3;
   const int64_t iters = (T + 1) / 2 * ((n_in + KD_LANES - 1) / KD_LANES); /* of all this triple's tiles */
   const int64_t nx = o + 3 < n_out ? o + 3 : o, rows = n_out - nx < 3 ? n_out - nx : 3; /* the next triple */
-  const int64_t nb = rows * (w ? n_in * (int64_t)sizeof(float) : n_words * (int64_t)sizeof(uint32_t));
-  const char *pf = w ? (const char *)(w + nx * n_in) : (const char *)(qp + nx * n_words);
+  const int64_t nb = rows * (w     ? n_in * (int64_t)sizeof(float)
+                             : w16 ? n_in * (int64_t)sizeof(uint16_t)
+                                   : n_words * (int64_t)sizeof(uint32_t));
+  const char *pf = w ? (const char *)(w + nx * n_in) : w16 ? (const char *)(w16 + nx * n_in) : (const char *)(qp + nx * n_words);
   const int64_t pfs = (nb + iters - 1) / iters;
   const int PF = nx > o && pfs <= 64; /* the last triple (nx = o) has nothing to prefetch; pf stays in bounds */
   memset(P, 0, sizeof(float) * (size_t)(T * 3 * 16));
@@ -495,7 +585,9 @@ __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int6
   for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
     int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC, ws = w ? n_in : KD_KC;
     const float *wk = w ? w + o * n_in + k0 : wb;
-    if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
+    if (w16) { /* this block of the BF16 rows, widened exactly once for all T rows (kd_linear_f32's weights) */
+      for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w16 + (o + i) * n_in + k0, wb + i * KD_KC, n);
+    } else if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
       for (int i = 0; i < O; i++)
         kd_dequant_slice_avx2(qp + (o + i) * n_words, qs + (o + i) * n_groups, wb + i * KD_KC, k0, k0 + n, wpg);
     }
@@ -509,11 +601,12 @@ __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int6
     }
 }
 
-/* out [T, n_out] = x [T, n_in] . w^T for T >= 2, w float32 [n_out, n_in] or (w == NULL) INT4 rows q (packed
+/* out [T, n_out] = x [T, n_in] . w^T for T >= 2, w float32 [n_out, n_in], or w16 BF16, or INT4 rows q (packed
  * [n_out, n_words], scales [n_out, n_groups], wpg words per group). Large calls give each thread a contiguous
  * range of output triples (static schedule): an output is one thread's fixed-order dot either way, so the bits do
  * not depend on the number of threads, nor on T. */
-__attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const float *w, const uint32_t *qp,
+__attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const float *w, const uint16_t *w16,
+                                                           const uint32_t *qp,
                                                            const float *qs, int64_t n_words, int64_t n_groups,
                                                            int64_t wpg, float *out, int64_t T, int64_t n_in,
                                                            int64_t n_out, int parallel) {
@@ -535,7 +628,7 @@ __attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const 
     }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n3; i++)
-      if (P && (w || wb)) kd_rows_triple(xa, ldx, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, 3 * i, P, wb);
+      if (P && (w || wb)) kd_rows_triple(xa, ldx, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, 3 * i, P, wb);
     free(P);
     free(wb);
   }
@@ -545,9 +638,10 @@ __attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const 
 
 /* kd_linear_rows for many rows (x beyond ~L2: KD_ROWS_X_BYTES): k blocks of KD_OB outputs, so that the x block
  * (T x KD_KC) stays in L2 across the output tiles while each 3-row weight slice is copied (or dequantized) into L1
- * and applied to every row pair. w float32 [n_out, n_in] or (w == NULL) INT4 rows as kd_linear_rows. */
+ * and applied to every row pair. w float32 [n_out, n_in], w16 BF16 or INT4 rows as kd_linear_rows. */
 #define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
-__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint32_t *qp,
+__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint16_t *w16,
+                                                               const uint32_t *qp,
                                                                const float *qs, int64_t n_words, int64_t n_groups,
                                                                int64_t wpg, float *out, int64_t T, int64_t n_in,
                                                                int64_t n_out, int parallel) {
@@ -578,6 +672,8 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
           for (int i = 0; i < O; i++) /* this tile's weight slice, aligned, read from memory once */
             if (w)
               memcpy(wb + i * KD_KC, w + (ob + o + i) * n_in + k0, sizeof(float) * (size_t)n);
+            else if (w16) /* BF16: widened exactly into the same slice, so the tiles see kd_linear_f32's weights */
+              kd_bf16_widen_avx2(w16 + (ob + o + i) * n_in + k0, wb + i * KD_KC, n);
             else
               kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
                                     k0 + n, wpg);
@@ -604,12 +700,12 @@ __attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, con
  * Both compute every output as kd_dot_f32, so the switch never changes a bit. */
 #define KD_ROWS_X_BYTES (384 << 10)
 
-static int kd_linear_multirow(const float *x, const float *w, const uint32_t *qp, const float *qs, int64_t n_words,
-                              int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in, int64_t n_out,
-                              int parallel) {
+static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w16, const uint32_t *qp, const float *qs,
+                              int64_t n_words, int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in,
+                              int64_t n_out, int parallel) {
   if (T * n_in * (int64_t)sizeof(float) <= KD_ROWS_X_BYTES)
-    return kd_linear_rows(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
-  return kd_linear_blocked(x, w, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+    return kd_linear_rows(x, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  return kd_linear_blocked(x, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
 }
 
 /* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
@@ -795,7 +891,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
     return KD_OK;
   }
   if (T >= 2 && kd_host_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
-    return kd_linear_multirow(x, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, w, NULL, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
     kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
@@ -811,6 +907,62 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
     for (int64_t o = 0; o < n_out; o += 4)
       kd_linear_block(x, w + o * n_in, (int)(n_out - o < 4 ? n_out - o : 4), out, T, n_in, n_out, o);
   }
+  return KD_OK;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* output triple o of the short-row BF16 path: its three rows widened into L1 (this thread's stack), then the direct
+ * tiles over every row of x -- kd_linear_f32's short-row path on the widened rows */
+__attribute__((target("avx2"))) static void kd_bf16_direct_col(const uint16_t *w, const float *x, float *out,
+                                                                int64_t T, int64_t n_in, int64_t n_out, int64_t o) {
+  float wb[3 * KD_KC] __attribute__((aligned(64)));
+  int O = n_out - o < 3 ? (int)(n_out - o) : 3;
+  for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w + (o + i) * n_in, wb + i * KD_KC, n_in);
+  kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
+}
+#endif
+
+/* kd_linear_f32 on BF16 weights, path for path: T = 1 widens in registers (kd_gemv_bf16_avx2: the f32 GEMV's dots
+ * with the widening load), T >= 2 widens each weight slice into the L1 buffer the f32 tiles read; the portable path
+ * widens four rows at a time for kd_linear_block. Every output is the same float32 sequence as kd_linear_f32 over
+ * the widened weights, so the two agree bit for bit (tests/native/test_bf16_weights.py). */
+int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                   void *stream) {
+  (void)stream;
+  kd_clear_error();
+  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_linear_bf16: negative size");
+  if (T == 0 || n_out == 0) return KD_OK;
+  KD_CHECK_PTR("kd_linear_bf16", x);
+  KD_CHECK_PTR("kd_linear_bf16", w);
+  KD_CHECK_PTR("kd_linear_bf16", out);
+  int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* as kd_linear_direct: whole triples per thread */
+    int64_t n3 = (n_out + 2) / 3;
+    if (kd_par_worth(T * n_in * n_out, n3)) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+      for (int64_t i = 0; i < n3; i++) kd_bf16_direct_col(w, x, out, T, n_in, n_out, 3 * i);
+    } else {
+      for (int64_t i = 0; i < n3; i++) kd_bf16_direct_col(w, x, out, T, n_in, n_out, 3 * i);
+    }
+    return KD_OK;
+  }
+  if (T >= 2 && kd_host_avx2())
+    return kd_linear_multirow(x, NULL, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+  if (kd_host_avx2()) {
+    kd_gemv_bf16_avx2(x, w, out, n_in, n_out, parallel);
+    return KD_OK;
+  }
+#endif
+  /* portable: four rows widened (L1-resident), then kd_linear_f32's portable block kernel */
+  float *wf = (float *)malloc(sizeof(float) * (size_t)(4 * (n_in ? n_in : 1)));
+  if (!wf) return kd_fail(KD_ENOMEM, "kd_linear_bf16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t o = 0; o < n_out; o += 4) {
+    int no = (int)(n_out - o < 4 ? n_out - o : 4);
+    kd_bf16_widen_generic(w + o * n_in, wf, no * n_in);
+    kd_linear_block(x, wf, no, out, T, n_in, n_out, o);
+  }
+  free(wf);
   return KD_OK;
 }
 
@@ -856,7 +1008,7 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
       }
       return KD_OK;
     }
-    return kd_linear_multirow(x, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, NULL, NULL, qp, scales, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
   }
 #endif
   if (T == 1) { /* GEMV: decode fused into the dot product */

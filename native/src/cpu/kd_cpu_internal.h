@@ -18,6 +18,9 @@ void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visi
                            int64_t t1, int64_t T, int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale,
                            int64_t *keys, float *p);
 
+/* dst[0..n) = BF16 bits src widened to float32, exactly (bits << 16); AVX2 eight at a time where in use */
+void kd_bf16_widen(const uint16_t *src, float *dst, int64_t n);
+
 /* p[i] = kd_expf(p[i]) for i < n, eight at a time where AVX2 is in use (kd_cpu.c) */
 void kd_exp_inplace(float *p, int64_t n);
 

@@ -39,9 +39,18 @@ static void *kd_reserve(kd_buf *b, size_t bytes) {
     if (rc_) return rc_;      \
   } while (0)
 
+/* row `tok` of an embedding table [V, D], float32 or BF16 (widened exactly) -> dst [D] */
+static void kd_embed_row(const float *f32, const uint16_t *bf16, int64_t tok, int64_t D, float *dst) {
+  if (bf16)
+    kd_bf16_widen(bf16 + tok * D, dst, D);
+  else
+    memcpy(dst, f32 + tok * D, sizeof(float) * (size_t)D);
+}
+
 static int kd_lin(const kd_weight *w, const float *x, float *out, int64_t T) {
   if (w->packed)
     return kd_linear_w4a16(x, w->packed, w->scales, out, T, w->n_in, w->n_out, w->group, NULL);
+  if (w->bf16) return kd_linear_bf16(x, w->bf16, out, T, w->n_in, w->n_out, NULL);
   return kd_linear_f32(x, w->f32, out, T, w->n_in, w->n_out, NULL);
 }
 
@@ -125,7 +134,7 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   if (D <= 0 || d->vocab <= 0 || d->n_layers <= 0 || L <= 0 || R <= 0 || R % 2 || d->nope <= 0 || d->v_head <= 0)
     return kd_fail(KD_EINVAL, "kd_model_create: bad sizes (D=%lld V=%lld layers=%lld L=%lld R=%lld)",
                    (long long)D, (long long)d->vocab, (long long)d->n_layers, (long long)L, (long long)R);
-  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
+  if ((!d->embed && !d->embed_bf16) || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
     return kd_fail(KD_EINVAL, "kd_model_create: embed, final_norm, lm_head [V, D], layers and inv_freq are required");
   kd_model *m = (kd_model *)calloc(1, sizeof(kd_model));
   if (!m) return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
@@ -557,7 +566,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
       cs[r * R + i] = (float)(cos(ang) * d->rope_mscale);
       cs[r * R + half + i] = (float)(sin(ang) * d->rope_mscale);
     }
-  for (int64_t r = 0; r < N; r++) memcpy(h + r * D, d->embed + (int64_t)a->tokens[r] * D, sizeof(float) * (size_t)D);
+  for (int64_t r = 0; r < N; r++) kd_embed_row(d->embed, d->embed_bf16, a->tokens[r], D, h + r * D);
 
   for (int64_t li = 0; li < d->n_layers; li++) {
     const kd_layer *ly = &m->layers[li];
@@ -904,7 +913,7 @@ int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const
     kd_dslot *c = &dr->slots[slots[s]];
     int64_t n = c->length;
     for (int64_t r = 0; r < B; r++) /* block = embed([bonus, MASK x (B-1)]) */
-      memcpy(x + r * D, d->embed + (int64_t)(r ? d->mask_token : bonus[s]) * D, sizeof(float) * (size_t)D);
+      kd_embed_row(d->embed, d->embed_bf16, r ? d->mask_token : bonus[s], D, x + r * D);
     kd_rope_half_table(cs, n, B, hd, d->rope_theta);
     for (int64_t li = 0; li < d->n_layers; li++) {
       const kd_drafter_layer *ly = &dr->layers[li];

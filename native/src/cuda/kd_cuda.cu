@@ -142,6 +142,36 @@ extern "C" int kd_linear_f32(const float *x, const float *w, float *out, int64_t
   return kd_cuda_status("kd_linear_f32");
 }
 
+/* BF16 weights: kd_linear_f32_kernel with the weight widened exactly at the load (the same bits) */
+__global__ void kd_linear_bf16_kernel(const float *__restrict__ x, const __nv_bfloat16 *__restrict__ w,
+                                      float *__restrict__ out, int64_t n_in, int64_t n_out) {
+  int lane = threadIdx.x & 31;
+  int64_t o = (int64_t)blockIdx.x * KD_WARPS + (threadIdx.x >> 5), t = blockIdx.y;
+  if (o >= n_out) return;
+  const __nv_bfloat16 *wr = w + o * n_in;
+  const float *xr = x + t * n_in;
+  float acc = 0.0f;
+  for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128)
+    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += kd_load(wr + k0 + j) * xr[k0 + j];
+  acc = kd_warp_sum(acc);
+  if (lane == 0) out[t * n_out + o] = acc;
+}
+
+extern "C" int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                              void *stream) {
+  int rc = kd_need_device("kd_linear_bf16");
+  if (rc) return rc;
+  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_linear_bf16: negative size");
+  if (T == 0 || n_out == 0) return KD_OK;
+  if (T > 65535) return kd_fail(KD_EINVAL, "kd_linear_bf16: T=%lld > 65535 rows per call", (long long)T);
+  KD_CHECK_PTR("kd_linear_bf16", x);
+  KD_CHECK_PTR("kd_linear_bf16", w);
+  KD_CHECK_PTR("kd_linear_bf16", out);
+  dim3 grid((unsigned)((n_out + KD_WARPS - 1) / KD_WARPS), (unsigned)T);
+  kd_linear_bf16_kernel<<<grid, 32 * KD_WARPS, 0, KD_STREAM(stream)>>>(x, (const __nv_bfloat16 *)w, out, n_in, n_out);
+  return kd_cuda_status("kd_linear_bf16");
+}
+
 /* ---- W4A16: one warp per output, kd_linear_f32_kernel's lane order (lane l sums k = 128 i + 4 l + j in order),
  * so the result is exactly kd_linear_f32 on the dequantized weight (kdtree.h). k and k+1..k+3 share a word half
  * and a group (group % 8 == 0). */

@@ -671,6 +671,9 @@ static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
     dw->w = fw_put(u, hw->packed, sizeof(int32_t) * (size_t)(hw->n_out * ((hw->n_in + 7) / 8)));
     dw->scales = fw_put_f32(u, hw->scales, hw->n_out * ((hw->n_in + hw->group - 1) / hw->group), 1, &bf);
     dw->kind = bf ? FW_INT4_BF16 : FW_INT4_F32;
+  } else if (hw->bf16) { /* BF16 from the host (backend=cpu's loader layout): uploaded as is */
+    dw->w = fw_put(u, hw->bf16, 2 * (size_t)(hw->n_out * hw->n_in));
+    dw->kind = FW_BF16;
   } else {
     dw->w = fw_put_f32(u, hw->f32, hw->n_out * hw->n_in, 1, &bf);
     dw->kind = bf ? FW_BF16 : FW_F32;
@@ -678,7 +681,7 @@ static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
 }
 
 static void fw_dense(fw_up *u, const float *src, int64_t n_out, int64_t n_in, fw_w *dw) {
-  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0};
+  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0, NULL};
   fw_weight(u, &hw, dw);
 }
 
@@ -693,7 +696,8 @@ static int fw_upload(kd_model *m, fw_up *u) {
   const kd_model_desc *d = &m->d;
   int64_t D = d->hidden, L = d->kv_lora, R = d->rope_dim, V = d->vocab;
   int bf;
-  const void *emb = fw_put_f32(u, d->embed, V * D, 1, &bf);
+  const void *emb = d->embed_bf16 ? (bf = 1, fw_put(u, d->embed_bf16, 2 * (size_t)(V * D)))
+                                  : fw_put_f32(u, d->embed, V * D, 1, &bf);
   m->embed_f32 = bf ? NULL : (const float *)emb;
   m->embed_bf16 = bf ? (const __nv_bfloat16 *)emb : NULL;
   m->final_norm = fw_vec(u, d->final_norm, D);
@@ -820,7 +824,7 @@ extern "C" int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   if (L > FW_ATT_THREADS * FW_ATT_MAX_DIMS)
     return kd_fail(KD_EINVAL, "kd_model_create: kv_lora_rank=%lld > %d supported by the CUDA attention kernel",
                    (long long)L, FW_ATT_THREADS * FW_ATT_MAX_DIMS);
-  if (!d->embed || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
+  if ((!d->embed && !d->embed_bf16) || !d->final_norm || !d->layers || !d->inv_freq || !kd_weight_ok(&d->lm_head, d->vocab, D))
     return kd_fail(KD_EINVAL, "kd_model_create: embed, final_norm, lm_head [V, D], layers and inv_freq are required");
   kd_model *m = (kd_model *)calloc(1, sizeof(kd_model));
   if (!m) return kd_fail(KD_ENOMEM, "kd_model_create: out of memory");
@@ -1638,7 +1642,8 @@ static int fw_dupload(kd_drafter *dr, const kd_drafter_desc *d, fw_up *u) {
     dr->lm_head = d->target->lm_head;
   } else {
     int bf;
-    const void *emb = fw_put_f32(u, d->embed, d->vocab * D, 1, &bf);
+    const void *emb = d->embed_bf16 ? (bf = 1, fw_put(u, d->embed_bf16, 2 * (size_t)(d->vocab * D)))
+                                    : fw_put_f32(u, d->embed, d->vocab * D, 1, &bf);
     dr->embed_f32 = bf ? NULL : (const float *)emb;
     dr->embed_bf16 = bf ? (const __nv_bfloat16 *)emb : NULL;
     fw_weight(u, &d->lm_head, &dr->lm_head);
