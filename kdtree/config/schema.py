@@ -187,6 +187,8 @@ class ServeConfig:
     max_header_bytes: int = 16384  # request line + headers; more is a 431
     max_connections: int = 1024  # open sockets; more are answered 503 and closed
     keepalive_s: float = 5.0  # idle connections (also ones that never send a request) are closed after this
+    max_connections_per_client: int = 256  # open sockets of one client address; more get 503 (0 = no cap)
+    request_read_timeout_s: float = 10.0  # a request head must arrive whole in this; a body may not pause longer (408)
     model_name: str = ""  # empty = model.name
     detach: bool = False
     max_queue: int = 256

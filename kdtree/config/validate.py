@@ -296,7 +296,9 @@ def validate_serve(cfg: DictConfig) -> None:
     for key in ("max_body_bytes", "max_header_bytes", "max_connections"):
         if int(s[key]) < 1:
             raise ConfigError(f"serve.{key}={s[key]} must be >= 1")
-    for key in ("drain_timeout_s", "keepalive_s"):
+    if int(s.get("max_connections_per_client", 0)) < 0:
+        raise ConfigError(f"serve.max_connections_per_client={s.max_connections_per_client} must be >= 0 (0 = no cap)")
+    for key in ("drain_timeout_s", "keepalive_s", "request_read_timeout_s"):
         if not float(s[key]) > 0:
             raise ConfigError(f"serve.{key}={s[key]} must be > 0 seconds")
     if not 0 <= s.port <= 65535:

@@ -46,7 +46,8 @@ from kdtree.serve.metrics import Metrics
 from kdtree.serve.request_queue import Draining, QueueFull
 from kdtree.serve.sse import seed_of
 from kdtree.serve.status import StatusFile, describe
-from kdtree.serve.transport import MAX_CONNECTIONS, ApiError, JsonH11Protocol
+from kdtree.serve.transport import (MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT, REQUEST_READ_TIMEOUT_S, ApiError,
+                                    JsonH11Protocol)
 
 MAX_BODY_BYTES = 8 << 20          # 8 MiB: a prompt as long as any context, JSON-encoded, fits with room
 MAX_HEADER_BYTES = 16 << 10       # 16 KiB of request line + headers (h11's buffer limit; more is a 431)
@@ -57,7 +58,9 @@ class ServeApp:
     def __init__(self, status: StatusFile, host: str = "127.0.0.1", port: int = 30001, model_name: str = "model",
                  api_key: str = "", max_queue: int = 256, cors_origins: Tuple[str, ...] = (),
                  max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
-                 max_connections: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S):
+                 max_connections: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S,
+                 max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+                 request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S):
         self.status = status
         self.host, self.port = host, int(port)
         self.model_name = model_name
@@ -66,6 +69,8 @@ class ServeApp:
         self.cors_origins = tuple(cors_origins or ())
         self.max_body_bytes, self.max_header_bytes = int(max_body_bytes), int(max_header_bytes)
         self.max_connections, self.keepalive_s = int(max_connections), float(keepalive_s)
+        self.max_connections_per_client = int(max_connections_per_client)
+        self.request_read_timeout_s = float(request_read_timeout_s)
         self.engine: Any = None
         self.worker: Optional[BatchWorker] = None
         self.chat_template = None
@@ -93,7 +98,9 @@ class ServeApp:
         sock.listen(128)                  # 16+ clients connecting at once must not overflow the listen backlog
         sock.set_inheritable(True)
         self.port = sock.getsockname()[1]              # serve.port=0 picks a free port
-        protocol = type("_Protocol", (JsonH11Protocol,), {"max_connections": self.max_connections})
+        protocol = type("_Protocol", (JsonH11Protocol,), {"max_connections": self.max_connections,
+                                                     "max_connections_per_client": self.max_connections_per_client,
+                                                     "read_timeout_s": self.request_read_timeout_s})
         from kdtree.serve.routes import build_app      # the routes import this module's ServeApp helpers only
         config = uvicorn.Config(build_app(self), lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=True, http=protocol,

@@ -18,6 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 1024            # open sockets; one more is answered 503 and closed
+MAX_CONNECTIONS_PER_CLIENT = 256  # open sockets of one client address; one more is answered 503 and closed
+REQUEST_READ_TIMEOUT_S = 10.0     # a request head must arrive whole within this of its first byte; a body may
+                                  # pause no longer than this between chunks (else 408, closed)
 MONITOR_AGENT = "kdtree-monitor"  # the health monitor's User-Agent: its probes are not access-logged (see Access)
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -47,26 +50,46 @@ def _error_bytes(status: int, message: str, type_: str, extra_headers: str = "")
             f"connection: close\r\n{extra_headers}\r\n").encode() + body
 
 
-_REASONS = {400: "Bad Request", 431: "Request Header Fields Too Large", 501: "Not Implemented",
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large", 501: "Not Implemented",
             503: "Service Unavailable"}
 
 
 class JsonH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with kdtree's limits and JSON errors where uvicorn answers plain text itself:
     a request the parser refuses (400; 431 when its head exceeds MAX_HEADER_BYTES; 501 for a transfer coding
-    h11 does not implement), a socket over the
-    connection limit (503), a connection idle for KEEPALIVE_S before its first request (closed)."""
+    h11 does not implement), a socket over the connection limit or over the per-client limit (503), a connection
+    idle for KEEPALIVE_S before its first request (closed), and the read deadline (408, closed): a request head
+    must arrive whole within `read_timeout_s` of its first byte (a slowloris that trickles or stalls a head is
+    cut), and a body may not pause longer than that between two chunks. uvicorn itself cancels its keep-alive
+    timer at the first byte and arms nothing while a request is read."""
 
     max_connections = MAX_CONNECTIONS
+    max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._read_timer = None
+        self._reading = None                   # "head" | "body" while a request is being read, else None
+        host = self.client[0] if self.client else None
+        self._client_host = host
+        per_client = getattr(self.server_state, "kdtree_per_client", None)
+        if per_client is None:
+            per_client = self.server_state.kdtree_per_client = {}
+        over = None
         if len(self.connections) > self.max_connections:
-            transport.write(_error_bytes(503, f"too many open connections (serve.max_connections="
-                                              f"{self.max_connections}); retry later", "service_unavailable",
-                                         "retry-after: 1\r\n"))
+            over = f"too many open connections (serve.max_connections={self.max_connections}); retry later"
+        elif host is not None and self.max_connections_per_client > 0 and \
+                per_client.get(host, 0) >= self.max_connections_per_client:
+            over = (f"too many open connections from {host} (serve.max_connections_per_client="
+                    f"{self.max_connections_per_client}); close some or retry later")
+        if over is not None:
+            self._client_host = None           # not counted
+            transport.write(_error_bytes(503, over, "service_unavailable", "retry-after: 1\r\n"))
             transport.close()
             return
+        if host is not None:
+            per_client[host] = per_client.get(host, 0) + 1
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._h11_error: Optional[h11.RemoteProtocolError] = None
         next_event = self.conn.next_event
@@ -79,6 +102,59 @@ class JsonH11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = remember_error
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_read_timer()
+        host, self._client_host = getattr(self, "_client_host", None), None
+        if host is not None:
+            per_client = self.server_state.kdtree_per_client
+            left = per_client.get(host, 1) - 1
+            if left > 0:
+                per_client[host] = left
+            else:
+                per_client.pop(host, None)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            self._cancel_read_timer()
+            return
+        theirs = self.conn.their_state
+        if theirs is h11.SEND_BODY:            # a body being read: each chunk restarts the pause deadline
+            self._arm_read_timer("body", restart=True)
+        elif theirs is h11.IDLE and self.conn.trailing_data[0]:
+            self._arm_read_timer("head", restart=False)   # part of a head: one deadline from its first byte
+        else:
+            self._cancel_read_timer()
+
+    def _arm_read_timer(self, what: str, restart: bool) -> None:
+        if self._read_timer is not None and not restart and self._reading == what:
+            return
+        self._cancel_read_timer()
+        self._reading = what
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _cancel_read_timer(self) -> None:
+        timer = getattr(self, "_read_timer", None)
+        if timer is not None:
+            timer.cancel()
+        self._read_timer, self._reading = None, None
+
+    def _read_timed_out(self) -> None:
+        what, self._read_timer, self._reading = self._reading, None, None
+        if self.transport.is_closing():
+            return
+        if what == "body" and self.flow.read_paused:      # the app has not taken what arrived: not the client's
+            self._arm_read_timer("body", restart=True)    # pause, so no deadline while reading is paused
+            return
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            part = "request line and headers" if what == "head" else "request body"
+            self.transport.write(_error_bytes(
+                408, f"the {part} did not arrive in time (serve.request_read_timeout_s={self.read_timeout_s:g}: "
+                     f"a head must arrive whole within it, a body may not pause longer); send the request at once",
+                "invalid_request_error"))
+        self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
         err = getattr(self, "_h11_error", None)

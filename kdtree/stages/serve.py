@@ -48,7 +48,9 @@ def on_process_start(ctx) -> ServeApp:
     app = ServeApp(status, host=s.host, port=s.port, model_name=s.model_name or ctx.cfg.model.name,
                    api_key=api_key(s), max_queue=s.max_queue, cors_origins=tuple(s.get("cors_origins") or ()),
                    max_body_bytes=s.max_body_bytes, max_header_bytes=s.max_header_bytes,
-                   max_connections=s.max_connections, keepalive_s=s.keepalive_s).start()
+                   max_connections=s.max_connections, keepalive_s=s.keepalive_s,
+                   max_connections_per_client=s.max_connections_per_client,
+                   request_read_timeout_s=s.request_read_timeout_s).start()
     EngineState.of(ctx).server = app
     ctx.emit("serve_listening", url=app.url, phase=status.phase)
     return app
