@@ -29,6 +29,7 @@ committed tokens do not depend on the tree, so they stay identical; only the acc
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -290,7 +291,10 @@ class Scheduler:
         elif any(r is req for r in self._waiting):
             self._waiting.remove(req)
         if error is None:
-            st.insert_prefix()                    # its committed rows into the prefix cache (copied)
+            try:
+                st.insert_prefix()                # its committed rows into the prefix cache (copied)
+            except Exception as e:                # never fails a finished request; the cache just misses later
+                print(f"[scheduler] prefix cache insert failed: {type(e).__name__}: {e}", file=sys.stderr)
         st.release()                              # its rows of the arena are free for the next admission now
         req.error = error
         req.finished_at = time.monotonic()

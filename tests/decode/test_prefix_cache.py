@@ -123,3 +123,30 @@ def test_radix_tree_pages_and_eviction():
     pc.release(path)
     pc.evict(0)
     assert pc.tokens == 0 and pc.bytes == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_and_n_samples_hit_same_tokens(compose_cfg, backend):
+    """Requests sharing a cached prefix, decoded together, and n samples (one shared prefill that hit the cache)
+    give the tokens of the uncached runs."""
+    from kdtree.decode import generate_n
+    engine = engine_for(compose_cfg, backend)
+    base = engine.tokenizer.encode(TEXT[4000:4300])[:48]
+    pc = PrefixCache(page_tokens=16)
+    cached, plain = sched_for(engine, pc), sched_for(engine, None)
+    run(engine, cached, base, 6, None)                         # warms the cache with base + answer
+    prompts = [base + engine.tokenizer.encode(TEXT[5000 + 40 * i:5000 + 40 * i + 30])[:9 + i] for i in range(4)]
+    trees = [TREES["ddtree"], TREES["chain"], TREES["ar"], TREES["ddtree"]]
+    reqs = [cached.submit(Request(list(p), 12, tree=t)) for p, t in zip(prompts, trees)]
+    for r in reqs:
+        cached.drive(r)
+    for r, p, t in zip(reqs, prompts, trees):
+        assert r.error is None and r.result.cached_tokens == 48        # base: 3 whole pages
+        assert r.result.tokens == run(engine, plain, p, 12, t).tokens
+    sp = SamplingParams(temperature=0.9, seed=7, n=3)
+    got = generate_n(engine.model, engine.drafter, engine.cfg.tree, prompts[0], 10, sp, eos_id=engine.eos_id,
+                     scheduler=cached)
+    want = generate_n(engine.model, engine.drafter, engine.cfg.tree, prompts[0], 10, sp, eos_id=engine.eos_id,
+                      scheduler=plain)
+    assert got[0].cached_tokens > 0
+    assert [g.tokens for g in got] == [w.tokens for w in want]
