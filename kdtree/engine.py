@@ -31,6 +31,7 @@ from kdtree.checkpoint.loader import check_checkpoint, load_checkpoint, load_dra
 from kdtree.checkpoint.tiny import ensure_tiny_checkpoint, is_generated
 from kdtree.config.paths import cache_dir
 from kdtree.decode import generate_n, run_request
+from kdtree.decode.prefix_cache import PrefixCache
 from kdtree.decode.request import Request
 from kdtree.decode.result import GenerationResult
 from kdtree.decode.sampling import SamplingParams
@@ -171,13 +172,17 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The one scheduler of this engine (built on first use: it reserves the latent-cache pool,
         serve.kv_pool_tokens rows, with the continuous-batching knobs serve.max_batch_tokens / request_timeout_s /
-        speculate_max_batch)."""
+        speculate_max_batch, and the prefix cache: serve.prefix_cache / prefix_cache_tokens / prefix_cache_page)."""
         if self._scheduler is None:
             s = self.cfg.serve
+            prefix = None
+            if bool(s.get("prefix_cache", True)) and int(s.get("prefix_cache_tokens", 8192)) > 0:
+                prefix = PrefixCache(page_tokens=int(s.get("prefix_cache_page", 16)),
+                                     max_tokens=int(s.get("prefix_cache_tokens", 8192)))
             self._scheduler = Scheduler(self.model, self.drafter, self.cfg.tree, self.eos_id, self.max_context,
                                         max_batch_tokens=int(s.max_batch_tokens), pool_tokens=int(s.kv_pool_tokens),
                                         request_timeout_s=float(s.request_timeout_s),
-                                        speculate_max_batch=int(s.speculate_max_batch))
+                                        speculate_max_batch=int(s.speculate_max_batch), prefix_cache=prefix)
         return self._scheduler
 
     def submit(self, req: Request) -> Request:

@@ -265,6 +265,21 @@ class NativeLatentCache:
         if rc:   # the library names what is wrong (bad rows, a freed slot, ...); do not guess
             raise ValueError(f"keep(start={start}, rows={rows.tolist()}): {lib.last_error()}")
 
+    def read_rows(self, start: int, n: int) -> np.ndarray:
+        """Rows [start, start + n) of every layer, a host copy f32[n_layers, n, width] (kd_cache_rows)."""
+        if not 0 <= start <= start + n <= self.length:
+            raise ValueError(f"read_rows({start}, {n}) outside [0, {self.length})")
+        return np.stack([kv[start:start + n] for kv in self.kv])
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        """Write host rows f32[n_layers, n, width] at start (<= length); length = start + n (kd_cache_write_rows)."""
+        rows = np.ascontiguousarray(rows, np.float32)
+        lib = self.target.lib
+        rc = lib.c.kd_cache_write_rows(self.target.handle, self.slot, int(start), lib.ffi.from_buffer("float[]", rows),
+                                       int(rows.shape[1]))
+        if rc:
+            raise ValueError(f"write_rows(start={start}, {rows.shape[1]} rows): {lib.last_error()}")
+
 
 class NativeTarget:
     """A K2 target whose forward is ONE kd_model_forward call: the checkpoint's tensors (by kdtree/model/names.py's

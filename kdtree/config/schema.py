@@ -199,6 +199,11 @@ class ServeConfig:
     kv_pool_tokens: int = 16384  # latent-cache tokens of all running requests (prompt + max_tokens + tree each); more wait
     request_timeout_s: float = 0.0  # wall-clock limit of a request, queueing included (0 = none)
     speculate_max_batch: int = 4  # more decoding requests than this step as AR (exact either way); 0 = always speculate
+    # exact prefix cache (kdtree/decode/prefix_cache.py): a prompt extending a finished request's prompt + answer copies
+    # their latent rows (whole pages) and prefills only the rest; the same tokens with and without it
+    prefix_cache: bool = True
+    prefix_cache_tokens: int = 8192  # tokens held (LRU-evicted past it); K2.6 fp32 latent: 61 x 576 x 4 B = 141 KB/token
+    prefix_cache_page: int = 16  # tokens per page (a prefix matches whole pages)
 
 
 @dataclass

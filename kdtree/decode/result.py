@@ -19,6 +19,9 @@ class GenerationResult:
     seed: Optional[int] = None             # the sampling seed used (None = greedy); replays the run
     logprobs: Optional[List[dict]] = None  # per token {"token", "logprob", "top": [[id, logprob], ...]} if asked
     prompt_logprobs: Optional[List[Optional[dict]]] = None  # echo: prompt tokens 1..P-1 (token 0: None)
+    cached_tokens: int = 0                 # prompt tokens served from the prefix cache (not prefilled)
+    prefilled_tokens: int = 0              # prompt rows this request computed (prefill forwards)
+    prefix_queried_tokens: int = 0         # prompt tokens looked up in the prefix cache (0: not looked up)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -11,6 +11,9 @@ One step (`step()`):
            (prompt + max_new_tokens + tree budget rows); the rest wait. backend=cpu|cuda: the rows are a range of
            ONE latent-cache arena reserved at start (pool_tokens rows); a request whose range is not free yet
            waits for running ones to finish
+           prefix cache (prefix_cache=PrefixCache): an admitted request copies the latent rows of its longest cached
+           prefix (whole pages, at most prompt - 1 tokens) into its cache and prefills only the rest; a request
+           that finishes inserts its committed rows (prompt + generated tokens). Exact: the same tokens hit or miss
   plan     every decoding request's block (DecodeState.plan: its tree, drafted now, or its AR row), then prefill
            chunks fill the step up to max_batch_tokens rows (the oldest prefilling request always moves)
   forward  ONE Target.forward_batch over all blocks: each sees its own cache and its own block's visibility
@@ -26,6 +29,7 @@ committed tokens do not depend on the tree, so they stay identical; only the acc
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Dict, List, Optional
@@ -51,7 +55,7 @@ def forward_batch(model, seqs, hidden_layers=()):
 class Scheduler:
     def __init__(self, model, drafter, tree, eos_id: Optional[int], max_context: int,
                  max_batch_tokens: int = 512, pool_tokens: int = 16384, request_timeout_s: float = 0.0,
-                 speculate_max_batch: int = 0, reserve_pool: bool = True):
+                 speculate_max_batch: int = 0, reserve_pool: bool = True, prefix_cache=None):
         if int(max_batch_tokens) < 1:
             raise ConfigError(f"serve.max_batch_tokens={max_batch_tokens} must be >= 1 row; e.g. 512")
         if int(pool_tokens) < 1:
@@ -66,6 +70,7 @@ class Scheduler:
         self.request_timeout_s = float(request_timeout_s)
         self.speculate_max_batch = int(speculate_max_batch)   # 0 = no limit
         self.speculating = True                         # the last step's mode (status)
+        self.prefix_cache = prefix_cache                # a PrefixCache (kdtree/decode/prefix_cache.py) or None
         self._lock = threading.Condition()
         self._waiting: List[Request] = []
         self._running: List[Request] = []
@@ -88,7 +93,7 @@ class Scheduler:
             raise ConfigError(f"n={req.sampling.n}: the scheduler decodes one completion per request; "
                               f"submit n requests (Engine.generate_n)")
         st = DecodeState(req, self.model, self.drafter, self.tree if req.tree is None else req.tree, self.eos_id,
-                         self.max_context, self.pool_tokens)
+                         self.max_context, self.pool_tokens, prefix=self.prefix_cache)
         timeout = req.timeout_s or self.request_timeout_s
         req.submitted_at = time.monotonic()
         with self._lock:
@@ -114,7 +119,8 @@ class Scheduler:
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
                     "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
-                    "speculating": self.speculating}
+                    "speculating": self.speculating,
+                    **(self.prefix_cache.stats() if self.prefix_cache is not None else {})}
 
     def wake(self) -> None:
         with self._lock:
@@ -284,6 +290,11 @@ class Scheduler:
             self.pool_used -= st.need
         elif any(r is req for r in self._waiting):
             self._waiting.remove(req)
+        if error is None:
+            try:
+                st.insert_prefix()                # its committed rows into the prefix cache (copied)
+            except Exception as e:                # never fails a finished request; the cache just misses later
+                print(f"[scheduler] prefix cache insert failed: {type(e).__name__}: {e}", file=sys.stderr)
         st.release()                              # its rows of the arena are free for the next admission now
         req.error = error
         req.finished_at = time.monotonic()

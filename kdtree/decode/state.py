@@ -107,7 +107,7 @@ class DecodeState:
     """A running request's decode state (created by the scheduler at submit, alive until it finishes)."""
 
     def __init__(self, req: Request, model, drafter, tree_cfg, eos_id: Optional[int], max_context: int,
-                 pool_tokens: int):
+                 pool_tokens: int, prefix=None):
         self.req, self.model, self.ops = req, model, model.ops
         self.prompt = np.asarray(list(req.prompt_ids), np.int32)                      # i32[P]
         self.width, self.depth, self.budget, self.need = request_shape(
@@ -136,6 +136,9 @@ class DecodeState:
             req.result.logprobs = []
             if self.echo:
                 req.result.prompt_logprobs = [None]
+        # the prefix cache (kdtree/decode/prefix_cache.py); not with echo (it needs every prompt row's logits)
+        self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
+        self.hid_log: List[Dict[int, np.ndarray]] = []       # hidden rows of every cache row (speculative + prefix)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -163,7 +166,42 @@ class DecodeState:
         self.cache = self.model.new_cache(self.need)
         if self.budget:
             self.dcache = self.drafter.new_cache(len(self.prompt) + self.max_new)
+        if self.prefix is not None and hasattr(self.cache, "write_rows"):
+            self._map_prefix()
         return False
+
+    def _map_prefix(self) -> None:
+        """Copy the longest cached prefix's rows (whole pages, at most P - 1 tokens: the last prompt row is computed
+        for its logits) into the cache; the prefill starts after them."""
+        path = self.prefix.lookup(self.prompt, len(self.prompt) - 1, need_hidden=bool(self.budget))
+        self.req.result.prefix_queried_tokens = len(self.prompt)
+        if not path:
+            return
+        try:
+            rows, hidden = self.prefix.gather(path)
+            self.cache.write_rows(0, rows)
+        finally:
+            self.prefix.release(path)
+        m = int(rows.shape[1])
+        self.prefilled = m
+        self.req.result.cached_tokens = m
+        if self.budget:                        # the drafter's context: the cached hidden rows + the prefill's
+            self.prompt_hid.append(hidden)
+            self.hid_log.append(hidden)
+
+    def insert_prefix(self) -> None:
+        """A finished request's committed rows (prompt + generated tokens) into the prefix cache."""
+        if self.prefix is None or self.cache is None or not hasattr(self.cache, "read_rows"):
+            return
+        seq = [int(t) for t in self.prompt] + [int(t) for t in self.req.result.tokens]
+        n = min(int(self.cache.length), len(seq))
+        hidden = None
+        if self.budget and self.hid_log:
+            hidden = _joined(self.hid_log)
+            if next(iter(hidden.values())).shape[0] != int(self.cache.length):   # not row-aligned (a shared
+                # prefill's later sample): cache the latent rows only
+                hidden = None
+        self.prefix.insert(seq[:n], self.cache.read_rows, hidden)
 
     def release(self) -> None:
         """Give the latent rows back now (the scheduler's finish)."""
@@ -220,6 +258,8 @@ class DecodeState:
             res.acceptance_lengths.append(1)
             token = self._draw(logits, argmax, 0)
             over = self._commit([token], logits)
+            if self.budget and self.prefix is not None:
+                self.hid_log.append({i: x.copy() for i, x in hid.items()})
             if not over and self.budget:       # the drafter gets this row when it drafts again
                 self.bonus = token
                 self.pending_hid.append({i: x.copy() for i, x in hid.items()})
@@ -231,8 +271,11 @@ class DecodeState:
         if self.echo:                          # row j predicts prompt token a + j + 1
             res.prompt_logprobs += prompt_logprobs(self.prompt[a:min(a + n + 1, P)], logits, self.top)[1:]
         self.prefilled += n
+        res.prefilled_tokens += n
         if self.budget:
             self.prompt_hid.append(hid)
+            if self.prefix is not None:
+                self.hid_log.append(hid)
         if self.prefilling:
             return False
         if not self.max_new:                   # echo with max_tokens 0: the prompt's logprobs only
@@ -268,6 +311,8 @@ class DecodeState:
         t1 = time.perf_counter()
         res.stage_seconds["accept"] += t1 - t0
         over = self._commit(committed, logits[rows] if self.top is not None else None)
+        if self.prefix is not None:
+            self.hid_log.append({i: x[rows] for i, x in hid.items()})
         t2 = time.perf_counter()
         res.stage_seconds["commit"] += t2 - t1
         if not over:                           # the drafter's next context: root + path hidden states

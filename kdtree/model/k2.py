@@ -47,6 +47,21 @@ class LatentCache:
             kv[start:start + n] = kv[rows]  # fancy indexing copies first, so overlapping moves are safe
         self.length = start + n
 
+    def read_rows(self, start: int, n: int) -> np.ndarray:
+        """Rows [start, start + n) of every layer, a copy f32[n_layers, n, width] (the prefix cache's insert)."""
+        if not 0 <= start <= start + n <= self.length:
+            raise ValueError(f"read_rows({start}, {n}) outside [0, {self.length})")
+        return np.stack([kv[start:start + n] for kv in self.kv])
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        """Write rows f32[n_layers, n, width] at start (<= length); length = start + n (a prefix cache hit)."""
+        n = int(rows.shape[1])
+        if not 0 <= start <= self.length or start + n > self.max_len:
+            raise ValueError(f"write_rows({start}, {n} rows) outside the cache (length {self.length}, max {self.max_len})")
+        for kv, r in zip(self.kv, rows):
+            kv[start:start + n] = r
+        self.length = start + n
+
 
 class _Attn:
     """One layer's MLA weights, with kv_b_proj split per head once (W_uk, W_uv) for the absorbed form."""

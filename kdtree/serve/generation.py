@@ -63,7 +63,8 @@ async def respond(serve, http: HttpRequest, g: Generation) -> Response:
         choices.append(_choice(serve, g, i, req, *final_text(serve, req, g.stops)))
     results = [req.result for req in reqs]
     n_out = sum(len(r.tokens) for r in results)
-    usage = P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+    usage = P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                    prompt_tokens_details=P.PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results)))
     cls, prefix = (P.ChatCompletionResponse, "chatcmpl") if g.chat else (P.CompletionResponse, "cmpl")
     resp = cls(id=f"{prefix}-{uuid.uuid4().hex[:24]}", model=serve.model_name, choices=choices, usage=usage,
                kdtree=serve.stats(results, g.sampling))

@@ -7,6 +7,8 @@ Names and buckets follow vLLM's metric set (prefix kdtree_; counters end in _tot
     kdtree_request_queue_time_seconds         histogram  submit -> the engine worker took it
     kdtree_requests_total{code,endpoint}      counter    HTTP requests by status
     kdtree_prompt_tokens_total / kdtree_generation_tokens_total / kdtree_target_forwards_total / ...
+    kdtree_prefix_cache_queries_total / kdtree_prefix_cache_hits_total   counters  prompt tokens looked up in / served
+                                                                                   from the prefix cache (vLLM's)
     kdtree_num_requests_running / _waiting / kdtree_batch_size / kdtree_speculating / kdtree_kv_cache_usage_perc   gauges
     kdtree_phase{phase}, kdtree_load_bytes_done / _expected, kdtree_phase_seconds{phase}    from status.json
 """
@@ -94,6 +96,10 @@ class Metrics:
         self.target_fw = Counter("kdtree_target_forwards", "Target model forwards (prefill counts as one).",
                                  registry=r)
         self.draft_fw = Counter("kdtree_draft_forwards", "Drafter forwards.", registry=r)
+        self.prefix_queries = Counter("kdtree_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter("kdtree_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                   registry=r)
         self.accept = Histogram("kdtree_acceptance_length", "Tokens committed per verify round.",
                                 buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)
         self.stage = Counter("kdtree_stage_seconds", "Decode seconds by stage.", ["stage"], registry=r)
@@ -114,6 +120,8 @@ class Metrics:
         self.finished.labels(finished_reason="stop" if result.finish_reason in ("stop", "eos") else "length").inc()
         self.target_fw.inc(int(result.target_forwards))
         self.draft_fw.inc(int(result.draft_forwards))
+        self.prefix_queries.inc(int(getattr(result, "prefix_queried_tokens", 0)))
+        self.prefix_hits.inc(int(getattr(result, "cached_tokens", 0)))
         for a in result.acceptance_lengths:
             self.accept.observe(a)
         for stage, s in result.stage_seconds.items():

@@ -159,10 +159,15 @@ class ErrorResponse(_Response):
     error: ErrorBody
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0              # prompt tokens served from the prefix cache (OpenAI's field)
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class KdtreeStats(_Response):

@@ -154,7 +154,8 @@ async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: 
             else:
                 if include_usage:
                     yield sse({**ch.head(), "choices": [], "usage": {
-                        "prompt_tokens": n_prompt, "completion_tokens": out[0], "total_tokens": n_prompt + out[0]}})
+                        "prompt_tokens": n_prompt, "completion_tokens": out[0], "total_tokens": n_prompt + out[0],
+                        "prompt_tokens_details": {"cached_tokens": sum(r.result.cached_tokens for r in reqs)}}})
             yield b"data: [DONE]\n\n"
             if not out[1]:
                 print(f"[serve] stream {n_prompt}+{out[0]} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,

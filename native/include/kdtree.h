@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 10  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 11  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -238,6 +238,9 @@ int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n);     /* drop rows [n
 /* keep rows (absolute, ascending, within [start, length)) moved contiguously to start..; length = start + n */
 int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n);
 int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows);   /* layer's f32 [max_len, L+R] */
+/* write n rows of every layer at start (<= length; start + n <= max_len) from HOST rows f32 [n_layers, n, L+R];
+ * length = start + n (the prefix cache's hit: cached latent rows copied in instead of recomputed) */
+int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n);
 /* One latent-cache arena of `rows` rows for all later kd_cache_alloc calls (each slot a free row range, first
  * fit; KD_ENOMEM when no range is free now); 0 = one allocation per slot again. Fails while a slot uses the
  * current pool. The serving scheduler reserves serve.kv_pool_tokens once. */

@@ -82,6 +82,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_solo_answer(served):
     for a, p, (text, usage, finish) in zip(alone, plain, streamed):
         assert p["choices"][0]["text"] == a["choices"][0]["text"] == text
         assert p["choices"][0]["finish_reason"] == a["choices"][0]["finish_reason"] == finish
+        for u in (p["usage"], a["usage"], usage):               # cached_tokens: a repeat may hit the prefix cache
+            u.pop("prompt_tokens_details", None)
         assert p["usage"] == a["usage"] == usage               # the same tokens counted streamed or not
     assert any(a["choices"][0]["finish_reason"] == "stop" for a in alone)
     assert seen["running"] >= 4 and seen["batch_size"] >= 4, seen
@@ -132,3 +134,22 @@ def test_a_client_that_disconnects_cancels_its_request(served):
         assert _engine_free_after(served.url, 2.0) < 2.0
         code, r = post(served.url, {"prompt": "2+2=", "max_tokens": 4, "temperature": 0})
         assert code == 200 and r["usage"]["completion_tokens"] == 4
+
+
+def test_prefix_cache_hit_same_answer_and_counted(served):
+    """A second turn that extends the first turn's prompt + answer is served from the prefix cache:
+    usage.prompt_tokens_details.cached_tokens > 0 (streamed too), /metrics counts it (exactness: tests/decode)."""
+    prompt = "class Connection:\n    \"\"\"A connection to the server, with its socket and its buffers.\"\"\"\n\n    def "
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+    code, first = post(served.url, body)
+    assert code == 200
+    turn2 = {"prompt": prompt + first["choices"][0]["text"] + "\n    def close(self", "max_tokens": 12, "temperature": 0}
+    code, hit = post(served.url, turn2)
+    assert code == 200 and hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, hit["usage"]
+    _, stream_usage, _ = sse(served.url, turn2)
+    assert stream_usage["prompt_tokens_details"]["cached_tokens"] > 0
+    code, metrics = get(served.url, "/metrics")
+    hits = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("kdtree_prefix_cache_hits_total")]
+    queries = [float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("kdtree_prefix_cache_queries_total")]
+    assert hits and queries and 0 < hits[0] <= queries[0], (hits, queries)

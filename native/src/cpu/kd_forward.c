@@ -310,6 +310,18 @@ int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows,
   return KD_OK;
 }
 
+int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n) {
+  kd_slot *c = kd_slot_get(m, slot, "kd_cache_write_rows");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || start < 0 || start > c->length || start + n > c->max_len || (n && !rows))
+    return kd_fail(KD_EINVAL, "kd_cache_write_rows: start=%lld n=%lld outside the cache's %lld rows (length %lld)",
+                   (long long)start, (long long)n, (long long)c->max_len, (long long)c->length);
+  for (int64_t l = 0; l < m->d.n_layers; l++)
+    memcpy(c->kv + l * c->stride + start * m->E, rows + l * n * m->E, sizeof(float) * (size_t)(n * m->E));
+  c->length = start + n;
+  return KD_OK;
+}
+
 int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
   kd_slot *c = kd_slot_get(m, slot, "kd_cache_rows");
   if (!c) return KD_EINVAL;

@@ -1244,6 +1244,23 @@ extern "C" int kd_model_reserve(kd_model *m, int64_t rows) {
   return KD_OK;
 }
 
+/* rows: HOST f32 [n_layers, n, L+R], copied into each layer's device rows at start; length = start + n */
+extern "C" int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n) {
+  fw_slot *c = fw_slot_get(m, slot, "kd_cache_write_rows");
+  if (!c) return KD_EINVAL;
+  if (n < 0 || start < 0 || start > c->length || start + n > c->max_len || (n && !rows))
+    return kd_fail(KD_EINVAL, "kd_cache_write_rows: start=%lld n=%lld outside the cache's %lld rows (length %lld)",
+                   (long long)start, (long long)n, (long long)c->max_len, (long long)c->length);
+  FW_TRY(fw_err_in("kd_cache_write_rows", cudaStreamSynchronize(m->stream), "synchronize"));
+  for (int64_t l = 0; l < m->d.n_layers && n; l++) {
+    cudaError_t e = cudaMemcpy(c->kv + l * c->max_len * m->E + start * m->E, rows + l * n * m->E,
+                               sizeof(float) * (size_t)(n * m->E), cudaMemcpyHostToDevice);
+    FW_TRY(fw_err_in("kd_cache_write_rows", e, "rows upload"));
+  }
+  c->length = start + n;
+  return KD_OK;
+}
+
 /* CUDA build: a DEVICE pointer to the layer's rows f32 [max_len, L+R] (copy with kd_memcpy_d2h to read them) */
 extern "C" int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
   fw_slot *c = fw_slot_get(m, slot, "kd_cache_rows");

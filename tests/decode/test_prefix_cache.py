@@ -1,0 +1,152 @@
+"""The exact prefix cache (kdtree/decode/prefix_cache.py): a request whose prompt extends a finished request's
+prompt + answer copies the cached latent rows (and the drafter's hidden rows) and prefills only the rest, and its
+tokens are bit-identical to a run without the cache: AR, chain and DDTree, greedy and seeded sampling, numpy and the
+native cpu backend, with a full-prompt hit, a partial hit and a miss. Also the radix tree itself: page-granular
+matching, the P - 1 limit, LRU eviction under the budget that never drops a referenced page.
+
+Run: .venv/bin/python -m pytest -q tests/decode/test_prefix_cache.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from kdtree.decode.prefix_cache import PrefixCache
+from kdtree.decode.request import Request
+from kdtree.decode.sampling import SamplingParams
+from kdtree.decode.scheduler import Scheduler
+from kdtree.engine import AR_TREE, Engine
+from tests.native_lib import CPU_SKIPPED
+
+TEXT = (Path(json.__file__).parent / "decoder.py").read_text()
+TREES = {"ddtree": None, "chain": OmegaConf.create({"kind": "chain", "width": 1, "depth": 5, "budget": 5}),
+         "ar": AR_TREE}
+BACKENDS = ["numpy"] + ([] if CPU_SKIPPED else ["cpu"])
+_engines = {}
+
+
+def engine_for(compose_cfg, backend) -> Engine:
+    if backend not in _engines:
+        _engines[backend] = Engine.from_config(compose_cfg(f"backend={backend}", "tree=ddtree", "tree.width=4",
+                                                           "tree.depth=7", "tree.budget=8", "load.progress=false",
+                                                           "serve.prefix_cache=false"))
+    return _engines[backend]
+
+
+def run(engine, sched, ids, max_new, tree, sampling=None):
+    req = sched.submit(Request(list(ids), max_new, sampling=sampling, tree=tree))
+    sched.drive(req)
+    assert req.error is None, req.error
+    return req.result
+
+
+def sched_for(engine, pc):
+    return Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context,
+                     max_batch_tokens=48, pool_tokens=4096, prefix_cache=pc)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["ddtree", "chain", "ar"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_hit_same_tokens(compose_cfg, backend, kind, sampled):
+    engine = engine_for(compose_cfg, backend)
+    tree = TREES[kind]
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1234) if sampled else None
+    ids = engine.tokenizer.encode(TEXT[1000:1400])[:70]
+    plain = sched_for(engine, None)
+    pc = PrefixCache(page_tokens=16, max_tokens=4096)
+    cached = sched_for(engine, pc)
+    first = run(engine, cached, ids, 20, tree, sp)             # a miss: fills the cache with prompt + answer
+    assert first.cached_tokens == 0 and first.prefilled_tokens == len(ids)
+    assert first.tokens == run(engine, plain, ids, 20, tree, sp).tokens
+    # the same prompt again: a full-prompt hit (whole pages, the last prompt token is recomputed)
+    again = run(engine, cached, ids, 20, tree, sp)
+    assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0
+    assert again.prefilled_tokens == len(ids) - again.cached_tokens
+    assert again.tokens == first.tokens
+    # a second turn: prompt + answer + more text hits past the first prompt (the answer's rows are cached too)
+    turn2 = list(ids) + list(first.tokens) + engine.tokenizer.encode(TEXT[2000:2100])[:13]
+    hit = run(engine, cached, turn2, 16, tree, sp)
+    assert hit.cached_tokens >= (len(ids) + len(first.tokens) - 1) // 16 * 16 - 16
+    assert hit.cached_tokens > again.cached_tokens
+    assert hit.tokens == run(engine, plain, turn2, 16, tree, sp).tokens
+    # a partial hit: a prompt sharing only the first 40 tokens
+    other = list(ids[:40]) + engine.tokenizer.encode(TEXT[3000:3200])[:30]
+    part = run(engine, cached, other, 16, tree, sp)
+    assert part.cached_tokens == 32
+    assert part.tokens == run(engine, plain, other, 16, tree, sp).tokens
+    assert pc.hits == again.cached_tokens + hit.cached_tokens + part.cached_tokens
+    assert pc.queries == len(ids) * 2 + len(turn2) + len(other)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_bit_identical(compose_cfg, backend):
+    """The cached rows copied into a hit's cache equal the rows a miss computes, bit for bit, every layer."""
+    engine = engine_for(compose_cfg, backend)
+    ids = engine.tokenizer.encode(TEXT[500:900])[:50]
+    pc = PrefixCache(page_tokens=16)
+    s = sched_for(engine, pc)
+    run(engine, s, ids, 4, AR_TREE)
+    path = pc.lookup(ids, len(ids) - 1)
+    rows, _ = pc.gather(path)
+    pc.release(path)
+    cache = engine.model.new_cache(64)
+    for a in range(0, len(ids), 7):                      # the miss, prefilled in chunks of 7 rows
+        t = np.asarray(ids[a:a + 7], np.int32)
+        engine.model.forward(t, np.arange(a, a + t.size, dtype=np.int32), cache)
+    assert np.array_equal(cache.read_rows(0, rows.shape[1]), rows)
+    if hasattr(cache, "release"):
+        cache.release()
+
+
+def test_radix_tree_pages_and_eviction():
+    pc = PrefixCache(page_tokens=4, max_tokens=12)
+    rows = lambda a, n: np.arange(a, a + n, dtype=np.float32)[None, :, None].repeat(2, 0)   # [2 layers, n, 1]
+    assert pc.insert(list(range(10)), rows) == 2           # 10 tokens: 2 whole pages
+    assert pc.tokens == 8
+    path = pc.lookup(list(range(10)), 9)
+    assert len(path) == 2
+    got, hid = pc.gather(path)
+    assert hid is None and np.array_equal(got[0, :, 0], np.arange(8))
+    one = pc.lookup(list(range(8)), 7)                     # at most P - 1 tokens: 1 page of a 2-page prompt
+    assert len(one) == 1
+    pc.release(one)
+    assert pc.lookup([0, 1, 2, 3], 3, need_hidden=False) == []   # limit 3 < one page
+    # the [0..7] path is referenced (path); inserting 2 more pages goes over budget: only unreferenced leaves go
+    assert pc.insert([9, 9, 9, 9, 8, 8, 8, 8], rows) == 2
+    assert pc.tokens == 12                                  # 16 > 12: one leaf evicted, not a referenced one
+    assert (0, 1, 2, 3) in pc.root.children and (4, 5, 6, 7) in pc.root.children[(0, 1, 2, 3)].children
+    pc.release(path)
+    pc.evict(0)
+    assert pc.tokens == 0 and pc.bytes == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_and_n_samples_hit_same_tokens(compose_cfg, backend):
+    """Requests sharing a cached prefix, decoded together, and n samples (one shared prefill that hit the cache)
+    give the tokens of the uncached runs."""
+    from kdtree.decode import generate_n
+    engine = engine_for(compose_cfg, backend)
+    base = engine.tokenizer.encode(TEXT[4000:4300])[:48]
+    pc = PrefixCache(page_tokens=16)
+    cached, plain = sched_for(engine, pc), sched_for(engine, None)
+    run(engine, cached, base, 6, None)                         # warms the cache with base + answer
+    prompts = [base + engine.tokenizer.encode(TEXT[5000 + 40 * i:5000 + 40 * i + 30])[:9 + i] for i in range(4)]
+    trees = [TREES["ddtree"], TREES["chain"], TREES["ar"], TREES["ddtree"]]
+    reqs = [cached.submit(Request(list(p), 12, tree=t)) for p, t in zip(prompts, trees)]
+    for r in reqs:
+        cached.drive(r)
+    for r, p, t in zip(reqs, prompts, trees):
+        assert r.error is None and r.result.cached_tokens == 48        # base: 3 whole pages
+        assert r.result.tokens == run(engine, plain, p, 12, t).tokens
+    sp = SamplingParams(temperature=0.9, seed=7, n=3)
+    got = generate_n(engine.model, engine.drafter, engine.cfg.tree, prompts[0], 10, sp, eos_id=engine.eos_id,
+                     scheduler=cached)
+    want = generate_n(engine.model, engine.drafter, engine.cfg.tree, prompts[0], 10, sp, eos_id=engine.eos_id,
+                      scheduler=plain)
+    assert got[0].cached_tokens > 0
+    assert [g.tokens for g in got] == [w.tokens for w in want]
