@@ -303,22 +303,19 @@ class NativeLibrary:
 
     # ---- dense ops: host arrays (cpu build) -------------------------------------------------------------
     def linear_f32(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
-        _c_contig(x, np.float32, "linear x", 2)
-        _c_contig(w, np.float32, "linear w", 2)
-        if x.shape[1] != w.shape[1]:
-            raise NativeError(f"linear: x {x.shape} and w {w.shape} disagree on in_features")
-        out = self._out(out, (x.shape[0], w.shape[0]), "linear out")
-        self._run("kd_linear_f32", (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
-        return out
+        return self._linear("linear", "kd_linear_f32", np.float32, x, w, out)
 
     def linear_bf16(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
         """x f32 [T, in] . w^T with w BF16 bit patterns uint16 [out, in]: exactly linear_f32 on the widened w."""
-        _c_contig(x, np.float32, "linear_bf16 x", 2)
-        _c_contig(w, np.uint16, "linear_bf16 w", 2)
+        return self._linear("linear_bf16", "kd_linear_bf16", np.uint16, x, w, out)
+
+    def _linear(self, label: str, fn: str, wdtype, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray]):
+        _c_contig(x, np.float32, f"{label} x", 2)
+        _c_contig(w, wdtype, f"{label} w", 2)
         if x.shape[1] != w.shape[1]:
-            raise NativeError(f"linear_bf16: x {x.shape} and w {w.shape} disagree on in_features")
-        out = self._out(out, (x.shape[0], w.shape[0]), "linear_bf16 out")
-        self._run("kd_linear_bf16", (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
+            raise NativeError(f"{label}: x {x.shape} and w {w.shape} disagree on in_features")
+        out = self._out(out, (x.shape[0], w.shape[0]), f"{label} out")
+        self._run(fn, (x, w, out), x.shape[0], x.shape[1], w.shape[0], weights=(1,))
         return out
 
     def linear_w4a16(self, x: np.ndarray, packed: np.ndarray, scales: np.ndarray, n_in: int, group: int,

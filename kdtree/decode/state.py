@@ -258,11 +258,12 @@ class DecodeState:
             res.acceptance_lengths.append(1)
             token = self._draw(logits, argmax, 0)
             over = self._commit([token], logits)
-            if self.budget and self.prefix is not None:
-                self.hid_log.append({i: x.copy() for i, x in hid.items()})
+            row = {i: x.copy() for i, x in hid.items()} if self.budget else None
+            if row is not None and self.prefix is not None:
+                self.hid_log.append(row)       # read only: the prefix insert joins copies of these
             if not over and self.budget:       # the drafter gets this row when it drafts again
                 self.bonus = token
-                self.pending_hid.append({i: x.copy() for i, x in hid.items()})
+                self.pending_hid.append(row)
             return over
         return self._advance_tree(block, logits, argmax, hid)
 

@@ -101,7 +101,7 @@ def forward_cost(cfg, weight_bytes: Dict[str, Tuple[int, int]], experts: Dict[in
             "flops": flops, "experts_per_layer": union}
 
 
-def _curve(engine, lib, conf: BenchForwardConfig, threads: int) -> List[dict]:
+def _curve(engine, conf: BenchForwardConfig, threads: int) -> List[dict]:
     target, cfg = engine.model, engine.cfg.model
     weight_bytes = target.weight_bytes()
     ids = _text_ids(engine, conf.context + max(conf.rows))
@@ -177,7 +177,7 @@ def run(ctx, conf: BenchForwardConfig) -> dict:
         for th in conf.threads:
             native.set_loaded_threads(int(th))
             roof[int(th)] = roofs(lib, int(th), conf.roof_mb)
-            rows += _curve(engine, lib, conf, int(th))
+            rows += _curve(engine, conf, int(th))
     finally:
         native.set_loaded_threads(int(before))
     rows = _table(rows, roof)

@@ -15,6 +15,7 @@ from kdtree.backends.numpy_ops import NumpyOps
 from kdtree.model.k2 import K2Model, route, route_rows
 from kdtree.model.target import build_target
 from tests.native_lib import CPU_SKIPPED, needs_cpu_library
+from tests.weights import int4_experts
 
 PROMPT = np.array([256, 50, 43, 50, 61], np.int32)
 
@@ -23,20 +24,10 @@ def _backends():
     return ["numpy"] if CPU_SKIPPED else ["numpy", "cpu"]
 
 
-def _int4(cfg, weights):
-    from kdtree.quant import int4
-    w = dict(weights)
-    for name in list(w):
-        if ".mlp.experts." in name and name.endswith("_proj.weight"):
-            packed, scale, shape = int4.quantize_weight(w[name], 32)
-            w[name] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
-    return w
-
-
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_block_rows_equal_one_row_forwards(tiny_cfg, tiny_weights, backend, quant):
-    weights = _int4(tiny_cfg, tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     m = build_target(tiny_cfg, weights, get_ops(backend))   # backend=cpu: the native whole forward
     layers = tuple(range(tiny_cfg.num_hidden_layers))
     block = np.random.default_rng(3).integers(0, 260, 33).astype(np.int32)

@@ -12,7 +12,8 @@ import pytest
 from kdtree.backends import get_ops
 from kdtree.model.target import build_target
 from kdtree.tree import pack_visibility
-from tests.model.test_batch_invariance import _backends, _int4
+from tests.model.test_batch_invariance import _backends
+from tests.weights import int4_experts
 
 LAYERS = (0, 1, 3)
 
@@ -45,7 +46,7 @@ def _sequences(rng):
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_batched_rows_equal_each_sequence_alone(tiny_cfg, tiny_weights, backend, quant):
-    weights = _int4(tiny_cfg, tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     m = build_target(tiny_cfg, weights, get_ops(backend))   # backend=cpu: the native whole forward
     seqs = _sequences(np.random.default_rng(5))
 

@@ -17,6 +17,7 @@ import pytest
 from kdtree.backends import native
 from kdtree.bf16 import bf16_to_f32, f32_to_bf16
 from tests.native_lib import needs_cpu_library
+from tests.weights import int4_experts
 
 pytestmark = needs_cpu_library
 
@@ -90,23 +91,13 @@ def _bf16_pair(weights):
     return bits, wide
 
 
-def _int4_experts(weights):
-    from kdtree.quant import int4
-    w = dict(weights)
-    for name in list(w):
-        if ".mlp.experts." in name and name.endswith("_proj.weight"):
-            packed, scale, shape = int4.quantize_weight(w[name], 32)
-            w[name] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
-    return w
-
-
 @pytest.mark.parametrize("quant", ["bf16", "int4_w4a16"])
 def test_native_forward_of_bf16_weights_is_bit_identical_to_widened(tiny_cfg, tiny_weights, quant):
     """Every tensor BF16 bits (u16) vs the same widened to float32: logits, hidden states and latent caches equal
     bit for bit over prefill, an AR step, a tree verify and a keep; INT4 experts (K2.6's layout) likewise."""
     from kdtree.backends.native_forward import NativeTarget
     from tests.native.test_native_forward import _steps
-    src = _int4_experts(tiny_weights) if quant == "int4_w4a16" else tiny_weights
+    src = int4_experts(tiny_weights) if quant == "int4_w4a16" else tiny_weights
     bits, wide = _bf16_pair(src)
     ops = native.NativeOps("cpu")
     a, b = NativeTarget(tiny_cfg, bits, ops), NativeTarget(tiny_cfg, wide, ops)

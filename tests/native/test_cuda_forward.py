@@ -19,7 +19,8 @@ import pytest
 
 from kdtree.backends import native
 from kdtree.tree import ancestor_visibility
-from tests.native.test_native_forward import PROMPT, TOL, _int4, _steps
+from tests.native.test_native_forward import PROMPT, TOL, _steps
+from tests.weights import int4_experts
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(native.cuda_device_count() == 0, reason=f"no CUDA device: {native.CUDA_REASON}")]
@@ -37,7 +38,7 @@ def _cuda_model(cfg, weights):
 def test_cuda_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     from kdtree.backends.numpy_ops import NumpyOps
     from kdtree.model.k2 import K2Model
-    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     ref, cu = K2Model(tiny_cfg, weights, NumpyOps()), _cuda_model(tiny_cfg, weights)
     (r_out, r_cache), (c_out, c_cache) = _steps(ref), _steps(cu)
     for step, ((rl, rh), (cl, ch)) in enumerate(zip(r_out, c_out)):
@@ -53,7 +54,7 @@ def test_cuda_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, qua
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_cuda_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
     """A row's logits are bit-identical alone, inside a 33-row block, and beside another sequence's tree."""
-    m = _cuda_model(tiny_cfg, _int4(tiny_weights) if quant == "int4" else tiny_weights)
+    m = _cuda_model(tiny_cfg, int4_experts(tiny_weights) if quant == "int4" else tiny_weights)
     block = np.random.default_rng(3).integers(0, 256, 33).astype(np.int32)
     pos = len(PROMPT) + np.arange(len(block))
 

@@ -22,21 +22,12 @@ from kdtree.model.names import drafter_tensor_shapes, init_weights
 from kdtree.model.target import build_drafter, build_target
 from kdtree.tree import ancestor_visibility
 from tests.native_lib import needs_cpu_library
+from tests.weights import int4_experts
 
 pytestmark = needs_cpu_library
 
 PROMPT = np.array([256, 50, 43, 50, 61, 10, 99], np.int32)
 TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def _int4(weights):
-    from kdtree.quant import int4
-    w = dict(weights)
-    for name in list(w):
-        if ".mlp.experts." in name and name.endswith("_proj.weight"):
-            packed, scale, shape = int4.quantize_weight(w[name], 32)
-            w[name] = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 32)
-    return w
 
 
 def _models(cfg, weights):
@@ -67,7 +58,7 @@ def _steps(m):
 
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
-    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     ref, nat = _models(tiny_cfg, weights)
     (r_out, r_cache), (n_out, n_cache) = _steps(ref), _steps(nat)
     for step, ((rl, rh), (nl, nh)) in enumerate(zip(r_out, n_out)):
@@ -84,7 +75,7 @@ def test_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
 def test_target_forward_rows_are_batch_invariant(tiny_cfg, tiny_weights, quant):
     """A row's logits are bit-identical alone, inside a longer block, and with another sequence in the call."""
-    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     _, m = _models(tiny_cfg, weights)
     block = np.random.default_rng(3).integers(0, 256, 33).astype(np.int32)
     pos = len(PROMPT) + np.arange(len(block))
@@ -202,7 +193,7 @@ def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
 def test_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     from kdtree.backends.numpy_ops import NumpyOps
     from kdtree.model.drafter import DFlashDrafter
-    weights = _int4(tiny_weights) if quant == "int4" else tiny_weights
+    weights = int4_experts(tiny_weights) if quant == "int4" else tiny_weights
     if quant == "int4":   # the shared lm_head packed too: the drafter must take it packed
         from kdtree.quant import int4
         packed, scale, shape = int4.quantize_weight(tiny_weights["lm_head.weight"], 32)
@@ -399,10 +390,10 @@ from kdtree.config.schema import group_config
 from kdtree.model.names import init_weights, target_tensor_shapes
 from kdtree.model.target import build_drafter, build_target
 from kdtree.tree import ancestor_visibility
-from tests.native.test_native_forward import _int4
+from tests.weights import int4_experts
 cfg = group_config("model", "tiny")
 w = init_weights(target_tensor_shapes(cfg), seed=0)
-m = build_target(cfg, _int4(w) if sys.argv[2] == "int4" else w, native.NativeOps("cpu"))
+m = build_target(cfg, int4_experts(w) if sys.argv[2] == "int4" else w, native.NativeOps("cpu"))
 rng = np.random.default_rng(5)
 caches = [m.new_cache(128) for _ in range(12)]
 for i, c in enumerate(caches):                                   # prompts of different lengths

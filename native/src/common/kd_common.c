@@ -665,14 +665,19 @@ static double kd_roof_read_plain(const float *p, int64_t n) {
   return s;
 }
 
+/* threads <= 0: kd_threads(); a build without OpenMP (the CUDA library's host code) runs one */
+static int kd_roof_threads(int threads) {
+#ifdef _OPENMP
+  return threads > 0 ? threads : kd_threads();
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
 double kd_roof_read(const float *p, int64_t n, int threads) {
   if (!p || n <= 0) return 0.0;
-#ifdef _OPENMP
-  int nt = threads > 0 ? threads : kd_threads();
-#else
-  int nt = 1; /* a build without OpenMP (the CUDA library's host code): one thread */
-  (void)threads;
-#endif
+  int nt = kd_roof_threads(threads);
   double total = 0;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
@@ -690,12 +695,7 @@ double kd_roof_read(const float *p, int64_t n, int threads) {
 
 double kd_roof_fma(int64_t iters, int threads) {
   if (iters <= 0) return 0.0;
-#ifdef _OPENMP
-  int nt = threads > 0 ? threads : kd_threads();
-#else
-  int nt = 1; /* a build without OpenMP (the CUDA library's host code): one thread */
-  (void)threads;
-#endif
+  int nt = kd_roof_threads(threads);
   double total = 0;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(nt) reduction(+ : total)
