@@ -47,6 +47,7 @@ class Request:
     notify: Optional[Callable[["Request"], None]] = None      # called once, after done is set (scheduler thread)
     timeout_s: float = 0.0                 # wall-clock limit from submit; 0 = the scheduler's request_timeout_s
     prefill: Any = None                    # a SharedPrefill: the n samples of generate_n share one prompt forward
+    grammar: Any = None                    # a GrammarState (kdtree/decode/grammar.py): every token it refuses is masked
     tag: Any = None                        # the submitter's own data; never read by the decoder
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     error: Optional[BaseException] = None
