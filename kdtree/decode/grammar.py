@@ -86,20 +86,27 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int, spec: "GrammarSpec"):
         self._m, self.vocab_size, self.spec = matcher, int(vocab_size), spec
         self._mask: Optional[np.ndarray] = None
+        self._bits: Optional[np.ndarray] = None
         self.masks_computed = 0
 
     def mask(self) -> np.ndarray:
         """bool[V] (read-only): the tokens the grammar allows next (cached until the state changes)."""
         if self._mask is None:
-            bits = np.frombuffer(self._m.compute_bitmask(), np.uint8)
-            mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+            bits = np.frombuffer(self._m.compute_bitmask(), "<u4").astype(np.uint32)
+            mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
             if not mask.any():
                 raise KdtreeError(f"the {self.spec.kind} allows no token here ({self._m.get_error() or 'dead end'})"
                                   f"; simplify the schema or grammar")
             mask.setflags(write=False)
-            self._mask = mask
+            bits.setflags(write=False)
+            self._mask, self._bits = mask, bits
             self.masks_computed += 1
         return self._mask
+
+    def bits(self) -> np.ndarray:
+        """u32[ceil(V/32)] (read-only): mask() packed as the native ops take it (bit v % 32 of word v // 32)."""
+        self.mask()
+        return self._bits
 
     def allows(self, token: int) -> bool:
         return 0 <= int(token) < self.vocab_size and bool(self.mask()[int(token)])
@@ -228,8 +235,9 @@ def _check_schema(schema: Dict[str, Any], param: str) -> None:
 
 
 def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget: int = 0) -> Tuple[Tree, np.ndarray]:
-    """The tree under the grammar, and bool[N'+1, V] masks of its verify rows [root, nodes] (row 0 the current
-    state, a node's row the state after its own path); `g` is left as it was (each path consumed, then rolled back).
+    """The tree under the grammar, and u32[N'+1, ceil(V/32)] token bitmasks of its verify rows [root, nodes] (row 0
+    the current state, a node's row the state after its own path); `g` is left as it was (each path consumed, then
+    rolled back).
 
     - a node whose token the grammar refuses in the state reached along its path is pruned (with its subtree);
     - where a state allows exactly one token (a marker, a closing quote, a key) and no child has it, the forced
@@ -244,9 +252,10 @@ def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget
     for i, p in enumerate(parents):
         children[int(p) + 1].append(i)
     ends = frozenset(int(e) for e in ends) | frozenset(g.spec.grammars.ends)
-    everything = np.ones(g.vocab_size, bool)
+    everything = np.full_like(g.bits(), 0xFFFFFFFF)
     nodes: List[Tuple[int, int, int, int]] = []    # (order key, token, parent's index in nodes or -1, depth)
-    masks: List[np.ndarray] = []
+    masks: List[np.ndarray] = []                   # each node's allowed tokens: bool[V]
+    bits: List[np.ndarray] = []                    # the same packed
     room = max(int(budget), len(parents))
 
     def add(key: int, token: int, parent: int, depth: int) -> Optional[int]:
@@ -256,10 +265,12 @@ def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget
             return None
         nodes.append((key, token, parent, depth))
         if token in ends:                                 # the answer ends here: its row is never read masked
-            masks.append(everything)
+            masks.append(allowed)
+            bits.append(everything)
             return None
         g.push(token)
         masks.append(g.mask())
+        bits.append(g.bits())
         return len(nodes) - 1
 
     def visit(row: int, at: int, depth: int) -> None:
@@ -282,17 +293,20 @@ def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget
     visit(0, -1, 0)
     order = sorted(range(len(nodes)), key=lambda k: nodes[k][0])   # drafted nodes in their order, then added
     if len(order) == len(parents) and all(nodes[k][0] == i for i, k in enumerate(order)):
-        return tree, np.stack([root] + masks)
+        return tree, np.stack([g.bits()] + bits)
     new = {k: i for i, k in enumerate(order)}
     par = np.array([-1 if nodes[k][2] < 0 else new[nodes[k][2]] for k in order], np.int32)
     kept = Tree(np.array([nodes[k][1] for k in order], np.int32), par,
                 np.array([nodes[k][3] for k in order], np.int32), ancestor_visibility(par))
-    return kept, np.stack([root] + [masks[k] for k in order])
+    return kept, np.stack([g.bits()] + [bits[k] for k in order])
 
 
-def masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """logits f32[V] (or [T, V] with mask [T, V]) with refused tokens at -inf (a copy)."""
-    return np.where(mask, np.asarray(logits, np.float32), np.float32(-np.inf)).astype(np.float32)
+def choose_rows(ops, logits: np.ndarray, bitmask: np.ndarray, greedy: bool) -> np.ndarray:
+    """Under a grammar: greedy -> i32[T] each row's masked argmax; else f32[T, V] a masked copy to sample from
+    (the logits themselves stay as they are: logprobs report the model's own distribution)."""
+    if greedy:
+        return ops.masked_argmax(logits, bitmask)
+    return ops.token_bitmask_apply(np.array(logits, np.float32, order="C"), bitmask)
 
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "Grammars", "constrain_tree", "masked"]
+__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "Grammars", "choose_rows", "constrain_tree"]

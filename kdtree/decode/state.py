@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kdtree.decode.grammar import constrain_tree, masked
+from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
 from kdtree.decode.sampling import Sampler, prompt_logprobs, sampled_walk, token_logprob
@@ -93,7 +93,7 @@ class Block:
     visibility: Optional[np.ndarray]       # u64[T, ceil(T/64)] ancestor-only (tree); None = causal
     start: int                             # cache rows before the block (prefill: prompt rows already in)
     tree: Optional[Tree] = None
-    masks: Optional[np.ndarray] = None     # tree under a grammar: bool[T, V] the tokens each row may choose
+    masks: Optional[np.ndarray] = None     # tree under a grammar: u32[T, ceil(V/32)] the tokens each row may choose
 
     @property
     def rows(self) -> int:
@@ -237,7 +237,8 @@ class DecodeState:
         res.draft_forwards += 1
         t1 = time.perf_counter()
         if self.grammar is not None:           # depth 1 follows the committed state: draft only what it allows
-            dlogits = np.concatenate([masked(dlogits[0], self.grammar.mask())[None], dlogits[1:]])
+            dlogits = np.array(dlogits, np.float32, order="C")
+            self.ops.token_bitmask_apply(dlogits[:1], self.grammar.bits()[None])
         logp, ids = self.ops.draft_topk(dlogits, self.width)                              # [depth, width]
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
@@ -310,10 +311,12 @@ class DecodeState:
 
     def _advance_tree(self, block: Block, logits, argmax, hid) -> bool:
         res, tree, t0 = self.req.result, block.tree, time.perf_counter()
-        choice = logits if block.masks is None else masked(logits, block.masks)     # each row's own grammar state
+        choice = logits                        # under a grammar: each row masked by its own path's state
+        if block.masks is not None:
+            choice = choose_rows(self.ops, logits, block.masks, self.sampler is None)
         if self.sampler is None:
             if block.masks is not None:
-                argmax = np.argmax(choice, axis=1).astype(np.int32)
+                argmax = choice
             path, new_bonus = self.ops.tree_accept(np.asarray(tree.parents, np.int32),
                                                    np.asarray(tree.tokens, np.int32), argmax)
         else:                                  # draw at each visited row, in output-position order
@@ -338,8 +341,8 @@ class DecodeState:
 
     def _draw(self, logits: np.ndarray, argmax: Optional[np.ndarray], row: int) -> int:
         if self.grammar is not None:           # the committed state's mask (AR row, the first token)
-            z = masked(logits[row], self.grammar.mask())
-            return int(np.argmax(z)) if self.sampler is None else self.sampler.sample(z)
+            z = choose_rows(self.ops, logits[row:row + 1], self.grammar.bits()[None], self.sampler is None)
+            return int(z[0]) if self.sampler is None else self.sampler.sample(z[0])
         if self.sampler is None:
             return int(argmax[row]) if argmax is not None else int(np.argmax(logits[row]))
         return self.sampler.sample(logits[row])

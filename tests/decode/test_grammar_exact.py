@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from kdtree.backends.base import unpack_bitmask
 from kdtree.decode.grammar import GrammarError, Grammars, constrain_tree
 from kdtree.decode.request import Request
 from kdtree.decode.sampling import SamplingParams
@@ -139,7 +140,8 @@ def test_constrain_tree_prunes_refused_nodes_and_adds_forced_ones():
     par = [-1, 0, 1, 1, 1, 0, -1]
     tree = Tree(np.array(toks, np.int32), np.array(par, np.int32), np.array([1, 2, 3, 3, 3, 2, 1], np.int32),
                 ancestor_visibility(np.array(par, np.int32)))
-    kept, masks = constrain_tree(state, tree, budget=9)
+    kept, bits = constrain_tree(state, tree, budget=9)
+    masks = unpack_bitmask(bits, 260)
     eos = tok.eos_id
     # refused: 'x' after '"a', 'q' after '"', 'z' at the root; forced and added: the closing quote, then the end
     assert [t if t == eos else chr(t) for t in kept.tokens] == ['"', 'a', 'b', 'c', '"', eos, '"', eos]
