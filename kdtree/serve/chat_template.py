@@ -67,6 +67,7 @@ class ChatTemplate:
         self.origin = origin
         # tiny's byte tokenizer has no end-of-turn token: the template's end marker is a stop string instead
         self.stops = ["<|im_end|>"] if origin == str(TINY_TEMPLATE) else []
+        self.source = source
         try:
             self._template = env.from_string(source)
         except TemplateError as e:
@@ -123,6 +124,12 @@ class ChatTemplate:
             if piece:                               # (None: a lone marker, dropped)
                 ids += tokenizer.encode(piece, allow_special=i % 2 == 0)
         return ids, "".join(p for p in pieces if p)
+
+    def end_of_turn_ids(self, tokenizer) -> List[int]:
+        """Special ids that end an assistant turn in this template (K2: `<|im_end|>`, K2.6's eos_token_id; the
+        checkpoint's [EOS] is another id): stop ids for a chat generation. [] when the tokenizer has none."""
+        specials = getattr(tokenizer, "special_tokens", None) or {}
+        return [specials[t] for t in ("<|im_end|>",) if t in specials and t in self.source]
 
     def _render(self, messages, add_generation_prompt, tools, kwargs) -> str:
         from jinja2 import TemplateError

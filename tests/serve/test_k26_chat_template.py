@@ -160,6 +160,12 @@ def test_kwargs_that_name_the_requests_own_fields_and_empty_chats_are_refused(k2
         tpl.render([])
 
 
+def test_an_assistant_turn_ends_at_im_end(k26, tmp_path):
+    tpl, tok = k26
+    assert tpl.end_of_turn_ids(tok) == [K26_SPECIALS["<|im_end|>"]]
+    assert ChatTemplate.for_checkpoint(tmp_path / "none", "tiny").end_of_turn_ids(ByteTokenizer()) == []
+
+
 def test_byte_tokenizer_prompt_is_the_text_bytes(tmp_path):
     tiny = ChatTemplate.for_checkpoint(tmp_path / "none", "tiny")
     ids, text = tiny.encode(ByteTokenizer(), [{"role": "user", "content": "hé <|im_end|>"}])
