@@ -248,7 +248,7 @@ class DecodeState:
             t2 = time.perf_counter()
             ends = [*self.stops] + ([self.eos_id] if self.eos_id is not None else [])
             tree, masks = constrain_tree(self.grammar, tree, ends, self.budget)
-            res.stage_seconds["grammar"] = res.stage_seconds.get("grammar", 0.0) + time.perf_counter() - t2
+            self._grammar_time(t2)
         tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
         positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
         res.stage_seconds["draft"] += t1 - t0
@@ -314,6 +314,7 @@ class DecodeState:
         choice = logits                        # under a grammar: each row masked by its own path's state
         if block.masks is not None:
             choice = choose_rows(self.ops, logits, block.masks, self.sampler is None)
+            self._grammar_time(t0)
         if self.sampler is None:
             if block.masks is not None:
                 argmax = choice
@@ -339,9 +340,16 @@ class DecodeState:
             res.stage_seconds["draft"] += time.perf_counter() - t2
         return over
 
+    def _grammar_time(self, t0: float) -> None:
+        """Seconds spent on the grammar (masks, tree pruning, consuming): stage_seconds["grammar"]."""
+        st = self.req.result.stage_seconds
+        st["grammar"] = st.get("grammar", 0.0) + time.perf_counter() - t0
+
     def _draw(self, logits: np.ndarray, argmax: Optional[np.ndarray], row: int) -> int:
         if self.grammar is not None:           # the committed state's mask (AR row, the first token)
+            t0 = time.perf_counter()
             z = choose_rows(self.ops, logits[row:row + 1], self.grammar.bits()[None], self.sampler is None)
+            self._grammar_time(t0)
             return int(z[0]) if self.sampler is None else self.sampler.sample(z[0])
         if self.sampler is None:
             return int(argmax[row]) if argmax is not None else int(np.argmax(logits[row]))
@@ -359,7 +367,9 @@ class DecodeState:
                 del res.tokens[max(int(keep), n0):]
                 res.finish_reason, over = "stop", True
         if self.grammar is not None and len(res.tokens) > n0:
+            t0 = time.perf_counter()
             self.grammar.consume(res.tokens[n0:])
+            self._grammar_time(t0)
             if self.grammar.stopped:           # complete: only an end token could follow (committed or not)
                 res.finish_reason, over = "stop", True
         if self.top is not None:

@@ -38,6 +38,8 @@ class BenchConfig:
     prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
     max_new_tokens: int = 48  # per prompt
     repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
+    # structured output on every prompt: "" none | json (any JSON object) | a .json schema file | a .lark grammar file
+    grammar: str = ""
 
 
 CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
@@ -119,8 +121,27 @@ def provenance(ctx, sampling=None) -> dict:
     }
 
 
-def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> dict:
-    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i)."""
+def load_grammar(engine, spec: str):
+    """bench.grammar -> a GrammarSpec (None for "")."""
+    if not spec:
+        return None
+    g = engine.grammars()
+    if spec == "json":
+        return g.json_schema({"type": "object"}, param="bench.grammar")
+    p = Path(spec).expanduser()
+    if not p.is_file():
+        raise PipelineError(f"bench.grammar={spec!r}: no such file; use json, a .json schema file or a .lark file")
+    if p.suffix == ".lark":
+        return g.lark(p.read_text(), param="bench.grammar")
+    try:
+        schema = json.loads(p.read_text())
+    except ValueError as e:
+        raise PipelineError(f"bench.grammar={spec!r}: not JSON ({e}); give a JSON schema or a .lark file") from None
+    return g.json_schema(schema, param="bench.grammar")
+
+
+def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, grammar=None) -> dict:
+    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i). grammar: a GrammarSpec."""
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
@@ -129,7 +150,7 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
     cpu0 = time.process_time()   # this process's CPU seconds: steadier than wall time on a shared machine
     for i, ids in enumerate(prompts_ids):
         sp = None if sampling is None or sampling.greedy else sampling.for_sample(i)
-        r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp)
+        r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp, grammar=grammar)
         per_prompt.append({"tokens": r.tokens, "acceptance_lengths": r.acceptance_lengths,
                            "target_forwards": r.target_forwards, "seconds": r.seconds, "seed": r.seed})
         hist.update(r.acceptance_lengths)
@@ -168,17 +189,18 @@ def run(ctx, conf: BenchConfig) -> dict:
     texts = load_prompts(prompts)
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
     sampling = engine.pipeline_sampling()
+    grammar = load_grammar(engine, conf.grammar)
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
-        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling)
-        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling) if cfg.tree.kind != "ar" else a
+        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling, grammar)
+        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling, grammar) if cfg.tree.kind != "ar" else a
         ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
         tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
     lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
     greedy_acc = tree["mean_acceptance_length"]
     if not sampling.greedy and cfg.tree.kind != "ar":
-        greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree)["mean_acceptance_length"]
+        greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
     out = {
         "tree": OmegaConf.to_container(cfg.tree, resolve=True),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
@@ -198,12 +220,15 @@ def run(ctx, conf: BenchConfig) -> dict:
         "acceptance_histogram": tree["acceptance_histogram"],
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
+        "grammar": conf.grammar,
+        "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
         "ar": ar, "result": tree,
         "provenance": provenance(ctx, sampling),
     }
     (ctx.run_dir / "bench.json").write_text(json.dumps(out, indent=2))
     t = cfg.tree
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
+    how += f" grammar={conf.grammar}" if conf.grammar else ""
     print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (CPU time "
           f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "
