@@ -140,6 +140,34 @@ def load_grammar(engine, spec: str):
     return g.json_schema(schema, param="bench.grammar")
 
 
+def moe_columns(engine, stats: dict, forwards: int, tokens: int) -> dict:
+    """The MoE tax of a run: per MoE layer the mean distinct routed experts per target forward (a forward streams
+    the union of its rows' experts), and where the backend says what it holds (NativeTarget.weight_bytes) the target
+    bytes streamed per committed token (dense matrices every forward + each forward's expert union; prefill
+    included). {} where the target does not count (CUDA, tp)."""
+    if not stats:
+        return {}
+    per_layer = {str(i): st["experts"] / max(st["forwards"], 1) for i, st in stats.items()}
+    out = {"experts_per_forward": per_layer,
+           "mean_experts_per_forward": sum(per_layer.values()) / len(per_layer),
+           "rows_per_forward": sum(st["rows"] for st in stats.values()) / max(sum(st["forwards"] for st in stats.values()), 1)}
+    held = getattr(engine.model, "weight_bytes", None)
+    if held is None:
+        return out
+    E = int(engine.cfg.model.n_routed_experts or 1)
+    dense, per_expert = 0, {}
+    for name, (b, _n) in held().items():
+        if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*
+            layer = int(name.split(".")[2])
+            per_expert[layer] = per_expert.get(layer, 0.0) + b / E
+        else:
+            dense += b
+    routed = sum(per_expert.get(i, 0.0) * st["experts"] for i, st in stats.items())
+    out["bytes_per_token"] = (forwards * dense + routed) / max(tokens, 1)
+    out["expert_bytes_per_token"] = routed / max(tokens, 1)
+    return out
+
+
 def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, grammar=None) -> dict:
     """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i). grammar: a GrammarSpec."""
     per_prompt, hist = [], collections.Counter()
@@ -148,6 +176,9 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, gramm
     seconds = 0.0
     lib0, coll0 = LIBRARY_CLOCK.seconds, LIBRARY_CLOCK.collective_seconds
     cpu0 = time.process_time()   # this process's CPU seconds: steadier than wall time on a shared machine
+    counts = getattr(engine.model, "moe_stats", None)
+    if counts is not None:
+        counts(reset=True)
     for i, ids in enumerate(prompts_ids):
         sp = None if sampling is None or sampling.greedy else sampling.for_sample(i)
         r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp, grammar=grammar)
@@ -176,6 +207,7 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, gramm
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "stage_seconds": stage_s, "per_prompt": per_prompt,
+        "moe": moe_columns(engine, counts(reset=True) if counts is not None else {}, forwards, tokens),
     }
 
 
@@ -220,6 +252,7 @@ def run(ctx, conf: BenchConfig) -> dict:
         "acceptance_histogram": tree["acceptance_histogram"],
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
+        "moe": tree["moe"], "ar_moe": ar["moe"],
         "grammar": conf.grammar,
         "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
         "ar": ar, "result": tree,
@@ -236,6 +269,10 @@ def run(ctx, conf: BenchConfig) -> dict:
           f"{out['target_forwards_per_token']:.3f}, "
           f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
+    if tree["moe"].get("bytes_per_token") and ar["moe"].get("bytes_per_token"):
+        print(f"bench MoE tax: {tree['moe']['mean_experts_per_forward']:.2f} experts per MoE layer per forward vs AR "
+              f"{ar['moe']['mean_experts_per_forward']:.2f}; {tree['moe']['bytes_per_token'] / 1e6:.1f} MB streamed "
+              f"per token vs AR {ar['moe']['bytes_per_token'] / 1e6:.1f} MB")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
                             f"broken (see {ctx.run_dir / 'bench.json'}); report this as a bug")
