@@ -77,6 +77,8 @@ class Scheduler:
         self._state: Dict[int, DecodeState] = {}       # id(request) -> its state until it finishes
         self._deadline: Dict[int, float] = {}
         self.pool_used = 0                              # latent rows reserved by running requests
+        self.compactions = 0                            # times the arena was packed to admit a request
+        self.compaction_seconds = 0.0
         self.steps = 0
         self.last_batch_size = 0                        # sequences in the last step's forward
         self.last_batch_rows = 0                        # rows in the last step's forward
@@ -119,7 +121,7 @@ class Scheduler:
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
                     "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
-                    "speculating": self.speculating,
+                    "speculating": self.speculating, "kv_pool_compactions": self.compactions,
                     **(self.prefix_cache.stats() if self.prefix_cache is not None else {})}
 
     def wake(self) -> None:
@@ -255,8 +257,8 @@ class Scheduler:
                 if self.pool_used + st.need > self.pool_tokens:
                     break
                 try:
-                    over = st.allocate()                   # its rows of the arena (or its own arrays)
-                except CachePoolBusy:                      # fragmented: wait for a range to free up
+                    over = self._allocate(st)              # its rows of the arena (or its own arrays)
+                except CachePoolBusy:                      # no room even packed: wait for rows to free up
                     break
                 except Exception as e:                     # this request fails alone; the rest go on
                     self._finish(req, e, locked=True)
@@ -267,6 +269,23 @@ class Scheduler:
                 self._running.append(req)
                 if over:
                     self._finish(req, None, locked=True)
+
+    def _allocate(self, st: DecodeState) -> bool:
+        """st.allocate(); when the arena has the rows but not in one range (fragmented by requests that finished
+        out of order), pack it (Target.compact_pool: live rows moved, between forwards) and try once more."""
+        try:
+            return st.allocate()
+        except CachePoolBusy:
+            compact = getattr(self.model, "compact_pool", None)
+            if compact is None:
+                raise
+            t0 = time.perf_counter()
+            free = compact()
+            self.compactions += 1
+            self.compaction_seconds += time.perf_counter() - t0
+            if free < st.need:
+                raise
+            return st.allocate()
 
     def _reap(self, req: Request, now: float) -> None:
         if req.cancelled.is_set():
