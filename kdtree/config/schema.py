@@ -134,6 +134,7 @@ class TreeConfig:
     width: int = 4
     depth: int = 7
     budget: int = 32
+    policy: str = "fixed"  # fixed: verify the whole budget | cost: the prefix with the most expected tokens/s (lossless)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kdtree.decode.request import Request, RequestCancelled, RequestTimeout
+from kdtree.decode.cost import ForwardCosts
 from kdtree.decode.state import DecodeState
 from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
 
@@ -77,6 +78,7 @@ class Scheduler:
         self._state: Dict[int, DecodeState] = {}       # id(request) -> its state until it finishes
         self._deadline: Dict[int, float] = {}
         self.pool_used = 0                              # latent rows reserved by running requests
+        self.costs: Optional[ForwardCosts] = None       # tree.policy=cost: forward seconds by rows, measured
         self.compactions = 0                            # times the arena was packed to admit a request
         self.compaction_seconds = 0.0
         self.steps = 0
@@ -98,6 +100,10 @@ class Scheduler:
                          self.max_context, self.pool_tokens, prefix=self.prefix_cache)
         timeout = req.timeout_s or self.request_timeout_s
         req.submitted_at = time.monotonic()
+        if st.policy == "cost":                          # measured forward costs, shared by every such request
+            if self.costs is None:
+                self.costs = ForwardCosts(self.model)
+            st.costs = self.costs
         with self._lock:
             self._state[id(req)] = st
             self._deadline[id(req)] = req.submitted_at + timeout if timeout > 0 else float("inf")
@@ -190,6 +196,7 @@ class Scheduler:
         plan, rows_left = [], self.max_batch_tokens                  # plan: (request, block) in forward order
         for req in active:                                           # decoding requests: one block each
             st = self._state[id(req)]
+            st.solo = len(active) == 1
             if not st.prefilling:
                 self._plan(plan, req, st, 0, speculate)
         rows_left -= sum(b.rows for _, b in plan)
@@ -232,6 +239,8 @@ class Scheduler:
                 self._finish(req, e)
             return
         dt = time.perf_counter() - t0
+        if self.costs is not None and len(plan) == 1 and plan[0][1].kind != "prefill":
+            self.costs.observe(plan[0][1].rows, dt)
         self.steps += 1
         self.last_batch_size, self.last_batch_rows = len(seqs), sum(b.rows for _, b in plan)
         r0 = 0

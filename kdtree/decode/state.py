@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kdtree.decode.cost import best_prefix, policy_of, prefix_tree
 from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
@@ -142,6 +143,9 @@ class DecodeState:
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
         self.hid_log: List[Dict[int, np.ndarray]] = []       # hidden rows of every cache row (speculative + prefix)
         self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
+        self.policy = policy_of(tree_cfg) if self.budget else "fixed"
+        self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
+        self.solo = False                      # set by the scheduler: this round's forward is this request's alone
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -243,6 +247,10 @@ class DecodeState:
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
+        if self.costs is not None and self.solo:   # tree.policy=cost: the prefix with the most tokens per second
+            self.costs.observe_draft(t1 - t0)
+            if self.costs.calibrated or self.costs.calibrate(self.budget + 1):
+                tree = prefix_tree(tree, best_prefix(tree, logp, ids, self.costs))
         masks = None
         if self.grammar is not None:           # deeper nodes: pruned where their own path's state refuses them
             t2 = time.perf_counter()

@@ -222,6 +222,11 @@ def run(ctx, conf: BenchConfig) -> dict:
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
     sampling = engine.pipeline_sampling()
     grammar = load_grammar(engine, conf.grammar)
+    policy = str(cfg.tree.get("policy", "fixed"))
+    fixed_tree = OmegaConf.merge(cfg.tree, {"policy": "fixed"}) if policy == "cost" else None
+    if fixed_tree is not None:                     # tree.policy=cost measures its forward costs once, untimed
+        engine.generate(prompts_ids[0], 2, tree=cfg.tree)
+    fixed = None
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
@@ -229,7 +234,12 @@ def run(ctx, conf: BenchConfig) -> dict:
         t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling, grammar) if cfg.tree.kind != "ar" else a
         ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
         tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
+        if fixed_tree is not None:                 # the same tree with the whole budget every round
+            f = _run_set(engine, prompts_ids, max_new_tokens, fixed_tree, sampling, grammar)
+            fixed = f if fixed is None or f["seconds"] < fixed["seconds"] else fixed
     lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
+    if fixed is not None:
+        lossless = lossless and all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], fixed["per_prompt"]))
     greedy_acc = tree["mean_acceptance_length"]
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
@@ -253,6 +263,11 @@ def run(ctx, conf: BenchConfig) -> dict:
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
         "moe": tree["moe"], "ar_moe": ar["moe"],
+        "policy": policy,
+        "fixed_policy": None if fixed is None else {
+            "tokens_per_s": fixed["tokens_per_s"], "mean_acceptance_length": fixed["mean_acceptance_length"],
+            "target_forwards_per_token": fixed["target_forwards_per_token"], "moe": fixed["moe"],
+            "policy_speedup": tree["tokens_per_s"] / max(fixed["tokens_per_s"], 1e-9)},
         "grammar": conf.grammar,
         "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
         "ar": ar, "result": tree,
@@ -269,6 +284,10 @@ def run(ctx, conf: BenchConfig) -> dict:
           f"{out['target_forwards_per_token']:.3f}, "
           f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
+    if fixed is not None:
+        print(f"bench tree.policy=cost: {out['tokens_per_s']:.1f} tok/s vs the whole budget every round "
+              f"{fixed['tokens_per_s']:.1f} tok/s -> {out['fixed_policy']['policy_speedup']:.2f}x (acceptance "
+              f"{out['mean_acceptance_length']:.2f} vs {fixed['mean_acceptance_length']:.2f})")
     if tree["moe"].get("bytes_per_token") and ar["moe"].get("bytes_per_token"):
         print(f"bench MoE tax: {tree['moe']['mean_experts_per_forward']:.2f} experts per MoE layer per forward vs AR "
               f"{ar['moe']['mean_experts_per_forward']:.2f}; {tree['moe']['bytes_per_token'] / 1e6:.1f} MB streamed "
