@@ -146,6 +146,7 @@ class DecodeState:
         self.policy = policy_of(tree_cfg) if self.budget else "fixed"
         self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
         self.solo = False                      # set by the scheduler: this round's forward is this request's alone
+        self.prefix_path: list = []            # the prefix cache pages this request mapped (released at finish)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -187,8 +188,10 @@ class DecodeState:
         try:
             rows, hidden = self.prefix.gather(path)
             self.cache.write_rows(0, rows)
-        finally:
+        except BaseException:
             self.prefix.release(path)
+            raise
+        self.prefix_path = path                # referenced ("used") until release(): never evicted under it
         m = int(rows.shape[1])
         self.prefilled = m
         self.req.result.cached_tokens = m
@@ -214,6 +217,9 @@ class DecodeState:
         """Give the latent rows back now (the scheduler's finish)."""
         if self.owns_cache and self.cache is not None and hasattr(self.cache, "release"):
             self.cache.release()
+        if self.prefix_path:
+            self.prefix.release(self.prefix_path)
+            self.prefix_path = []
         self.cache = self.dcache = None
 
     # -- plan: the rows of the next forward --------------------------------------------------------------------
