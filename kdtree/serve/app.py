@@ -183,7 +183,9 @@ class ServeApp:
         snap = w.snapshot()
         return {"running": snap["running"], "waiting": snap["waiting"], "batch_size": snap["batch_size"],
                 "kv_cache_usage": snap["kv_pool_used"] / max(1, snap["kv_pool_tokens"]),
-                "speculating": float(snap["speculating"])}
+                "speculating": float(snap["speculating"]),
+                "prefix_cache_pages": {k: snap[f"prefix_cache_pages_{k}"] for k in ("used", "cached", "free")
+                                       if f"prefix_cache_pages_{k}" in snap}}
 
     # -- requests --------------------------------------------------------------------------------------
     def not_ready_error(self) -> ApiError:
