@@ -72,6 +72,7 @@ class Scheduler:
         self.speculate_max_batch = int(speculate_max_batch)   # 0 = no limit
         self.speculating = True                         # the last step's mode (status)
         self.prefix_cache = prefix_cache                # a PrefixCache (kdtree/decode/prefix_cache.py) or None
+        self.prefix_enabled = prefix_cache is not None  # False: new requests neither look up nor insert (a toggle)
         self._lock = threading.Condition()
         self._waiting: List[Request] = []
         self._running: List[Request] = []
@@ -97,7 +98,8 @@ class Scheduler:
             raise ConfigError(f"n={req.sampling.n}: the scheduler decodes one completion per request; "
                               f"submit n requests (Engine.generate_n)")
         st = DecodeState(req, self.model, self.drafter, self.tree if req.tree is None else req.tree, self.eos_id,
-                         self.max_context, self.pool_tokens, prefix=self.prefix_cache)
+                         self.max_context, self.pool_tokens,
+                         prefix=self.prefix_cache if self.prefix_enabled else None)
         timeout = req.timeout_s or self.request_timeout_s
         req.submitted_at = time.monotonic()
         if st.policy == "cost":                          # measured forward costs, shared by every such request
@@ -128,7 +130,17 @@ class Scheduler:
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
                     "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
                     "speculating": self.speculating, "kv_pool_compactions": self.compactions,
-                    **(self.prefix_cache.stats() if self.prefix_cache is not None else {})}
+                    **({"prefix_cache_enabled": self.prefix_enabled, **self.prefix_cache.stats()}
+                       if self.prefix_cache is not None else {})}
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache on/off for requests submitted from now on (its pages are kept; bench_serve measures
+        both ways on one server this way). ConfigError when the engine has none (serve.prefix_cache=false)."""
+        if self.prefix_cache is None:
+            raise ConfigError("this engine has no prefix cache (serve.prefix_cache=false or prefix_cache_tokens=0); "
+                              "restart it with serve.prefix_cache=true to toggle it")
+        with self._lock:
+            self.prefix_enabled = bool(enabled)
 
     def wake(self) -> None:
         with self._lock:

@@ -101,6 +101,15 @@ def _operator_routes(app: FastAPI, serve) -> None:
         snap["batch"] = serve.worker.snapshot() if serve.worker else {}   # running, waiting, batch_size, kv pool
         return snap
 
+    @app.post("/prefix_cache", tags=["operator"])
+    async def prefix_cache(request: Request):
+        """{"enabled": bool}: the prefix cache on/off for new requests (the API key when one is set)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        return serve.set_prefix_cache(body, request.headers.get("authorization", ""))
+
     @app.get("/metrics", tags=["operator"], response_class=Response)
     async def metrics():
         return Response(serve.metrics.render(), media_type=METRICS_CONTENT_TYPE)

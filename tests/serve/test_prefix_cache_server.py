@@ -9,7 +9,9 @@ Run: .venv/bin/python -m pytest -q tests/serve/test_prefix_cache_server.py
 from __future__ import annotations
 
 import json
+import os
 import signal
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,13 +19,16 @@ import pytest
 
 from served_engine import alive, start_served, stop
 
+KEY = "k-" + os.urandom(6).hex()
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 TEXT = ("You are a careful assistant. Answer briefly and exactly. Tools: search(q), calc(expr), read(path). "
         "Always cite the tool you used. ") * 2
 
 
 @pytest.fixture(scope="module")
 def small_cache(tmp_path_factory, kdtree_cache):
-    s = start_served(tmp_path_factory, kdtree_cache, "serve.prefix_cache_tokens=64", "serve.prefix_cache_page=16")
+    s = start_served(tmp_path_factory, kdtree_cache, "serve.prefix_cache_tokens=64", "serve.prefix_cache_page=16",
+                     extra_env={"KDTREE_API_KEY": KEY})
     yield s
     if alive(s.pid):
         stop(s.pid, signal.SIGKILL)
@@ -31,10 +36,19 @@ def small_cache(tmp_path_factory, kdtree_cache):
 
 def post(url, prompt, max_tokens=8):
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(url + "/v1/completions", body, AUTH)
     with urllib.request.urlopen(req, timeout=120) as r:
         out = json.loads(r.read())
     return out["choices"][0]["text"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def toggle(url, body, headers=AUTH):
+    req = urllib.request.Request(url + "/prefix_cache", json.dumps(body).encode(), headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def pages(url):
@@ -67,3 +81,21 @@ def test_pages_add_up_and_answers_stay_exact_under_pressure(small_cache):
     assert batch["prefix_cache_evictions"] > 0
     assert st["used"] == 0 and st["cached"] + st["free"] == 4 and batch["prefix_cache_tokens"] <= 64
     assert gauges == {k: float(st[k]) for k in ("used", "cached", "free")}
+
+
+def test_toggle_turns_the_cache_off_and_on_for_new_requests(small_cache):
+    """POST /prefix_cache {"enabled": false}: no lookups (cached_tokens 0), no inserts, the same answer; the key when
+    one is set (401 without it), 400 for a body without a bool."""
+    url, prompt = small_cache.url, TEXT[:60] + " Q: toggle?"
+    assert toggle(url, {"enabled": False}, {"Content-Type": "application/json"})[0] == 401
+    assert toggle(url, {"enabled": "no"})[0] == 400
+    code, body = toggle(url, {"enabled": False})
+    assert code == 200 and body["enabled"] is False and body["pages_total"] == 4
+    off = [post(url, prompt) for _ in range(2)]
+    assert [c for _, c in off] == [0, 0]
+    with urllib.request.urlopen(url + "/status", timeout=30) as r:
+        assert json.loads(r.read())["batch"]["prefix_cache_enabled"] is False
+    assert toggle(url, {"enabled": True}) == (200, toggle(url, {"enabled": True})[1])
+    on = [post(url, prompt) for _ in range(2)]
+    assert on[0][1] == 0 and on[1][1] > 0                          # the first run inserted it: enabled again
+    assert {t for t, _ in off + on} == {off[0][0]}
