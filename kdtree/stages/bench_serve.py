@@ -139,12 +139,12 @@ def set_prefix_cache(url: str, enabled: bool) -> dict:
         return json.loads(r.read())
 
 
-def shared_prefix(url: str, conf: "BenchServeConfig", tokenizer_chars: float) -> dict:
-    """A ~shared_prefix_tokens system prompt + short distinct questions: TTFT p50 of shared_prefix_requests requests
+def shared_prefix(url: str, conf: "BenchServeConfig", tokens: int, tokenizer_chars: float) -> dict:
+    """A ~`tokens`-token system prompt + short distinct questions: TTFT p50 of shared_prefix_requests requests
     one at a time, and tokens/s of shared_prefix_clients clients (other questions), with the prefix cache off, then
     on (one server, POST /prefix_cache); `exact`: every answer the same both ways. tokenizer_chars: characters per
     token (the byte tokenizer: 1; ~4 for K2's BPE on this English text)."""
-    system = system_prompt(int(conf.shared_prefix_tokens * tokenizer_chars))
+    system = system_prompt(int(tokens * tokenizer_chars))
     n, k = int(conf.shared_prefix_clients), int(conf.shared_prefix_requests)
     questions = [f"{system}\nUser {i}: which tool lists table t{(7 * i) % 50}, at most {i % 5 + 1} rows?\nAgent:"
                  for i in range(k + n)]
@@ -168,6 +168,34 @@ def shared_prefix(url: str, conf: "BenchServeConfig", tokenizer_chars: float) ->
     return {"shared_prefix_chars": len(system), "clients": n, "requests": k, **out,
             "ttft_speedup": round(out["off"]["ttft_p50_s"] / max(out["on"]["ttft_p50_s"], 1e-9), 2),
             "exact": answers["off"] == answers["on"]}
+
+
+def shared_prefix_round(ctx, url: str, conf: BenchServeConfig) -> dict:
+    """shared_prefix() with a system prompt that fits the server's context (max_model_len) beside the question, the
+    answer and the tree's verify block; printed."""
+    byte_tok = str(ctx.cfg.model.get("tokenizer", "")) == "byte"
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        max_len = int(json.loads(r.read())["data"][0].get("max_model_len") or 0)
+    tree = ctx.cfg.tree
+    room = max_len - conf.max_tokens - (int(tree.budget) + 1 if str(tree.kind) != "ar" else 0) - 80   # 80: question
+    n_prefix = int(conf.shared_prefix_tokens)
+    if 0 < room < n_prefix:                         # the tiny's 2048-token context: what fits beside the rest
+        print(f"[bench_serve] shared prefix: {room} tokens instead of {n_prefix} (the context is {max_len} "
+              f"tokens)", flush=True)
+        n_prefix = room
+    try:
+        shared = shared_prefix(url, conf, n_prefix, 1.0 if byte_tok else 4.0)
+    except urllib.error.HTTPError as e:              # 409: the server runs without a prefix cache
+        raise PipelineError(f"bench_serve: shared-prefix workload: POST /prefix_cache answered {e.code} "
+                            f"({e.read().decode(errors='replace')[:200]}); serve with serve.prefix_cache=true "
+                            f"or set bench_serve.shared_prefix_tokens=0") from None
+    print(f"[bench_serve] shared prefix ({shared['shared_prefix_chars']} chars): TTFT p50 "
+          f"{shared['off']['ttft_p50_s']:.3f} s without the prefix cache, {shared['on']['ttft_p50_s']:.3f} s "
+          f"with ({shared['ttft_speedup']:.1f}x, {shared['on']['cached_tokens_p50']} tokens cached); "
+          f"N={shared['clients']}: {shared['off']['tokens_per_s']:.1f} -> {shared['on']['tokens_per_s']:.1f} tok/s; "
+          f"exact {shared['exact']}",
+          flush=True)
+    return shared
 
 
 def plot(rounds: List[dict], path: Path) -> None:
@@ -217,21 +245,7 @@ def run(ctx, conf: BenchServeConfig) -> dict:
                   f"TPOT p50/p95 {r['tpot_p50_s'] * 1e3:.1f}/{r['tpot_p95_s'] * 1e3:.1f} ms  exact {r['exact']}",
                   flush=True)
         short = short_latency_ratio(url, texts[0], short_tokens, long_tokens)
-        shared = None
-        if conf.shared_prefix_tokens > 0:
-            byte_tok = str(ctx.cfg.model.get("tokenizer", "")) == "byte"
-            try:
-                shared = shared_prefix(url, conf, 1.0 if byte_tok else 4.0)
-            except urllib.error.HTTPError as e:              # 409: the server runs without a prefix cache
-                raise PipelineError(f"bench_serve: shared-prefix workload: POST /prefix_cache answered {e.code} "
-                                    f"({e.read().decode(errors='replace')[:200]}); serve with serve.prefix_cache=true "
-                                    f"or set bench_serve.shared_prefix_tokens=0") from None
-            print(f"[bench_serve] shared prefix ({shared['shared_prefix_chars']} chars): TTFT p50 "
-                  f"{shared['off']['ttft_p50_s']:.3f} s without the prefix cache, {shared['on']['ttft_p50_s']:.3f} s "
-                  f"with ({shared['ttft_speedup']:.1f}x, {shared['on']['cached_tokens_p50']} tokens cached); "
-                  f"N={shared['clients']}: {shared['off']['tokens_per_s']:.1f} -> {shared['on']['tokens_per_s']:.1f} tok/s; "
-                  f"exact {shared['exact']}",
-                  flush=True)
+        shared = shared_prefix_round(ctx, url, conf) if conf.shared_prefix_tokens > 0 else None
     finally:
         engine = ctx.engine_process                      # the pipeline ends with the bench: stop the server
         if engine is not None:
