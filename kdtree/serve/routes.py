@@ -17,7 +17,7 @@ from kdtree.serve.errors import ERRORS, validation_error
 from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.status import describe
-from kdtree.serve.transport import Access, ApiError, Guard
+from kdtree.serve.transport import Access, ApiError, Guard, log_safe
 
 
 def build_app(serve) -> FastAPI:
@@ -43,8 +43,8 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         if exc.status >= 500 and exc.status != 503:
-            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
-                  flush=True)
+            print(f"[serve] {request.method} {log_safe(request.url.path)} -> {exc.status} {log_safe(exc.message)}",
+                  file=sys.stderr, flush=True)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -71,8 +71,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
-        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        print(f"[serve] {request.method} {log_safe(request.url.path)} -> 500 {type(exc).__name__}: {log_safe(exc)}",
+              file=sys.stderr, flush=True)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
 
 

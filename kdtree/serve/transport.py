@@ -214,6 +214,17 @@ class Guard:
         return await self.app(scope, counted, send)
 
 
+def log_safe(value: Any) -> str:
+    """`value` for one field of a log line: every control character (C0, DEL, C1, and the Unicode line and paragraph
+    separators), a backslash and a double quote escaped as \\xNN / \\uNNNN, so that no request (a `%0a` in its
+    path, a CR in a header) can end a log line or forge one, nor close the quoted request field."""
+    text = str(value)
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c not in '"\\' else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
+
+
 class Access:
     """X-Request-Id (echoed, or made), `Server: kdtree`, the request counter, one access-log line per request
     (stderr = the engine log), and the count of completion responses still being sent (the drain waits for it).
@@ -260,6 +271,7 @@ class Access:
                                   ("/v1/models/{id}" if known else "other"), state["code"])
             if not headers.get(b"user-agent", b"").startswith(MONITOR_AGENT.encode()):
                 client = scope.get("client") or ("-", 0)
-                print(f"[access] {client[0]} \"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}\" "
-                      f"{state['code']} {state['bytes']} {time.monotonic() - t0:.3f}s rid={rid}", file=sys.stderr,
-                      flush=True)
+                version = "HTTP/" + scope.get("http_version", "1.1")
+                line = " ".join(log_safe(f) for f in (scope["method"], path, version))
+                print(f"[access] {log_safe(client[0])} \"{line}\" {state['code']} {state['bytes']} "
+                      f"{time.monotonic() - t0:.3f}s rid={log_safe(rid)}", file=sys.stderr, flush=True)
