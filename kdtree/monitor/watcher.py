@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ class _FirstByte(io.TextIOBase):
         return True
 
 
+_ETA_WORDS = re.compile(r"[,;]?\s*\bETA\s+~?[\d.]+\s*s\b")
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
@@ -79,6 +83,7 @@ class Watcher:
         self.history, self.out_dir, self.echo = history, Path(out_dir) if out_dir else None, echo
         self.samples: List[Dict[str, Any]] = []
         self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
+        self.read_meter = RateMeter(window_s=self.meter.window_s)   # the tree's loaded bytes, for its `read` rate
         self.tree = P.ProcessTree()
         self._tree_root = 0
         self._prev_disk: Optional[Dict[str, Any]] = None
@@ -311,6 +316,8 @@ class Watcher:
             parts.append(f"http 200 {c.data.get('text')!r} in {c.seconds:.2f} s")
         elif c.data.get("http") is not None:
             msg = c.data.get("message")
+            if msg and eta is not None and eta["eta_s"] is not None:
+                msg = _ETA_WORDS.sub("", msg)      # one ETA per line: the monitor's, not also the engine's
             parts.append(f"http {c.data['http']}" + (f" {msg[:80]!r}" if msg else ""))
         elif c.data.get("slow"):
             parts.append(f"port open, no answer within {c.seconds:.1f} s")
@@ -332,9 +339,13 @@ class Watcher:
                 if same:
                     txt += f" cpu {100 * (d['cpu_s'] - prev['cpu_s']) / dt:.0f}%"
                 txt += f" rss {_mb(d['rss_bytes'])}"
-                if d.get("io_readable") and same:
-                    txt += f" read {(d['loaded'] - prev['loaded']) / dt / 1e6:.1f} MB/s"
-                elif not d.get("io_readable"):
+                if d.get("io_readable"):             # over the rate window: mmap reads come in bursts
+                    if prev is not None and prev.get("pid") != d["pid"]:
+                        self.read_meter = RateMeter(window_s=self.meter.window_s)
+                    self.read_meter.add(now, d["loaded"])
+                    r = self.read_meter.rate()
+                    txt += f" read {r / 1e6:.1f} MB/s" if r is not None else ""
+                else:
                     txt += " io ?"
                 if len(d.get("members", ())) > 1:
                     txt += f" ({len(d['members'])} procs)"
