@@ -235,6 +235,7 @@ class ServeApp:
         if not ids:
             raise ApiError(400, "prompt is empty (0 tokens); give at least one token", param=param)
         if len(ids) + max_tokens + head > ctx:
+            param = "max_tokens" if max_tokens + head >= ctx else param    # no prompt could fit beside it
             raise ApiError(400, f"this model's maximum context length is {ctx} tokens, however you requested "
                                 f"{len(ids) + max_tokens + head} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                                 f"completion, {head} for the speculative tree's verify block); shorten the prompt "

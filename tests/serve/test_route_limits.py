@@ -112,3 +112,16 @@ def test_tokenizing_a_request_of_many_prompts_never_blocks_health(wide, kind):
     assert code == 400 and err["error"]["code"] == "context_length_exceeded", err
     assert worst < 1.0, f"/health took {worst:.2f} s while {seconds:.2f} s of tokenizing ran"
     print(f"{kind}: the request took {seconds:.2f} s, /health at worst {worst * 1000:.0f} ms")
+
+
+@pytest.mark.parametrize("body,param,words", [
+    (b"", None, "request body is empty; send a JSON object"),
+    (b'{"prompt": [-1]}', "prompt", "prompt.0: Input should be greater than or equal to 0; got -1"),
+    (b'{"prompt": "x", "max_tokens": 5000}', "max_tokens", "maximum context length is 2048 tokens"),
+    (json.dumps({"prompt": "x", "stop": [f"s{i}" for i in range(17)]}).encode(), "stop", "at most 16 items"),
+])
+def test_bad_input_messages_name_the_field_and_the_limit(small, body, param, words):
+    """Issue 37 row 9: not "missing required field 'None'", "valid string" or `param: prompt` for a max_tokens."""
+    code, err = post(small.url, "/v1/completions", body)
+    assert code == 400 and err["error"]["param"] == param and words in err["error"]["message"], err
+    assert "None" not in err["error"]["message"] and "valid string" not in err["error"]["message"], err
