@@ -5,6 +5,7 @@ log (_Access), and ApiError, the one shape of every error: {"error": {"message",
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import sys
@@ -23,6 +24,8 @@ REQUEST_READ_TIMEOUT_S = 10.0     # a request head must arrive whole within this
                                   # pause no longer than this between chunks (else 408, closed)
 MONITOR_AGENT = "kdtree-monitor"  # the health monitor's User-Agent: its probes are not access-logged (see Access)
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DISCARD_BYTES = 64 << 20          # a body over the limit is read and dropped up to this much past the limit before the
+                                  # 413, so that the client, still sending, reads the 413 instead of a connection reset
 
 
 class ApiError(Exception):
@@ -170,6 +173,22 @@ class JsonH11Protocol(H11Protocol):
         self.transport.close()
 
 
+async def _discard(receive, most: int, idle_s: float = 0.5) -> None:
+    """Read and drop up to `most` bytes of a request body; its end, a disconnect, or a pause of `idle_s` (a client
+    that waits for the answer before it sends the rest) end it. Closing a socket with unread bytes resets it: the
+    client, still sending, would see a reset instead of the 413."""
+    while most > 0:
+        try:
+            message = await asyncio.wait_for(receive(), idle_s)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        most -= len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
+
+
 class Guard:
     """Before the body is read: the API key (401), the body limit (413 from Content-Length, or while reading a
     chunked body)."""
@@ -198,6 +217,8 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > limit):
             msg = (f"request body of {length.decode(errors='replace')} bytes exceeds {limit} bytes "
                    f"(serve.max_body_bytes)" if length.isdigit() else "Content-Length is not a number")
+            if length.isdigit() and int(length) <= limit + DISCARD_BYTES and b"expect" not in headers:
+                await _discard(receive, int(length))      # (a client that expects 100-continue has sent none)
             return await ApiError(413 if length.isdigit() else 400, msg,
                                   headers={"Connection": "close"}).response()(scope, receive, send)
         seen = 0
@@ -208,6 +229,8 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    if message.get("more_body"):
+                        await _discard(receive, limit + DISCARD_BYTES - seen)
                     raise StarletteHTTPException(413, f"request body exceeds {limit} bytes (serve.max_body_bytes)")
             return message
 
