@@ -212,8 +212,8 @@ class Judge:
         if any(p.unreachable for p in probes.values()) or down >= self.window:
             return Judgement("UNREACHABLE", down >= self.window, f"host unreachable for {down:.0f} s: "
                              f"{first.error[:160]}", [], quiet)
-        return Judgement("WAITING", False, f"host not answering for {down:.0f} s (no reply yet; unreachable at the "
-                         f"{self.window:g} s window): {first.error[:120]}", [], quiet)
+        return Judgement("WAITING", False, f"host not answering for {down:.0f} s (no reply yet: slow is not down; "
+                         f"the verdict waits for the {self.window:g} s window): {first.error[:120]}", [], quiet)
 
     @staticmethod
     def _crash_reason(probes: Dict[str, Any]) -> str:
