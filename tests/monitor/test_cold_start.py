@@ -176,6 +176,8 @@ def test_frozen_engine_is_stalled_within_its_window(tmp_path, kdtree_cache, host
     rtt = max(s["probes"]["disk"]["seconds"] for s in health["samples"])
     assert stalled["at"] - t_stop <= window + 0.5 + 1.5 + 2.0 + 2 * rtt, (stalled["line"], rtt)
     assert f"pid {pid} T" in stalled["line"] and "nothing moved" in stalled["reason"]
+    assert f"pid {pid} is stopped (state T" in stalled["reason"], stalled["reason"]          # issue 37 row 11
+    assert not any("unreachable" in s["line"].lower() for s in health["samples"]), stalled["line"]
     assert "STALLED" in output(run_dir)
 
 
