@@ -1,8 +1,11 @@
 """The HTTP routes (FastAPI): operator endpoints, the OpenAI endpoints, the exception handlers and middleware. Thin:
 parse (pydantic) -> ServeApp's checks -> a Generation -> kdtree/serve/generation.py's respond (submission, then the
-response or the SSE stream), the one path both generation APIs share."""
+response or the SSE stream), the one path both generation APIs share. Tokenizing, rendering a chat template and
+submitting run in a worker thread (asyncio.to_thread), never on the event loop: a request of 20000 prompts must not
+keep /health (or anyone else) waiting."""
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
@@ -17,7 +20,7 @@ from kdtree.serve.errors import ERRORS, validation_error
 from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.status import describe
-from kdtree.serve.transport import Access, ApiError, Guard
+from kdtree.serve.transport import Access, ApiError, Guard, log_safe
 
 
 def build_app(serve) -> FastAPI:
@@ -43,8 +46,8 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         if exc.status >= 500 and exc.status != 503:
-            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
-                  flush=True)
+            print(f"[serve] {request.method} {log_safe(request.url.path)} -> {exc.status} {log_safe(exc.message)}",
+                  file=sys.stderr, flush=True)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -71,8 +74,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
-        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        print(f"[serve] {request.method} {log_safe(request.url.path)} -> 500 {type(exc).__name__}: {log_safe(exc)}",
+              file=sys.stderr, flush=True)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
 
 
@@ -140,9 +143,13 @@ def _openai_routes(app: FastAPI, serve) -> None:
         sp = serve.admit(req, chat=False)
         serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
         max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
-        encoded = [serve._token_ids(p) for p in req.prompts()]
-        for ids, _ in encoded:
-            serve._check_context(ids, max_tokens, "prompt")
+        def encode():
+            encoded = [serve._token_ids(p) for p in req.prompts()]
+            for ids, _ in encoded:
+                serve._check_context(ids, max_tokens, "prompt")
+            return encoded
+
+        encoded = await asyncio.to_thread(encode)
         return await respond(serve, request, Generation(
             chat=False, prompts=[ids for ids, _ in encoded], texts=[text for _, text in encoded],
             max_tokens=max_tokens, stops=req.stops(), sampling=sp, stream=bool(req.stream), echo=bool(req.echo),
@@ -157,10 +164,10 @@ def _openai_routes(app: FastAPI, serve) -> None:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
-            text = tpl.render(messages, add_generation_prompt=req.add_generation_prompt)
+            text = await asyncio.to_thread(tpl.render, messages, add_generation_prompt=req.add_generation_prompt)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = serve._encode(text)
+        ids = await asyncio.to_thread(serve._encode, text)
         limit = req.limit()
         # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
         # (it ends with finish_reason "length" there) -- never refused for a default
