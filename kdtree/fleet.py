@@ -32,6 +32,7 @@ from kdtree.config.paths import cache_dir
 from kdtree.errors import PipelineError
 
 VERDICT = re.compile(r"^\s*[\d.]+s\s+(READY|PROGRESSING|STALLED|CRASHED|UNREACHABLE|WAITING|QUIET)\b")
+FINAL = re.compile(r"^(READY|STALLED|CRASHED|UNREACHABLE): ")   # the monitor's last word: verdict, reason, seconds
 ETA = re.compile(r"ETA (\d+(?:\.\d+)?) s")
 DROPPED = ("pipeline=", "fleet.", "serve.port=", "serve.detach=", "host=", "hydra.")   # set per replica instead
 
@@ -45,6 +46,7 @@ class Replica:
     verdict: str = "STARTING"
     eta_s: Optional[float] = None
     last: str = ""
+    evidence: str = ""                     # the monitor's last verdict line (its reason)
 
     def url(self, cfg) -> str:
         address = "127.0.0.1"
@@ -115,6 +117,21 @@ def serve_replica(r: Replica, overrides: List[str], on_line: Callable[[Replica, 
     return proc.wait()
 
 
+def status_replica(r: Replica, url: str, overrides: List[str], run_dir: Path, on_line: Callable[[Replica, str], None]) -> int:
+    """One watch of replica r with its own evidence (its engine pid, status.json and log in its run dir, probes
+    on its host): READY, or CRASHED / STALLED / UNREACHABLE with the reason; its lines through on_line."""
+    pid_file = Path(r.run_dir) / "engine.pid"
+    pid = pid_file.read_text().strip() if pid_file.is_file() else "0"
+    argv = kdtree_command("pipeline=watch", f"host={r.host}", f"health.url={url}",
+                          f"health.pid={pid}", f"health.status_path={r.run_dir}/status.json",
+                          f"health.log={r.run_dir}/engine.log", f"hydra.run.dir={run_dir / f'replica-{r.index}'}",
+                          *overrides)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    for line in proc.stdout:
+        on_line(r, line.rstrip("\n"))
+    return proc.wait()
+
+
 def stop_replica(r: Replica, on_line: Callable[[Replica, str], None]) -> int:
     """pipeline=stop of the replica's run (SIGTERM: it drains its accepted requests, then exits)."""
     proc = subprocess.run(kdtree_command("pipeline=stop", f"stop.run_dir={r.run_dir}"), capture_output=True,
@@ -133,6 +150,8 @@ class Board:
     def line(self, r: Replica, text: str) -> None:
         m = VERDICT.match(text)
         with self._lock:
+            if m or FINAL.match(text):
+                r.evidence = text.strip()
             if m:
                 r.verdict = m.group(1)
                 eta = ETA.search(text)
