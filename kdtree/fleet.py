@@ -148,7 +148,8 @@ def serve_replica(r: Replica, overrides: List[str], on_line: Callable[[Replica, 
     return proc.wait()
 
 
-def status_replica(r: Replica, url: str, overrides: List[str], run_dir: Path, on_line: Callable[[Replica, str], None]) -> int:
+def status_replica(r: Replica, url: str, overrides: List[str], run_dir: Path,
+                   on_line: Callable[[Replica, str], None]) -> int:
     """One watch of replica r with its own evidence (its engine pid, status.json and log in its run dir, probes
     on its host): READY, or CRASHED / STALLED / UNREACHABLE with the reason; its lines through on_line."""
     pid_file = Path(r.run_dir) / "engine.pid"

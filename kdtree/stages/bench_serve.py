@@ -170,7 +170,8 @@ def run(ctx, conf: BenchServeConfig) -> dict:
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench_serve.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(rounds, run_dir / "bench_serve.png", {compare["engine"]: compare["rounds"]} if compare else None)
+    others = {f"{compare['engine']} (against)": compare["rounds"]} if compare else None
+    plot(rounds, run_dir / "bench_serve.png", others)
     if compare:
         print(f"[bench_serve] side by side (greedy, the same prompts):\n{side_by_side(url.engine, rounds, compare)}",
               flush=True)

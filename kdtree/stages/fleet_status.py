@@ -4,7 +4,8 @@ sample, the fleet summary (N ready / loading / stalled / crashed), and what the 
 (healthy or not; a dead replica's worker goes unhealthy within fleet.health_interval_s x the router's failure
 threshold and gets no requests). Fails when a replica is not READY, naming it and its evidence.
 
-    python -m kdtree.run pipeline=fleet_status 'fleet.hosts=[local,local,local]' serve.port=31000 fleet.router_port=30000
+    python -m kdtree.run pipeline=fleet_status 'fleet.hosts=[local,local,local]' serve.port=31000 \
+        fleet.router_port=30000
 """
 from __future__ import annotations
 

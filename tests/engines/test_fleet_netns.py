@@ -1,9 +1,10 @@
 """A fleet on real test hosts: 3 network namespaces (tests/netns_hosts.py), each with its own address on a veth pair
 and its own sshd, so fabric connects to three machines. Every replica is the serve pipeline on its host, bound to
 that host's address (fleet.hosts entries are addresses: host.* from the command line, kind ssh); the health poll
-runs through its ssh session; sglang-router runs here, in the root namespace, and reaches them over the veths. Under 16 clients through the router: a rolling
-restart loses no request and gets no 5xx (counted), and a replica SIGKILLed is CRASHED in fleet_status (its pid
-gone, its worker unhealthy) while every request after the router's health checks succeeds on the other two.
+runs through its ssh session; sglang-router runs here, in the root namespace, and reaches them over the veths.
+Under 16 clients through the router: a rolling restart loses no request and gets no 5xx (counted), and a replica
+SIGKILLed is CRASHED in fleet_status (its pid gone, its worker unhealthy) while every request after the router's
+health checks succeeds on the other two.
 
 Run: .venv/bin/python -m pytest -q tests/engines/test_fleet_netns.py
 """
