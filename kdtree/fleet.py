@@ -29,9 +29,11 @@ from typing import Callable, Dict, List, Optional
 from omegaconf import OmegaConf
 
 from kdtree.config.paths import cache_dir
+from kdtree.config.schema import CONF_DIR
 from kdtree.errors import PipelineError
 
 VERDICT = re.compile(r"^\s*[\d.]+s\s+(READY|PROGRESSING|STALLED|CRASHED|UNREACHABLE|WAITING|QUIET)\b")
+FINAL = re.compile(r"^(READY|STALLED|CRASHED|UNREACHABLE): ")   # the monitor's last word: verdict, reason, seconds
 ETA = re.compile(r"ETA (\d+(?:\.\d+)?) s")
 DROPPED = ("pipeline=", "fleet.", "serve.port=", "serve.detach=", "host=", "hydra.")   # set per replica instead
 
@@ -45,12 +47,43 @@ class Replica:
     verdict: str = "STARTING"
     eta_s: Optional[float] = None
     last: str = ""
+    evidence: str = ""                     # the monitor's last verdict line (its reason)
 
     def url(self, cfg) -> str:
-        address = "127.0.0.1"
-        if self.host != "local":
-            address = str(OmegaConf.select(cfg, "host.address", default="") or self.host)
-        return f"http://{address}:{self.port}"
+        """Where the router reaches it: 127.0.0.1 on the controller, else its host's address."""
+        address = host_address(self.host) if self.host != "local" else ""
+        return f"http://{address or '127.0.0.1'}:{self.port}"
+
+
+def _host_file(entry: str) -> Path:
+    return CONF_DIR / "host" / f"{entry}.yaml"
+
+
+def host_address(entry: str) -> str:
+    """A fleet.hosts entry's address: a host config's host.address, or the entry itself ([user@]ADDRESS[:port])."""
+    if _host_file(entry).is_file():
+        return str(OmegaConf.load(_host_file(entry)).get("address") or "")
+    return entry.rpartition("@")[2].split(":")[0]
+
+
+def host_args(entry: str) -> List[str]:
+    """The overrides that put a replica on fleet.hosts entry `entry`: `local`; a host config name (conf/host/NAME.yaml);
+    or an address, [user@]ADDRESS[:port], reached over SSH with the rest of host.* from this run's command line
+    (host.key_file, host.known_hosts, host.workdir, host.python: one set for identical machines). A replica on
+    another host binds its address (serve.host; an explicit serve.host= wins) so the router reaches it."""
+    if entry == "local":
+        return ["host=local"]
+    if _host_file(entry).is_file():
+        address = host_address(entry)
+        return [f"host={entry}"] + ([f"serve.host={address}"] if address else [])
+    user, _, rest = entry.rpartition("@")
+    address, _, port = rest.partition(":")
+    if not address:
+        raise PipelineError(f"fleet.hosts entry {entry!r} is neither a host config (conf/host/*.yaml) nor an "
+                            f"address ([user@]ADDRESS[:port])")
+    return (["host=local", "host.kind=ssh", f"host.name={address}", f"host.address={address}"]
+            + ([f"host.user={user}"] if user else []) + ([f"host.port={port}"] if port else [])
+            + [f"serve.host={address}"])
 
 
 @dataclass
@@ -107,8 +140,24 @@ def kdtree_command(*args: str) -> List[str]:
 
 def serve_replica(r: Replica, overrides: List[str], on_line: Callable[[Replica, str], None]) -> int:
     """The serve pipeline of replica r (detached engine); its output lines through on_line; its exit code."""
-    argv = kdtree_command("pipeline=serve", f"host={r.host}", f"serve.port={r.port}", "serve.detach=true",
+    argv = kdtree_command("pipeline=serve", *host_args(r.host), f"serve.port={r.port}", "serve.detach=true",
                           f"hydra.run.dir={r.run_dir}", *overrides)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    for line in proc.stdout:
+        on_line(r, line.rstrip("\n"))
+    return proc.wait()
+
+
+def status_replica(r: Replica, url: str, overrides: List[str], run_dir: Path,
+                   on_line: Callable[[Replica, str], None]) -> int:
+    """One watch of replica r with its own evidence (its engine pid, status.json and log in its run dir, probes
+    on its host): READY, or CRASHED / STALLED / UNREACHABLE with the reason; its lines through on_line."""
+    pid_file = Path(r.run_dir) / "engine.pid"
+    pid = pid_file.read_text().strip() if pid_file.is_file() else "0"
+    argv = kdtree_command("pipeline=watch", *host_args(r.host), f"health.url={url}",
+                          f"health.pid={pid}", f"health.status_path={r.run_dir}/status.json",
+                          f"health.log={r.run_dir}/engine.log", f"hydra.run.dir={run_dir / f'replica-{r.index}'}",
+                          *overrides)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     for line in proc.stdout:
         on_line(r, line.rstrip("\n"))
@@ -133,6 +182,8 @@ class Board:
     def line(self, r: Replica, text: str) -> None:
         m = VERDICT.match(text)
         with self._lock:
+            if m or FINAL.match(text):
+                r.evidence = text.strip()
             if m:
                 r.verdict = m.group(1)
                 eta = ETA.search(text)

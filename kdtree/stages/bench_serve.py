@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from kdtree import engine_http as client
+from kdtree.engine_http import stream  # noqa: F401  (bench_serve.stream: one streamed completion, any engine)
 from kdtree.errors import PipelineError
 
 SIDE = "controller"
@@ -43,40 +45,11 @@ class BenchServeConfig:
     shared_prefix_tokens: int = 2000  # shared-prefix workload: a system prompt of ~this many tokens (0: skip it)
     shared_prefix_clients: int = 16  # its concurrent clients (throughput with / without the prefix cache)
     shared_prefix_requests: int = 8  # its sequential requests (TTFT p50 with / without the prefix cache)
+    against: str = ""  # an engine (kdtree | sglang | vllm | llamacpp) started beside this one and measured the same way
+    against_url: str = ""  # or a running server's URL to measure the same way (one table, tokens-equal column)
 
 
 CONFIG = BenchServeConfig  # cfg.bench_serve: this stage's options (kdtree/pipeline/registry.py)
-
-
-def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Event] = None) -> Dict[str, float]:
-    """One streamed completion: its text, tokens (usage), seconds to the first token and to the end."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    text, tokens, first, cached, prompt_tokens = "", 0, None, 0, 0
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                raise PipelineError(f"bench_serve: the server answered an error: {ev['error'].get('message')}")
-            if ev.get("usage"):
-                tokens = int(ev["usage"]["completion_tokens"])
-                cached = int((ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-                prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
-            piece = "".join(c.get("text") or "" for c in ev.get("choices", []))
-            if piece and first is None:
-                first = time.perf_counter() - t0
-            text += piece
-            if stop is not None and stop.is_set():      # the caller is done with it: hang up (cancels it)
-                break
-    end = time.perf_counter() - t0
-    return {"text": text, "tokens": tokens, "ttft": first if first is not None else end, "seconds": end,
-            "cached_tokens": cached, "prompt_tokens": prompt_tokens}
 
 
 def _pct(xs: List[float], q: float) -> float:
@@ -134,7 +107,7 @@ def system_prompt(chars: int) -> str:
 
 def set_prefix_cache(url: str, enabled: bool) -> dict:
     req = urllib.request.Request(url + "/prefix_cache", data=json.dumps({"enabled": enabled}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
+                                 method="POST", headers=client._headers(url))
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -198,17 +171,20 @@ def shared_prefix_round(ctx, url: str, conf: BenchServeConfig) -> dict:
     return shared
 
 
-def plot(rounds: List[dict], path: Path) -> None:
+def plot(rounds: List[dict], path: Path, others: Optional[Dict[str, List[dict]]] = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = [r["clients"] for r in rounds]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(ns, [r["tokens_per_s"] for r in rounds], "o-")
+    for name, rs in {"": rounds, **(others or {})}.items():   # the other engine's curves beside this one's
+        ns, tag = [r["clients"] for r in rs], f"{name} " if name else ""
+        a.plot(ns, [r["tokens_per_s"] for r in rs], "o-", label=name or "this run")
+        for key, style in (("ttft_p50_s", "o-"), ("ttft_p95_s", "o--"), ("tpot_p50_s", "s-"), ("tpot_p95_s", "s--")):
+            b.plot(ns, [r[key] for r in rs], style, label=tag + key.replace("_s", ""))
     a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
-    for key, style in (("ttft_p50_s", "o-"), ("ttft_p95_s", "o--"), ("tpot_p50_s", "s-"), ("tpot_p95_s", "s--")):
-        b.plot(ns, [r[key] for r in rounds], style, label=key.replace("_s", ""))
+    if others:
+        a.legend()
     b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="seconds", title="latency")
     b.legend()
     fig.tight_layout()
@@ -216,13 +192,30 @@ def plot(rounds: List[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _engine_url(ctx) -> str:
+def _engine_url(ctx) -> client.Endpoint:
     engine = ctx.engine_process
-    status = Path(engine.run_dir) / "status.json" if engine is not None else Path(ctx.run_dir) / "status.json"
-    url = json.loads(status.read_text()).get("url") if status.is_file() else None
-    if not url:
-        raise PipelineError(f"bench_serve: {status} names no server url; run it after serve and health_poll")
-    return url
+    return client.endpoint(ctx.cfg, engine.run_dir if engine is not None else ctx.run_dir)
+
+
+def _compare(ctx, conf: BenchServeConfig, texts: List[str], clients: List[int], solo: Dict[str, str]) -> Optional[dict]:
+    """The same solo answers and rounds against bench_serve.against (started) or .against_url; None without."""
+    with client.other_server(ctx.cfg, ctx.run_dir, conf.against, conf.against_url) as other:
+        if other is None:
+            return None
+        theirs = {p: stream(other, p, conf.max_tokens)["text"] for p in texts}
+        rounds = [round_of(other, n, texts, conf.requests, conf.max_tokens, theirs) for n in clients]
+        return {"engine": other.engine, "url": str(other), "rounds": rounds, "solo": theirs,
+                "tokens_equal": client.tokens_equal(solo, theirs)}
+
+
+def side_by_side(mine: str, rounds: List[dict], other: dict) -> str:
+    """One table: both engines' rounds, and how many prompts they answer with the same greedy tokens."""
+    rows = [{"engine": e, **r, "tokens_equal": other["tokens_equal"]}
+            for e, rs in ((mine, rounds), (other["engine"], other["rounds"])) for r in rs]
+    return client.table(rows, [("engine", "engine", "{}"), ("N", "clients", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+                               ("req/s", "requests_per_s", "{:.2f}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
+                               ("TPOT p50 s", "tpot_p50_s", "{:.4f}"), ("exact", "exact", "{}"),
+                               ("tokens-equal", "tokens_equal", "{}")])
 
 
 def run(ctx, conf: BenchServeConfig) -> dict:
@@ -246,6 +239,7 @@ def run(ctx, conf: BenchServeConfig) -> dict:
                   flush=True)
         short = short_latency_ratio(url, texts[0], short_tokens, long_tokens)
         shared = shared_prefix_round(ctx, url, conf) if conf.shared_prefix_tokens > 0 else None
+        compare = _compare(ctx, conf, texts, sorted(set([1] + clients)), solo)
     finally:
         engine = ctx.engine_process                      # the pipeline ends with the bench: stop the server
         if engine is not None:
@@ -254,7 +248,8 @@ def run(ctx, conf: BenchServeConfig) -> dict:
     out = {"url": url, "max_tokens": max_tokens, "requests_per_client": requests, "rounds": rounds,
            "scaling": {str(r["clients"]): r["scaling"] for r in rounds},
            "exact": all(r["exact"] for r in rounds) and (shared is None or shared["exact"]), **short,
-           "shared_prefix": shared,
+           "shared_prefix": shared, "engine": url.engine, "solo": solo,
+           **({"compare": compare} if compare else {}),
            "backend": str(ctx.cfg.backend.name) if "name" in ctx.cfg.backend else "",
            "tree": {k: ctx.cfg.tree[k] for k in ("kind", "width", "depth", "budget")},
            "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens", "speculate_max_batch",
@@ -262,9 +257,14 @@ def run(ctx, conf: BenchServeConfig) -> dict:
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench_serve.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(rounds, run_dir / "bench_serve.png")
+    others = {f"{compare['engine']} (against)": compare["rounds"]} if compare else None
+    plot(rounds, run_dir / "bench_serve.png", others)
+    if compare:
+        print(f"[bench_serve] side by side (greedy, the same prompts):\n{side_by_side(url.engine, rounds, compare)}",
+              flush=True)
     print(f"[bench_serve] short_latency_ratio {out['short_latency_ratio']:.2f} "
           f"({out['short_alone_s']:.3f} s alone, {out['short_beside_long_s']:.3f} s beside a {long_tokens}-token "
           f"request); exact {out['exact']}; {run_dir / 'bench_serve.json'}", flush=True)
-    return {**{k: out[k] for k in ("scaling", "exact", "short_latency_ratio")},
-            **({"shared_prefix_ttft_speedup": shared["ttft_speedup"]} if shared else {})}
+    return {k: out[k] for k in ("scaling", "exact", "short_latency_ratio")} | \
+        ({"shared_prefix_ttft_speedup": shared["ttft_speedup"]} if shared else {}) | \
+        ({"tokens_equal": compare["tokens_equal"]} if compare else {})
