@@ -236,14 +236,14 @@ def _check_schema(schema: Dict[str, Any], param: str) -> None:
 
 def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget: int = 0) -> Tuple[Tree, np.ndarray]:
     """The tree under the grammar, and u32[N'+1, ceil(V/32)] token bitmasks of its verify rows [root, nodes] (row 0
-    the current state, a node's row the state after its own path); `g` is left as it was (each path consumed, then
+    the current state, a node's row the state after its own path); `g` is left as it was (paths consumed, then
     rolled back).
 
-    - a node whose token the grammar refuses in the state reached along its path is pruned (with its subtree);
-    - where a state allows exactly one token (a marker, a closing quote, a key) and no child has it, the forced
-      token is added as a child while the tree holds fewer than `budget` nodes: the target's choice there is
-      certain, so the verify can go on past it (the root's forced run first);
-    - an end token's node keeps no children (nothing follows it).
+    1. a drafted node whose token the grammar refuses in the state reached along its path is pruned (with its
+       subtree); an end token's node keeps no children (nothing follows it);
+    2. then, while the tree holds fewer than `budget` nodes: where a state allows exactly one token (a marker, a
+       closing quote, a key) and no child has it, the forced token is added as a child -- the target's choice there
+       is certain, so the verify can go on past it. The root's forced run first, then the kept nodes' in order.
     Kept nodes keep their order (the accept walk takes the first matching child); added ones follow them."""
     parents = np.asarray(tree.parents, np.int64)
     tokens = np.asarray(tree.tokens, np.int64)
@@ -253,52 +253,77 @@ def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget
         children[int(p) + 1].append(i)
     ends = frozenset(int(e) for e in ends) | frozenset(g.spec.grammars.ends)
     everything = np.full_like(g.bits(), 0xFFFFFFFF)
-    nodes: List[Tuple[int, int, int, int]] = []    # (order key, token, parent's index in nodes or -1, depth)
-    masks: List[np.ndarray] = []                   # each node's allowed tokens: bool[V]
-    bits: List[np.ndarray] = []                    # the same packed
-    room = max(int(budget), len(parents))
+    root_mask, root_bits = g.mask(), g.bits()
+    kept: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}     # drafted node -> (mask bool[V], bits) of its row
 
-    def add(key: int, token: int, parent: int, depth: int) -> Optional[int]:
-        """Keep a node whose token the parent's state allows; its mask; its index (None: refused / no room)."""
-        allowed = masks[parent] if parent >= 0 else root
-        if not (0 <= token < g.vocab_size and allowed[token]) or len(nodes) >= room:
-            return None
-        nodes.append((key, token, parent, depth))
-        if token in ends:                                 # the answer ends here: its row is never read masked
-            masks.append(allowed)
-            bits.append(everything)
-            return None
-        g.push(token)
-        masks.append(g.mask())
-        bits.append(g.bits())
-        return len(nodes) - 1
-
-    def visit(row: int, at: int, depth: int) -> None:
-        """Children of tree row `row` (0 = root), kept as node `at` (-1 = root); g is at that node's state."""
-        allowed = masks[at] if at >= 0 else root
-        drafted = {int(tokens[c]) for c in children[row]} if row >= 0 else set()
-        only = np.flatnonzero(allowed)
-        if len(only) == 1 and int(only[0]) not in drafted:             # forced, and not drafted: add it
-            k = add(len(parents) + len(nodes), int(only[0]), at, depth + 1)
-            if k is not None:
-                visit(-1, k, depth + 1)
-                g.pop(1)
-        for c in children[row] if row >= 0 else ():
-            k = add(c, int(tokens[c]), at, int(depths[c]))
-            if k is not None:
-                visit(c + 1, k, int(depths[c]))
+    def visit(row: int, allowed: np.ndarray) -> None:      # pass 1: g is at tree row `row`'s state
+        for c in children[row]:
+            t = int(tokens[c])
+            if not (0 <= t < g.vocab_size and allowed[t]):
+                continue
+            if t in ends:                                 # the answer ends here: its row is never read masked
+                kept[c] = (allowed, everything)
+                continue
+            g.push(t)
+            try:
+                kept[c] = (g.mask(), g.bits())
+                visit(c + 1, kept[c][0])
+            finally:
                 g.pop(1)
 
-    root = g.mask()
-    visit(0, -1, 0)
-    order = sorted(range(len(nodes)), key=lambda k: nodes[k][0])   # drafted nodes in their order, then added
-    if len(order) == len(parents) and all(nodes[k][0] == i for i, k in enumerate(order)):
-        return tree, np.stack([g.bits()] + bits)
-    new = {k: i for i, k in enumerate(order)}
-    par = np.array([-1 if nodes[k][2] < 0 else new[nodes[k][2]] for k in order], np.int32)
-    kept = Tree(np.array([nodes[k][1] for k in order], np.int32), par,
-                np.array([nodes[k][3] for k in order], np.int32), ancestor_visibility(par))
-    return kept, np.stack([g.bits()] + [bits[k] for k in order])
+    visit(0, root_mask)
+    order = sorted(kept)
+    nodes = [(int(tokens[c]), -1 if parents[c] < 0 else order.index(int(parents[c])), int(depths[c])) for c in order]
+    bits = [kept[c][1] for c in order]
+    room = max(int(budget), len(parents)) - len(nodes)
+    if room > 0:                                          # pass 2: forced runs, the root's first
+        room = _add_forced(g, nodes, bits, [kept[c][0] for c in order], root_mask, ends, room)
+    if len(nodes) == len(parents) and order == list(range(len(parents))):
+        return tree, np.stack([root_bits] + bits)
+    par = np.array([p for _, p, _ in nodes], np.int32)
+    out = Tree(np.array([t for t, _, _ in nodes], np.int32), par, np.array([d for _, _, d in nodes], np.int32),
+               ancestor_visibility(par))
+    return out, np.stack([root_bits] + bits)
+
+
+def _add_forced(g: GrammarState, nodes: List[Tuple[int, int, int]], bits: List[np.ndarray],
+                masks: List[np.ndarray], root_mask: np.ndarray, ends: frozenset, room: int) -> int:
+    """Append forced runs to `nodes` (token, parent index, depth) and their rows' bits, at most `room` nodes; from the
+    root, then from every node as it stood before (its state replayed along its path). Returns the room left."""
+    n0 = len(nodes)
+    for at in [-1] + list(range(n0)):
+        if room <= 0:
+            break
+        path, k = [], at
+        while k >= 0:
+            path.insert(0, nodes[k][0])
+            k = nodes[k][1]
+        if path and path[-1] in ends:
+            continue
+        taken = {t for t, p, _ in nodes if p == at}
+        allowed = root_mask if at < 0 else masks[at]
+        for t in path:
+            g.push(t)
+        pushed, parent, depth = 0, at, len(path)
+        try:
+            while room > 0:
+                only = np.flatnonzero(allowed)
+                if len(only) != 1 or (pushed == 0 and int(only[0]) in taken):
+                    break
+                t = int(only[0])
+                depth += 1
+                nodes.append((t, parent, depth))
+                parent, room = len(nodes) - 1, room - 1
+                if t in ends:
+                    bits.append(np.full_like(g.bits(), 0xFFFFFFFF))
+                    break
+                g.push(t)
+                pushed += 1
+                allowed = g.mask()
+                bits.append(g.bits())
+        finally:
+            g.pop(len(path) + pushed)
+    return room
 
 
 def choose_rows(ops, logits: np.ndarray, bitmask: np.ndarray, greedy: bool) -> np.ndarray:

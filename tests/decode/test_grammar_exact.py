@@ -166,3 +166,24 @@ def test_bad_schemas_name_the_parameter():
     with pytest.raises(GrammarError) as e:
         g.lark("start: nosuchrule", param="tool_choice")
     assert e.value.param == "tool_choice" and "nosuchrule" in str(e.value)
+
+
+def test_every_row_mask_is_its_own_paths_state_when_nothing_is_pruned():
+    """Nodes in breadth-first order (the depth-first walk visits them in another): each row still gets the mask of
+    the state its own path reaches (a mask out of node order once committed a token the grammar refused)."""
+    tok = ByteTokenizer()
+    spec = Grammars.for_tokenizer(tok, 260).json_schema({"enum": ["ab", "ac", "b"]})
+    toks = [ord('"'), ord('a'), ord('b'), ord('b'), ord('c')]
+    par = [-1, 0, 0, 1, 1]
+    tree = Tree(np.array(toks, np.int32), np.array(par, np.int32), np.array([1, 2, 2, 3, 3], np.int32),
+                ancestor_visibility(np.array(par, np.int32)))
+    kept, bits = constrain_tree(spec.start(), tree, budget=5)
+    assert kept is tree
+    for row in range(tree.size + 1):
+        path, node = [], row - 1
+        while node >= 0:
+            path.insert(0, toks[node])
+            node = par[node]
+        fresh = spec.start()
+        fresh.consume(path)
+        assert np.array_equal(unpack_bitmask(bits[row:row + 1], 260)[0], fresh.mask()), row
