@@ -60,8 +60,10 @@ class ServeApp:
                  max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
                  max_connections: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S,
                  max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
-                 request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S):
+                 request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S, tool_call_parser: str = "kimi_k2",
+                 reasoning_parser: str = "auto"):
         self.status = status
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser   # kdtree/serve/output_plan.py
         self.host, self.port = host, int(port)
         self.model_name = model_name
         self.api_key = api_key or ""
@@ -278,10 +280,10 @@ class ServeApp:
             raise ApiError(400, str(e), param=e.param) from None
 
     def submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
-               sampling: Optional[SamplingParams] = None) -> List[Request]:
+               sampling: Optional[SamplingParams] = None, grammar: Any = None) -> List[Request]:
         """One Request per prompt and sample, wired to this loop (kdtree/serve/bridge.py): prompt-major, so request k
         is choice index k (prompt k // n, sample k % n, whose seed is sampling.for_sample(k % n).seed). All of them
-        or none: a refusal cancels the ones already queued."""
+        or none: a refusal cancels the ones already queued. `grammar` (a GrammarSpec): each its own matcher."""
         if not self.ready:
             raise self.not_ready_error()
         stop_ids, reqs = self._stop_ids(stops), []
@@ -289,7 +291,8 @@ class ServeApp:
         try:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
                 req = Request(ids, max_tokens, sampling=sampling.for_sample(i) if sampling is not None else None,
-                              stop_ids=stop_ids, stop_strings=tuple(stops))
+                              stop_ids=stop_ids, stop_strings=tuple(stops),
+                              grammar=grammar.start() if grammar is not None else None)
                 reqs.append(self.worker.submit(wired(req, loop, stream)))
         except QueueFull:
             self._cancel(reqs)

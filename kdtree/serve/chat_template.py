@@ -83,11 +83,15 @@ class ChatTemplate:
                                     f"in tokenizer_config.json); /v1/chat/completions needs one, use /v1/completions")
         return cls(source, specials, origin)
 
-    def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True,
+               tools: Optional[List[Dict[str, Any]]] = None, **kwargs: Any) -> str:
+        """`tools` (OpenAI tool dicts) and the extra variables (chat_template_kwargs: thinking, ...) as HF passes
+        them; the special tokens and messages/add_generation_prompt/tools cannot be overridden by kwargs."""
         from jinja2 import TemplateError
 
+        extra = {k: v for k, v in kwargs.items() if k not in ("messages", "add_generation_prompt", "tools")}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+            return self._template.render(**{**extra, **self.special_tokens}, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt)
         except TemplateError as e:       # raise_exception(...) in the template: the messages are not valid for it
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None

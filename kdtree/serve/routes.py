@@ -16,6 +16,7 @@ from kdtree.serve.chat_template import ChatTemplateError
 from kdtree.serve.errors import ERRORS, validation_error
 from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kdtree.serve.output_plan import chat_plan, completion_plan
 from kdtree.serve.status import describe
 from kdtree.serve.transport import Access, ApiError, Guard
 
@@ -130,6 +131,7 @@ def _openai_routes(app: FastAPI, serve) -> None:
     async def completions(req: P.CompletionRequest, request: Request):
         sp = serve.admit(req, chat=False)
         serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
+        plan = completion_plan(serve, req)
         max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
         encoded = [serve._token_ids(p) for p in req.prompts()]
         for ids, _ in encoded:
@@ -137,7 +139,7 @@ def _openai_routes(app: FastAPI, serve) -> None:
         return await respond(serve, request, Generation(
             chat=False, prompts=[ids for ids, _ in encoded], texts=[text for _, text in encoded],
             max_tokens=max_tokens, stops=req.stops(), sampling=sp, stream=bool(req.stream), echo=bool(req.echo),
-            include_usage=bool(req.stream_options and req.stream_options.include_usage)))
+            include_usage=bool(req.stream_options and req.stream_options.include_usage), plan=plan))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
@@ -145,10 +147,10 @@ def _openai_routes(app: FastAPI, serve) -> None:
         tpl = serve.chat_template
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        plan = chat_plan(serve, req)                            # tools, tool_choice, response_format: a 400 here
         try:
-            text = tpl.render(messages, add_generation_prompt=req.add_generation_prompt)
+            text = tpl.render([m.for_template() for m in req.messages], tools=req.tool_dicts(),
+                              add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         ids = serve._encode(text)
@@ -160,5 +162,5 @@ def _openai_routes(app: FastAPI, serve) -> None:
         serve._check_context(ids, max(1, max_tokens), "messages")
         return await respond(serve, request, Generation(
             chat=True, prompts=[ids], texts=[text], max_tokens=max_tokens, stops=req.stops() + list(tpl.stops),
-            sampling=sp, stream=bool(req.stream),
+            sampling=sp, stream=bool(req.stream), plan=plan,
             include_usage=bool(req.stream_options and req.stream_options.include_usage)))
