@@ -63,9 +63,11 @@ def _think_rules(grammars: Grammars) -> List[str]:
     m = grammars.marker
     if END_THINK in grammars.special:                 # k26: special tokens, which text never spells
         return [f"think: {m(THINK)}? THINK_TEXT {m(END_THINK)}", "THINK_TEXT: /(?s:.*)/"]
-    # tiny: one lexeme up to the first </think> (the lexer does not backtrack out of a text terminal into a literal)
+    # tiny: one lexeme up to the first </think> (the lexer does not backtrack out of a text terminal into a
+    # literal), never holding the section marker (where the reasoning parser ends the reasoning anyway)
     end = _rx(END_THINK)
-    return ["think: THINK_BLOCK", f"THINK_BLOCK: /(?s:.*){end}/ & ~/(?s:.*){end}(?s:.+)/"]
+    return ["think: THINK_BLOCK", f"THINK_BLOCK: /(?s:.*){end}/ & ~/(?s:.*){end}(?s:.+)/ & "
+                                  f"~/(?s:.*){_rx(SECTION_BEGIN)}(?s:.*)/"]
 
 
 def _response_json(response_format: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
@@ -105,7 +107,10 @@ def output_grammar(grammars: Grammars, tools: Optional[List[Dict[str, Any]]], to
             rules.append("TEXT: /(?s:.*)/" if SECTION_BEGIN in grammars.special else f"TEXT: {_without(SECTION_BEGIN)}")
     if thinking:
         rules += _think_rules(grammars)
-    start = f"start: {'think? ' if thinking else ''}({' | '.join(alts)})"
+    # tiny's think lexeme and a JSON answer can both begin with "{" (the lexer cannot take both): with an answer
+    # the block is required there (the template opened <think>, so </think> comes first); k26: optional
+    optional = END_THINK in grammars.special or "answer" not in alts
+    start = f"start: {('think? ' if optional else 'think ') if thinking else ''}({' | '.join(alts)})"
     return grammars.lark("\n".join([start, *rules]) + "\n", param="tool_choice" if forced else "response_format")
 
 

@@ -139,7 +139,7 @@ CHAT_BAD = [
     ({"messages": []}, "messages", "at least 1"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'system'"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", ""),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "unknown parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]}, "tools.0.type", "'function'"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "needs logprobs=true"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs",
      "less than or equal to 20"),
