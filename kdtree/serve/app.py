@@ -63,7 +63,7 @@ class ServeApp:
                  request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S, tool_call_parser: str = "kimi_k2",
                  reasoning_parser: str = "auto"):
         self.status = status
-        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser   # kdtree/serve/output_plan.py
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser  # output_plan.py
         self.host, self.port = host, int(port)
         self.model_name = model_name
         self.api_key = api_key or ""
