@@ -84,7 +84,7 @@ def tool_request(c, i: int):
     named = tools[i % len(tools)]["function"]["name"] if i % 3 == 0 else None
     choice = {"type": "function", "function": {"name": named}} if named else "required"
     kw = dict(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=400,
-              parallel_tool_calls=i % 4 != 1, **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}))
+              parallel_tool_calls=i % 4 == 1, **({"temperature": 0} if i % 2 == 0 else {"temperature": 1.0, "seed": i}))
     mode = (i // 2) % 3
     if mode == 0:
         r = c.chat.completions.create(**kw)
