@@ -71,3 +71,22 @@ class Ops(ABC):
     def tree_accept(self, parents: np.ndarray, tokens: np.ndarray, target_argmax: np.ndarray) -> Tuple[np.ndarray, int]:
         """parents i32[N], tokens i32[N], target_argmax i32[N+1] -> (path i32[k], bonus)."""
         raise NotImplementedError(f"backend {self.name} has no tree_accept")
+
+    def token_bitmask_apply(self, logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+        """Grammar masks: logits f32[T, V] (modified in place and returned) at -inf where row t's bit is 0; bitmask
+        u32[T, ceil(V/32)], bit (v % 32) of word v // 32 = token v (llguidance's layout)."""
+        logits[~unpack_bitmask(bitmask, logits.shape[1])] = -np.inf
+        return logits
+
+    def masked_argmax(self, logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+        """i32[T]: each row's argmax among the tokens its bitmask allows (ties: the lowest id; -1: none)."""
+        allowed = unpack_bitmask(bitmask, logits.shape[1])
+        out = np.argmax(np.where(allowed, logits, -np.inf), axis=1).astype(np.int32)
+        out[~allowed.any(axis=1)] = -1
+        return out
+
+
+def unpack_bitmask(bitmask: np.ndarray, V: int) -> np.ndarray:
+    """u32[T, words] token bitmask -> bool[T, V]."""
+    b = np.ascontiguousarray(bitmask, "<u4")
+    return np.unpackbits(b.view(np.uint8).reshape(b.shape[0], -1), axis=1, bitorder="little")[:, :V].astype(bool)

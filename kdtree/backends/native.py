@@ -31,7 +31,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 11  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 12  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -300,6 +300,40 @@ class NativeLibrary:
         if rc:
             self.check(rc, "tree_accept")
         return path[:k[0]], bonus[0]
+
+    def token_bitmask_apply(self, logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+        """kd_token_bitmask_apply, in place on host logits f32[T, V] (C-contiguous); bitmask u32[T, words]."""
+        T, V, bits = self._bitmask_args("token_bitmask_apply", logits, bitmask)
+        t0 = time.perf_counter()
+        rc = self.c.kd_token_bitmask_apply(self.ffi.from_buffer("float[]", logits),
+                                           self.ffi.from_buffer("uint32_t[]", bits), T, V, bits.shape[1])
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+        self.check(rc, "token_bitmask_apply")
+        return logits
+
+    def masked_argmax(self, logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
+        """kd_masked_argmax: i32[T], as Ops.masked_argmax."""
+        logits = np.ascontiguousarray(logits, np.float32)
+        T, V, bits = self._bitmask_args("masked_argmax", logits, bitmask)
+        out = np.empty(T, np.int32)
+        t0 = time.perf_counter()
+        rc = self.c.kd_masked_argmax(self.ffi.from_buffer("float[]", logits), self.ffi.from_buffer("uint32_t[]", bits),
+                                     T, V, bits.shape[1], self.ffi.from_buffer("int32_t[]", out))
+        LIBRARY_CLOCK.seconds += time.perf_counter() - t0
+        self.check(rc, "masked_argmax")
+        return out
+
+    @staticmethod
+    def _bitmask_args(op: str, logits: np.ndarray, bitmask: np.ndarray):
+        if not (type(logits) is np.ndarray and logits.dtype == _F32 and logits.ndim == 2 and logits.flags.c_contiguous
+                and logits.flags.writeable):
+            raise NativeError(f"{op}: logits must be a writable C-contiguous f32[T, V] array")
+        bits = np.ascontiguousarray(bitmask, np.uint32)
+        T, V = logits.shape
+        if bits.ndim != 2 or bits.shape[0] != T or bits.shape[1] < (V + 31) // 32:
+            raise NativeError(f"{op}: bitmask shape {bits.shape}; expected [{T}, >= {(V + 31) // 32}] for logits "
+                              f"[{T}, {V}]")
+        return T, V, bits
 
     # ---- dense ops: host arrays (cpu build) -------------------------------------------------------------
     def linear_f32(self, x: np.ndarray, w: np.ndarray, out: Optional[np.ndarray] = None) -> np.ndarray:
@@ -699,6 +733,12 @@ class NativeOps(Ops):
     def tree_accept(self, parents, tokens, target_argmax):
         return self.lib.tree_accept(*(a if type(a) is np.ndarray and a.dtype == _I32 and a.flags.c_contiguous
                                       else np.ascontiguousarray(a, np.int32) for a in (parents, tokens, target_argmax)))
+
+    def token_bitmask_apply(self, logits, bitmask):
+        return self.lib.token_bitmask_apply(logits, bitmask)
+
+    def masked_argmax(self, logits, bitmask):
+        return self.lib.masked_argmax(logits, bitmask)
 
 
 def set_loaded_threads(n: int) -> Optional[int]:

@@ -2,7 +2,8 @@
 
     grammars = Grammars.for_tokenizer(tokenizer, vocab_size)        # once per engine (cached per tokenizer)
     spec = grammars.json_schema(schema, param="response_format")    # GrammarError (a 400) when it cannot compile
-    spec = grammars.lark(text, param="tool_choice")                 # Lark (+ %json {...}) from kdtree/serve/tools.py
+    spec = grammars.lark(text, param="tool_choice")                 # Lark from kdtree/serve/tools.py, where
+    rule = grammars.json_rule(parameters, param="tools[0].function.parameters")   # `args: %json {...}` (compact)
     req = Request(prompt, n, grammar=spec.start())                  # a fresh matcher per request / per sample
 
 The decode round (kdtree/decode/state.py) asks the request's `GrammarState` for the mask of the state reached by
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kdtree.errors import ConfigError
+from kdtree.errors import ConfigError, KdtreeError
+from kdtree.tree import Tree, ancestor_visibility
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
@@ -84,15 +86,27 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int, spec: "GrammarSpec"):
         self._m, self.vocab_size, self.spec = matcher, int(vocab_size), spec
         self._mask: Optional[np.ndarray] = None
+        self._bits: Optional[np.ndarray] = None
         self.masks_computed = 0
 
     def mask(self) -> np.ndarray:
-        """bool[V]: the tokens the grammar allows next (cached until the state changes)."""
+        """bool[V] (read-only): the tokens the grammar allows next (cached until the state changes)."""
         if self._mask is None:
-            bits = np.frombuffer(self._m.compute_bitmask(), np.uint8)
-            self._mask = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+            bits = np.frombuffer(self._m.compute_bitmask(), "<u4").astype(np.uint32)
+            mask = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+            if not mask.any():
+                raise KdtreeError(f"the {self.spec.kind} allows no token here ({self._m.get_error() or 'dead end'})"
+                                  f"; simplify the schema or grammar")
+            mask.setflags(write=False)
+            bits.setflags(write=False)
+            self._mask, self._bits = mask, bits
             self.masks_computed += 1
         return self._mask
+
+    def bits(self) -> np.ndarray:
+        """u32[ceil(V/32)] (read-only): mask() packed as the native ops take it (bit v % 32 of word v // 32)."""
+        self.mask()
+        return self._bits
 
     def allows(self, token: int) -> bool:
         return 0 <= int(token) < self.vocab_size and bool(self.mask()[int(token)])
@@ -149,6 +163,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
         self.lltok = _lltokenizer(tokenizer, vocab_size)
+        self.ends = tuple(_end_ids(tokenizer))            # the tokens that end a constrained answer
         self.special = dict(getattr(tokenizer, "special_tokens", {}) or {})
 
     @classmethod
@@ -189,6 +204,16 @@ class Grammars:
             raise GrammarError(f"{param}: not a JSON schema: {e}", param=param) from None
         return self._checked(text, "JSON schema", param)
 
+    def json_rule(self, schema: Any, param: str = "schema") -> str:
+        """`%json {...}`: a Lark rule body accepting the JSON values of `schema`, checked, compact by default (the
+        options of json_schema(); a schema's own "x-guidance" wins)."""
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}",
+                               param=param)
+        _check_schema(schema, param)
+        own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+        return "%json " + json.dumps({**schema, "x-guidance": {**JSON_DEFAULTS, **own}})
+
     def lark(self, text: str, param: str = "grammar") -> GrammarSpec:
         from llguidance import LLMatcher
 
@@ -209,9 +234,79 @@ def _check_schema(schema: Dict[str, Any], param: str) -> None:
                            param=param) from None
 
 
-def masked(logits: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """logits f32[V] (or [T, V] with mask [T, V]) with refused tokens at -inf (a copy)."""
-    return np.where(mask, np.asarray(logits, np.float32), np.float32(-np.inf)).astype(np.float32)
+def constrain_tree(g: GrammarState, tree: Tree, ends: Sequence[int] = (), budget: int = 0) -> Tuple[Tree, np.ndarray]:
+    """The tree under the grammar, and u32[N'+1, ceil(V/32)] token bitmasks of its verify rows [root, nodes] (row 0
+    the current state, a node's row the state after its own path); `g` is left as it was (each path consumed, then
+    rolled back).
+
+    - a node whose token the grammar refuses in the state reached along its path is pruned (with its subtree);
+    - where a state allows exactly one token (a marker, a closing quote, a key) and no child has it, the forced
+      token is added as a child while the tree holds fewer than `budget` nodes: the target's choice there is
+      certain, so the verify can go on past it (the root's forced run first);
+    - an end token's node keeps no children (nothing follows it).
+    Kept nodes keep their order (the accept walk takes the first matching child); added ones follow them."""
+    parents = np.asarray(tree.parents, np.int64)
+    tokens = np.asarray(tree.tokens, np.int64)
+    depths = np.asarray(tree.depths, np.int64)
+    children: List[List[int]] = [[] for _ in range(len(parents) + 1)]      # by row: 0 root, i + 1 node i
+    for i, p in enumerate(parents):
+        children[int(p) + 1].append(i)
+    ends = frozenset(int(e) for e in ends) | frozenset(g.spec.grammars.ends)
+    everything = np.full_like(g.bits(), 0xFFFFFFFF)
+    nodes: List[Tuple[int, int, int, int]] = []    # (order key, token, parent's index in nodes or -1, depth)
+    masks: List[np.ndarray] = []                   # each node's allowed tokens: bool[V]
+    bits: List[np.ndarray] = []                    # the same packed
+    room = max(int(budget), len(parents))
+
+    def add(key: int, token: int, parent: int, depth: int) -> Optional[int]:
+        """Keep a node whose token the parent's state allows; its mask; its index (None: refused / no room)."""
+        allowed = masks[parent] if parent >= 0 else root
+        if not (0 <= token < g.vocab_size and allowed[token]) or len(nodes) >= room:
+            return None
+        nodes.append((key, token, parent, depth))
+        if token in ends:                                 # the answer ends here: its row is never read masked
+            masks.append(allowed)
+            bits.append(everything)
+            return None
+        g.push(token)
+        masks.append(g.mask())
+        bits.append(g.bits())
+        return len(nodes) - 1
+
+    def visit(row: int, at: int, depth: int) -> None:
+        """Children of tree row `row` (0 = root), kept as node `at` (-1 = root); g is at that node's state."""
+        allowed = masks[at] if at >= 0 else root
+        drafted = {int(tokens[c]) for c in children[row]} if row >= 0 else set()
+        only = np.flatnonzero(allowed)
+        if len(only) == 1 and int(only[0]) not in drafted:             # forced, and not drafted: add it
+            k = add(len(parents) + len(nodes), int(only[0]), at, depth + 1)
+            if k is not None:
+                visit(-1, k, depth + 1)
+                g.pop(1)
+        for c in children[row] if row >= 0 else ():
+            k = add(c, int(tokens[c]), at, int(depths[c]))
+            if k is not None:
+                visit(c + 1, k, int(depths[c]))
+                g.pop(1)
+
+    root = g.mask()
+    visit(0, -1, 0)
+    order = sorted(range(len(nodes)), key=lambda k: nodes[k][0])   # drafted nodes in their order, then added
+    if len(order) == len(parents) and all(nodes[k][0] == i for i, k in enumerate(order)):
+        return tree, np.stack([g.bits()] + bits)
+    new = {k: i for i, k in enumerate(order)}
+    par = np.array([-1 if nodes[k][2] < 0 else new[nodes[k][2]] for k in order], np.int32)
+    kept = Tree(np.array([nodes[k][1] for k in order], np.int32), par,
+                np.array([nodes[k][3] for k in order], np.int32), ancestor_visibility(par))
+    return kept, np.stack([g.bits()] + [bits[k] for k in order])
 
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "Grammars", "masked"]
+def choose_rows(ops, logits: np.ndarray, bitmask: np.ndarray, greedy: bool) -> np.ndarray:
+    """Under a grammar: greedy -> i32[T] each row's masked argmax; else f32[T, V] a masked copy to sample from
+    (the logits themselves stay as they are: logprobs report the model's own distribution)."""
+    if greedy:
+        return ops.masked_argmax(logits, bitmask)
+    return ops.token_bitmask_apply(np.array(logits, np.float32, order="C"), bitmask)
+
+
+__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "Grammars", "choose_rows", "constrain_tree"]

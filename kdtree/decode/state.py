@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
 from kdtree.decode.sampling import Sampler, prompt_logprobs, sampled_walk, token_logprob
@@ -92,6 +93,7 @@ class Block:
     visibility: Optional[np.ndarray]       # u64[T, ceil(T/64)] ancestor-only (tree); None = causal
     start: int                             # cache rows before the block (prefill: prompt rows already in)
     tree: Optional[Tree] = None
+    masks: Optional[np.ndarray] = None     # tree under a grammar: u32[T, ceil(V/32)] the tokens each row may choose
 
     @property
     def rows(self) -> int:
@@ -139,6 +141,7 @@ class DecodeState:
         # the prefix cache (kdtree/decode/prefix_cache.py); not with echo (it needs every prompt row's logits)
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
         self.hid_log: List[Dict[int, np.ndarray]] = []       # hidden rows of every cache row (speculative + prefix)
+        self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -230,18 +233,27 @@ class DecodeState:
         if self.pending_hid:                   # rows stepped as AR while speculation was off
             self.drafter.extend(self.dcache, _joined(self.pending_hid))
             self.pending_hid = []
-        dlogits = self.drafter.draft(self.dcache, self.bonus)                            # [B-1, V]
+        dlogits = np.asarray(self.drafter.draft(self.dcache, self.bonus)[:self.depth])   # [depth, V]
         res.draft_forwards += 1
         t1 = time.perf_counter()
-        logp, ids = self.ops.draft_topk(np.asarray(dlogits[:self.depth]), self.width)     # [depth, width]
+        if self.grammar is not None:           # depth 1 follows the committed state: draft only what it allows
+            dlogits = np.array(dlogits, np.float32, order="C")
+            self.ops.token_bitmask_apply(dlogits[:1], self.grammar.bits()[None])
+        logp, ids = self.ops.draft_topk(dlogits, self.width)                              # [depth, width]
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
+        masks = None
+        if self.grammar is not None:           # deeper nodes: pruned where their own path's state refuses them
+            t2 = time.perf_counter()
+            ends = [*self.stops] + ([self.eos_id] if self.eos_id is not None else [])
+            tree, masks = constrain_tree(self.grammar, tree, ends, self.budget)
+            res.stage_seconds["grammar"] = res.stage_seconds.get("grammar", 0.0) + time.perf_counter() - t2
         tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
         positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
         res.stage_seconds["draft"] += t1 - t0
         res.stage_seconds["tree_build"] += time.perf_counter() - t1
-        return Block("tree", tokens, positions, tree.visibility, start, tree)
+        return Block("tree", tokens, positions, tree.visibility, start, tree, masks)
 
     # -- advance: the forward's rows back -> committed tokens ------------------------------------------------
     def advance(self, block: Block, logits: np.ndarray, argmax: np.ndarray, hid: Dict[int, np.ndarray],
@@ -299,11 +311,16 @@ class DecodeState:
 
     def _advance_tree(self, block: Block, logits, argmax, hid) -> bool:
         res, tree, t0 = self.req.result, block.tree, time.perf_counter()
+        choice = logits                        # under a grammar: each row masked by its own path's state
+        if block.masks is not None:
+            choice = choose_rows(self.ops, logits, block.masks, self.sampler is None)
         if self.sampler is None:
+            if block.masks is not None:
+                argmax = choice
             path, new_bonus = self.ops.tree_accept(np.asarray(tree.parents, np.int32),
                                                    np.asarray(tree.tokens, np.int32), argmax)
         else:                                  # draw at each visited row, in output-position order
-            path, new_bonus = sampled_walk(tree.parents, tree.tokens, lambda r: self.sampler.sample(logits[r]))
+            path, new_bonus = sampled_walk(tree.parents, tree.tokens, lambda r: self.sampler.sample(choice[r]))
         path = np.asarray(path, np.int64)
         res.acceptance_lengths.append(int(path.size) + 1)
         rows = np.concatenate([[0], path + 1])                 # block rows of root + accepted path
@@ -323,6 +340,9 @@ class DecodeState:
         return over
 
     def _draw(self, logits: np.ndarray, argmax: Optional[np.ndarray], row: int) -> int:
+        if self.grammar is not None:           # the committed state's mask (AR row, the first token)
+            z = choose_rows(self.ops, logits[row:row + 1], self.grammar.bits()[None], self.sampler is None)
+            return int(z[0]) if self.sampler is None else self.sampler.sample(z[0])
         if self.sampler is None:
             return int(argmax[row]) if argmax is not None else int(np.argmax(logits[row]))
         return self.sampler.sample(logits[row])
@@ -337,6 +357,10 @@ class DecodeState:
             keep = req.stop_check(res.tokens)
             if keep is not None:
                 del res.tokens[max(int(keep), n0):]
+                res.finish_reason, over = "stop", True
+        if self.grammar is not None and len(res.tokens) > n0:
+            self.grammar.consume(res.tokens[n0:])
+            if self.grammar.stopped:           # complete: only an end token could follow (committed or not)
                 res.finish_reason, over = "stop", True
         if self.top is not None:
             res.logprobs += [token_logprob(rows[i], res.tokens[n0 + i], self.top) for i in range(len(res.tokens) - n0)]

@@ -2,6 +2,8 @@
 
     text, stopped = cut_at_stop(decode(tokens), stops)
     ts = TextStream(tokenizer, stops); ts.push(ids) -> final text so far; ts.finish() -> the rest
+    TextStream(tokenizer, stops, skip_special_tokens=False): special tokens come out as their text (k26's
+    `<|tool_call_begin|>`, `</think>`: what tool-call / reasoning parsers read), each one whole in one piece
 """
 from __future__ import annotations
 
@@ -27,10 +29,16 @@ class TextStream:
     Held back: a trailing incomplete UTF-8 character (decodes to U+FFFD until its bytes arrive), and a tail
     that could still be the start of a stop string. A stop string ends the text at its earliest start, as
     cut_at_stop does, once no earlier-starting stop string can still complete.
+
+    skip_special_tokens=False keeps special tokens as their text (decode(ids, skip_special_tokens=False) in the
+    end), and a piece never ends inside one: text held back for a stop string is held from the special's start.
     """
 
-    def __init__(self, tokenizer, stops: List[str]):
+    def __init__(self, tokenizer, stops: List[str], skip_special_tokens: bool = True):
         self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+        self.skip_special_tokens = bool(skip_special_tokens)
+        self._specials = frozenset() if skip_special_tokens else frozenset(getattr(tokenizer, "special_ids", ()))
+        self._spans: List[Tuple[int, int]] = []     # [start, end) of kept specials' text not yet all emitted
         self.tokens: List[int] = []
         self.emitted = 0                  # characters of the text already returned (no stop starts before)
         self.stopped = False
@@ -44,8 +52,15 @@ class TextStream:
     def push(self, ids: List[int]) -> str:
         new = [int(t) for t in ids]
         self.tokens.extend(new)
-        if self._bytes_of is not None:
+        if self._bytes_of is not None and self.skip_special_tokens:
             self._text += self._utf8.decode(b"".join(self._bytes_of(t) for t in new))
+        elif self._bytes_of is not None:         # one token at a time: where each kept special's text lies
+            for t in new:
+                raw = self._bytes_of(t, False)
+                self._text += self._utf8.decode(raw)
+                if t in self._specials and raw:     # its text ends the decoded piece (an incomplete character
+                    n = len(raw.decode("utf-8", errors="replace"))           # before it came out as U+FFFD)
+                    self._spans.append((len(self._text) - n, len(self._text)))
         return self._advance(final=False)
 
     def finish(self) -> str:
@@ -56,7 +71,8 @@ class TextStream:
     def _decoded(self, final: bool) -> str:
         if self._bytes_of is not None:
             return self._text
-        text = self.tokenizer.decode(self.tokens)          # any other tokenizer: decode it all again
+        text = (self.tokenizer.decode(self.tokens) if self.skip_special_tokens      # any other tokenizer: decode
+                else self.tokenizer.decode(self.tokens, skip_special_tokens=False))  # it all again
         return text if final else text.rstrip("\ufffd")   # maybe an incomplete multi-byte character: wait
 
     def _advance(self, final: bool) -> str:
@@ -78,6 +94,11 @@ class TextStream:
             end = cut
         else:
             end = min(x for x in (len(text), cut if cut >= 0 else None, pending) if x is not None)
+            end = self._not_inside_a_special(end)
         piece = text[e:end] if end > e else ""
         self.emitted = max(e, end)
         return piece
+
+    def _not_inside_a_special(self, end: int) -> int:
+        self._spans = [(s, t) for s, t in self._spans if t > self.emitted]
+        return next((s for s, t in self._spans if s < end < t), end)

@@ -3,6 +3,11 @@
 The pre-tokenizer regex is Kimi K2's (`tokenization_kimi.py`): Han runs, cased word pieces with
 English contractions, 1-3 digit numbers, punctuation runs, newlines, spaces. Special tokens occupy the
 ids after the mergeable ranks; unnamed ones are `<|reserved_token_{id}|>` like Kimi's.
+
+Specials in and out: `encode(text, allow_special=True)` maps a special's text (`<|im_end|>`, `<think>`) to its one
+id (the chat template's output is encoded so, see kdtree/serve/chat_template.py for user text that names one);
+`decode(ids)` / `token_bytes(id)` drop specials unless `skip_special_tokens=False`, which gives their exact text
+(what K2's tool-call and reasoning parsers read), as HF's `decode(..., skip_special_tokens=False)` does.
 """
 from __future__ import annotations
 
@@ -50,13 +55,14 @@ def read_tiktoken_model(path) -> Dict[bytes, int]:
 
 
 class TiktokenTokenizer:
-    """tiktoken.Encoding over Kimi's file format and regex; special ids are dropped on decode."""
+    """tiktoken.Encoding over Kimi's file format and regex; special ids are dropped on decode unless asked to keep."""
 
     def __init__(self, encoding: tiktoken.Encoding, special_tokens: Dict[str, int], bos: Optional[int] = None,
                  eos: Optional[int] = None, mask: Optional[int] = None, pad: Optional[int] = None):
         self.enc = encoding
         self.special_tokens = dict(special_tokens)
         self.special_ids = frozenset(self.special_tokens.values())
+        self._special_bytes = {i: name.encode("utf-8") for name, i in self.special_tokens.items()}
         self.bos_id, self.eos_id, self.mask_id, self.pad_id = bos, eos, mask, pad
         self.vocab_size = encoding.n_vocab
 
@@ -80,9 +86,14 @@ class TiktokenTokenizer:
         ids = self.enc.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         return [self.bos_id] + ids if bos and self.bos_id is not None else ids
 
-    def token_bytes(self, token: int) -> bytes:
-        return b"" if token in self.special_ids else self.enc.decode_single_token_bytes(token)
+    def token_bytes(self, token: int, skip_special_tokens: bool = True) -> bytes:
+        """One token's bytes; a special is b"" (skipped) or its name's UTF-8 (`<|tool_call_begin|>`), whole."""
+        if token in self.special_ids:
+            return b"" if skip_special_tokens else self._special_bytes[token]
+        return self.enc.decode_single_token_bytes(token)
 
-    def decode(self, ids: Iterable[int]) -> str:
-        kept = [t for t in ids if t not in self.special_ids]
-        return self.enc.decode_bytes(kept).decode("utf-8", errors="replace")
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            kept = [t for t in ids if t not in self.special_ids]
+            return self.enc.decode_bytes(kept).decode("utf-8", errors="replace")
+        return b"".join(self.token_bytes(t, False) for t in ids).decode("utf-8", errors="replace")

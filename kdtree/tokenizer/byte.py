@@ -18,9 +18,10 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.bos_id] + ids if bos else ids
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes of one token (b"" for specials): for streaming decoders that join bytes themselves."""
+    def token_bytes(self, token: int, skip_special_tokens: bool = True) -> bytes:
+        """The bytes of one token (b"" for specials, which have no text here, kept or not): for streaming decoders
+        that join bytes themselves."""
         return bytes([token]) if 0 <= token < 256 else b""
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 11  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 12  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -88,6 +88,13 @@ int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_node
  * numpy's stable argsort of -logp). width is capped at V. logits f32[n_rows, V] (host); logp f32[n_rows, w],
  * ids i32[n_rows, w] with w = min(width, V). Log-probs can differ from numpy's in the last bit. */
 int kd_draft_topk(const float *logits, int64_t n_rows, int64_t V, int64_t width, float *logp, int32_t *ids);
+
+/* Grammar token bitmasks (llguidance's layout: bit (v % 32) of word v / 32 is token v; words = ceil(V / 32) per row),
+ * host pointers in both builds. kd_token_bitmask_apply: logits[t, v] = -inf where row t's bit v is 0 (in place).
+ * kd_masked_argmax: out[t] = the first v of the largest logits[t, v] among allowed tokens (numpy's argmax of the
+ * masked row; -1 when row t allows none). logits f32[T, V], bitmask u32[T, words]. */
+int kd_token_bitmask_apply(float *logits, const uint32_t *bitmask, int64_t T, int64_t V, int64_t words);
+int kd_masked_argmax(const float *logits, const uint32_t *bitmask, int64_t T, int64_t V, int64_t words, int32_t *out);
 
 /* ---- dense ops (f32 unless stated) ------------------------------------------------------------------- */
 /* out[t, o] = sum_k w[o, k] x[t, k]; x [T, in], w [out, in], out [T, out] */

@@ -505,6 +505,63 @@ int kd_tree_build(const float *logp, const int32_t *ids, int64_t n_depth, int64_
   return KD_OK;
 }
 
+static int kd_bitmask_args(const char *op, const void *logits, const uint32_t *bitmask, int64_t T, int64_t V,
+                           int64_t words) {
+  kd_clear_error();
+  if (T < 0 || V < 1 || words < (V + 31) / 32)
+    return kd_fail(KD_EINVAL, "%s: T=%lld V=%lld words=%lld (need words >= ceil(V/32))", op, (long long)T,
+                   (long long)V, (long long)words);
+  if (T > 0 && (!logits || !bitmask)) return kd_fail(KD_EINVAL, "%s: NULL pointer", op);
+  return KD_OK;
+}
+
+int kd_token_bitmask_apply(float *logits, const uint32_t *bitmask, int64_t T, int64_t V, int64_t words) {
+  int rc = kd_bitmask_args("kd_token_bitmask_apply", logits, bitmask, T, V, words);
+  if (rc) return rc;
+  for (int64_t t = 0; t < T; t++) {
+    float *x = logits + t * V;
+    const uint32_t *m = bitmask + t * words;
+    for (int64_t w = 0; w * 32 < V; w++) {
+      uint32_t bits = m[w];
+      if (bits == 0xffffffffu) continue;
+      int64_t end = (w + 1) * 32 < V ? (w + 1) * 32 : V;
+      for (int64_t v = w * 32; v < end; v++)
+        if (!((bits >> (v - w * 32)) & 1u)) x[v] = -INFINITY;
+    }
+  }
+  return KD_OK;
+}
+
+int kd_masked_argmax(const float *logits, const uint32_t *bitmask, int64_t T, int64_t V, int64_t words, int32_t *out) {
+  int rc = kd_bitmask_args("kd_masked_argmax", logits, bitmask, T, V, words);
+  if (rc) return rc;
+  if (T > 0 && !out) return kd_fail(KD_EINVAL, "kd_masked_argmax: NULL pointer");
+  for (int64_t t = 0; t < T; t++) {
+    const float *x = logits + t * V;
+    const uint32_t *m = bitmask + t * words;
+    int64_t best = -1;
+    float bv = 0.0f;
+    for (int64_t w = 0; w * 32 < V; w++) {
+      uint32_t bits = m[w];
+      while (bits) { /* the allowed tokens of this word, ascending */
+        int b = __builtin_ctz(bits);
+        bits &= bits - 1;
+        int64_t v = w * 32 + b;
+        if (v >= V) break;
+        float xv = x[v];
+        if (best < 0 || xv > bv || (isnan(xv) && !isnan(bv))) { /* numpy: the first NaN wins, then the max */
+          best = v;
+          bv = xv;
+          if (isnan(xv)) break;
+        }
+      }
+      if (best >= 0 && isnan(bv)) break;
+    }
+    out[t] = (int32_t)best;
+  }
+  return KD_OK;
+}
+
 int kd_tree_accept(const int32_t *parents, const int32_t *tokens, int64_t n_nodes, const int32_t *target_argmax,
                    int32_t *path, int64_t *path_len, int32_t *bonus) {
   kd_clear_error();
