@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.sampling import SamplingError, SamplingParams
@@ -209,13 +209,6 @@ class ServeApp:
             return 0
         return int(cfg.tree.budget) + 1
 
-    def _encode(self, text: str) -> List[int]:
-        tok = self.engine.tokenizer
-        try:
-            return list(tok.encode(text, allow_special=True))   # template text names special tokens (k26)
-        except TypeError:
-            return list(tok.encode(text))
-
     def _token_ids(self, p) -> Tuple[List[int], str]:
         if isinstance(p, str):
             return list(self.engine.tokenizer.encode(p)), p
@@ -280,13 +273,14 @@ class ServeApp:
             raise ApiError(400, str(e), param=e.param) from None
 
     def submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
-               sampling: Optional[SamplingParams] = None, grammar: Any = None) -> List[Request]:
+               sampling: Optional[SamplingParams] = None, grammar: Any = None,
+               extra_stop_ids: Sequence[int] = ()) -> List[Request]:
         """One Request per prompt and sample, wired to this loop (kdtree/serve/bridge.py): prompt-major, so request k
         is choice index k (prompt k // n, sample k % n, whose seed is sampling.for_sample(k % n).seed). All of them
         or none: a refusal cancels the ones already queued. `grammar` (a GrammarSpec): each its own matcher."""
         if not self.ready:
             raise self.not_ready_error()
-        stop_ids, reqs = self._stop_ids(stops), []
+        stop_ids, reqs = tuple(dict.fromkeys(self._stop_ids(stops) + tuple(extra_stop_ids))), []
         n = sampling.n if sampling is not None else 1
         try:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from kdtree.serve.reasoning import ReasoningStream, parse_reasoning
-from kdtree.serve.tools import ToolStream, parse_tool_calls
+from kdtree.serve.tools import ToolStream, open_call, parse_tool_calls
 
 
 @dataclass
@@ -19,14 +19,17 @@ class Output:
     reasoning: Optional[str]
     content: Optional[str]
     calls: List[Dict[str, Any]] = field(default_factory=list)
+    open: bool = False                 # the text ended inside a call (tools.open_call)
 
 
 def parse_output(text: str, reasoning: bool, tools: bool) -> Output:
     r, content = parse_reasoning(text) if reasoning else (None, text)
     calls: List[Dict[str, Any]] = []
+    cut = False
     if tools and content is not None:
+        cut = open_call(content)
         content, calls = parse_tool_calls(content)
-    return Output(r, content, calls)
+    return Output(r, content, calls, cut)
 
 
 class OutputStream:
@@ -39,6 +42,10 @@ class OutputStream:
     @property
     def calls(self) -> List[Dict[str, Any]]:
         return self.ts.calls if self.ts is not None else []
+
+    @property
+    def open(self) -> bool:
+        return self.ts is not None and self.ts.open
 
     @property
     def reasoning(self) -> str:

@@ -19,6 +19,7 @@ from kdtree.serve.chat_output import parse_output
 from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 from kdtree.serve.output_plan import OutputPlan
 from kdtree.serve.sse import final_text, stream
+from kdtree.serve.tools import finish_reason
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Generation:
     include_usage: bool = False    # stream_options.include_usage
     echo: bool = False             # completions only
     plan: OutputPlan = field(default_factory=OutputPlan)     # the grammar; how the text is read back (chat)
+    stop_ids: List[int] = field(default_factory=list)        # chat: the template's end-of-turn ids (k26 <|im_end|>)
 
 
 def reasoning_tokens(serve, reasoning: Optional[str]) -> int:
@@ -47,7 +49,7 @@ def _message(serve, g: Generation, text: str, finish: str, counts: List[int]):
     counts.append(reasoning_tokens(serve, out.reasoning))
     calls = [P.ToolCall(id=c["id"], function=P.FunctionCall(**c["function"])) for c in out.calls] or None
     return P.AssistantMessage(content=out.content, reasoning_content=out.reasoning, tool_calls=calls), \
-        ("tool_calls" if calls else finish)
+        finish_reason(out.calls, out.open, finish)
 
 
 def _choice(serve, g: Generation, i: int, req, text: str, finish: str, counts: List[int]):
@@ -69,7 +71,7 @@ async def respond(serve, http: HttpRequest, g: Generation) -> Response:
     """Submit every choice of `g` (all or none), then stream them or wait for all (a client that goes away cancels
     them) and answer; a choice that ended with an error answers that error."""
     reqs = serve.submit(g.prompts, g.max_tokens, g.stops, asyncio.get_running_loop(), g.stream, g.sampling,
-                        grammar=g.plan.grammar)
+                        grammar=g.plan.grammar, extra_stop_ids=g.stop_ids)
     n_prompt = sum(len(ids) for ids in g.prompts)
     if g.stream:
         texts = [g.texts[k // g.sampling.n] for k in range(len(reqs))]

@@ -148,12 +148,11 @@ def _openai_routes(app: FastAPI, serve) -> None:
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
         plan = chat_plan(serve, req)                            # tools, tool_choice, response_format: a 400 here
-        try:
-            text = tpl.render([m.for_template() for m in req.messages], tools=req.tool_dicts(),
-                              add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        try:                    # k26: the template's markers are their ids, a user's written marker plain text
+            ids, text = tpl.encode(serve.engine.tokenizer, [m.for_template() for m in req.messages],
+                                   req.add_generation_prompt, req.tool_dicts(), **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = serve._encode(text)
         limit = req.limit()
         # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
         # (it ends with finish_reason "length" there) -- never refused for a default
@@ -162,5 +161,5 @@ def _openai_routes(app: FastAPI, serve) -> None:
         serve._check_context(ids, max(1, max_tokens), "messages")
         return await respond(serve, request, Generation(
             chat=True, prompts=[ids], texts=[text], max_tokens=max_tokens, stops=req.stops() + list(tpl.stops),
-            sampling=sp, stream=bool(req.stream), plan=plan,
+            sampling=sp, stream=bool(req.stream), plan=plan, stop_ids=tpl.end_of_turn_ids(serve.engine.tokenizer),
             include_usage=bool(req.stream_options and req.stream_options.include_usage)))

@@ -18,6 +18,7 @@ from kdtree.serve.chat_output import OutputStream
 from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 from kdtree.decode.request import Request
 from kdtree.serve.text_stream import TextStream, cut_at_stop
+from kdtree.serve.tools import finish_reason
 
 
 def sse(obj: Any) -> bytes:
@@ -139,8 +140,8 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
     for event in _texts(ch, index, ts.finish(), os, lps, len(ts.tokens), final=True):
         yield event
     finish = "stop" if ts.stopped or req.result.finish_reason in ("stop", "eos") else "length"
-    if os is not None and os.calls:
-        finish = "tool_calls"
+    if os is not None:
+        finish = finish_reason(os.calls, os.open, finish)
     if os is not None and plan.reasoning:
         out[2] += len(tok.encode(os.reasoning)) if os.reasoning else 0
     rest = lps.next(len(ts.tokens), final=True)

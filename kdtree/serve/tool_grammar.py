@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from kdtree.decode.grammar import GrammarError, Grammars, GrammarSpec
+from kdtree.decode.grammar import JSON_DEFAULTS, GrammarError, Grammars, GrammarSpec
 from kdtree.serve.reasoning import END_THINK, THINK
 from kdtree.serve.tools import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 
@@ -40,9 +40,11 @@ def _without(text: str) -> str:
 
 
 def _schema(grammars: Grammars, schema: Any, param: str) -> str:
-    """A schema checked alone first (its own error names `param`), then embedded as %json."""
+    """A schema checked alone first (its own error names `param`), then embedded as %json, compact as
+    Grammars.json_schema compiles it (llguidance's %json default lets whitespace run on unbounded)."""
     grammars.json_schema(schema, param=param)
-    return json.dumps(schema, separators=(",", ":"))
+    options = {**JSON_DEFAULTS, **(schema.get("x-guidance") or {})}
+    return json.dumps({**schema, "x-guidance": options}, separators=(",", ":"))
 
 
 def _tool_rules(grammars: Grammars, tools: List[Dict[str, Any]], only: Optional[str]) -> List[str]:

@@ -18,7 +18,8 @@ The stream's deltas are OpenAI chat deltas ({"content": ...} or {"tool_calls": [
 ones its arguments as they come (the official client's stream helpers assemble them by index). A tail of the text
 that could still be the start of a marker is held back until it is one or is not (tiny's markers come byte by
 byte: "<|tool" can end a chunk). Streamed and whole agree on the content and on every complete call; a truncated
-call's head and arguments were already streamed (as vLLM streams them) but are not in the final `calls`.
+call's head and arguments were already streamed (as vLLM streams them) but are not in the final `calls`, and the
+finish_reason is then "length" (vLLM says "tool_calls"; a client must know the last streamed call is cut).
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def parse_tool_calls(text: str) -> Tuple[Optional[str], List[Dict[str, Any]]]:
         return text, []
     calls = [tool_call(m.group("id").strip(), m.group("args")) for m in _CALL.finditer(text, at)]
     return (text[:at] or None), calls
+
+
+def open_call(text: str) -> bool:
+    """A call begun and not ended when the output stopped (max_tokens cut it): its partial head and arguments
+    were streamed, so the finish is "length", not "tool_calls"."""
+    at = text.find(SECTION_BEGIN)
+    return at >= 0 and SECTION_END not in text[at:] and text.rfind(CALL_BEGIN) > text.rfind(CALL_END)
+
+
+def finish_reason(calls: List[Dict[str, Any]], cut: bool, finish: str) -> str:
+    """"tool_calls" when the output made calls, unless it was cut by max_tokens inside one ("length")."""
+    return finish if not calls or (cut and finish == "length") else "tool_calls"
 
 
 def held(buf: str, markers) -> int:
@@ -92,6 +105,11 @@ class ToolStream:
             out.append(self._text(self.buf))
         self.buf = ""
         return out
+
+    @property
+    def open(self) -> bool:
+        """A call's head or arguments were being read when the text ended (open_call of the whole text)."""
+        return self.mode in ("head", "args")
 
     @property
     def final_content(self) -> Optional[str]:
@@ -171,5 +189,5 @@ class ToolStream:
         return done
 
 
-__all__ = ["CALL_BEGIN", "CALL_END", "ARG_BEGIN", "MARKERS", "SECTION_BEGIN", "SECTION_END", "ToolStream", "held",
-           "parse_tool_calls", "tool_call", "tool_name"]
+__all__ = ["CALL_BEGIN", "CALL_END", "ARG_BEGIN", "MARKERS", "SECTION_BEGIN", "SECTION_END", "ToolStream",
+           "finish_reason", "held", "open_call", "parse_tool_calls", "tool_call", "tool_name"]

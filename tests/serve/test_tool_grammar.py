@@ -102,3 +102,10 @@ def test_thinking_then_a_json_answer(g):
         spec = output_grammar(g, tools, choice, None, rf, thinking=True)
         assert accepts(spec, '<think>hm</think>{"city":"Rome"}') and accepts(spec, 'hm</think>{"city":"Rome"}')
         assert not accepts(spec, 'hm</think>{"city":7}')
+
+
+def test_embedded_json_is_compact(g):
+    """%json in Lark defaults to flexible whitespace; the tool arguments are compiled compact (no "{\\n   ...")."""
+    spec = output_grammar(g, TOOLS, "required", None, None)
+    assert not accepts(spec, B + call(0, "get_weather", '{ "city":"Oslo"}') + E)
+    assert not accepts(spec, B + call(0, "get_weather", '{\n"city":"Oslo"}') + E)

@@ -122,3 +122,19 @@ def test_reasoning_then_tool_calls_whole_and_streamed():
         os, deltas = streamed(text, [cut], reasoning=True, tools=True)
         assert assemble(deltas) == ("Checking. ", "weather?", want) and os.calls == want
         assert json.loads(os.calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_call_cut_by_max_tokens_finishes_length_not_tool_calls():
+    from kdtree.serve.tools import finish_reason, open_call
+    cut = B + call("functions.a:0", "{}") + "<|tool_call_begin|>functions.b:1<|tool_call_argument_begin|>{\"x\""
+    done = B + call("functions.a:0", "{}") + E
+    assert open_call(cut) and not open_call(done) and not open_call("plain") and not open_call(B)
+    for text, want in ((cut, "length"), (done, "tool_calls")):
+        out = parse_output(text, reasoning=False, tools=True)
+        assert finish_reason(out.calls, out.open, "length") == want
+        for k in range(1, len(text)):
+            os, _ = streamed(text, [k])
+            assert os.open == out.open and finish_reason(os.calls, os.open, "length") == want
+    assert finish_reason([], False, "stop") == "stop"
+    out = parse_output(cut, reasoning=False, tools=True)
+    assert finish_reason(out.calls, out.open, "stop") == "tool_calls"       # a stop string inside: calls kept
