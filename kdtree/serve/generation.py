@@ -83,7 +83,7 @@ async def respond(serve, http: HttpRequest, g: Generation) -> Response:
     for i, req in enumerate(reqs):
         if req.error is not None:
             raise serve.request_error(req)
-        choices.append(_choice(serve, g, i, req, *final_text(serve, req, g.stops), counts))
+        choices.append(_choice(serve, g, i, req, *final_text(serve, req, g.stops, g.chat and g.plan.parses), counts))
     results = [req.result for req in reqs]
     n_out = sum(len(r.tokens) for r in results)
     usage = P.Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,

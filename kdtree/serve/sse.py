@@ -30,8 +30,12 @@ def seed_of(sampling: Optional[SamplingParams]) -> Optional[int]:
     return None if sampling is None or sampling.greedy else int(sampling.seed)
 
 
-def final_text(serve, req: Request, stops: List[str]) -> Tuple[str, str]:
-    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(req.result.tokens), stops)
+def final_text(serve, req: Request, stops: List[str], specials: bool = False) -> Tuple[str, str]:
+    """The choice's text (specials=True: special tokens as their text, k26's markers for the output parsers)."""
+    tokens = req.result.tokens
+    decoded = serve.engine.tokenizer.decode(tokens, skip_special_tokens=False) if specials else \
+        serve.engine.tokenizer.decode(tokens)
+    text, stopped = cut_at_stop(decoded, stops)
     return text, "stop" if stopped or req.result.finish_reason in ("stop", "eos") else "length"
 
 
@@ -114,8 +118,8 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
     reasoning / tool-call deltas when `plan` says so), the finish chunk. An engine error after the stream started
     ends it with an SSE error event (out[1] = 1)."""
     tok = serve.engine.tokenizer
-    ts = TextStream(tok, stops)
     os = OutputStream(plan.reasoning, plan.tools) if plan is not None and plan.parses else None
+    ts = TextStream(tok, stops, skip_special_tokens=os is None)       # parsed: k26's markers as their text
     lps = _Logprobs(tok, ch, req, want_lp, 0 if ch.chat else len(text))
     if ch.chat:
         yield ch.event(index, None, None, role=True)
