@@ -199,15 +199,16 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  on_tokens: Optional[Callable[[List[int]], None]] = None, tree: Any = None,
-                 sampling: Optional[SamplingParams] = None) -> GenerationResult:
+                 sampling: Optional[SamplingParams] = None, grammar: Any = None) -> GenerationResult:
         """One completion with the configured tree (ar | chain | ddtree), or `tree` (a tree config, e.g.
         AR_TREE) instead; output is identical for all. sampling None / temperature 0: greedy; else sampled
         (result.seed = the seed used, result.logprobs when sampling.logprobs is set). on_tokens(new_ids) is
-        called after each commit with the tokens it added (the server's live stream). n > 1: use generate_n."""
+        called after each commit with the tokens it added (the server's live stream). grammar: a GrammarSpec
+        (kdtree/decode/grammar.py, self.grammars()) every token must follow. n > 1: use generate_n."""
         if sampling is not None and sampling.n != 1:
             raise ConfigError(f"n={sampling.n}: Engine.generate returns one completion; use Engine.generate_n")
         req = Request(list(prompt_ids), int(max_new_tokens), sampling=sampling, tree=tree, stop_ids=tuple(stop_ids),
-                      on_tokens=on_tokens)
+                      on_tokens=on_tokens, grammar=None if grammar is None else grammar.start())
         return run_request(self.scheduler, req)
 
     def generate_n(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
@@ -218,6 +219,11 @@ class Engine:
         tree = self.cfg.tree if tree is None else tree
         return generate_n(self.model, self.drafter, tree, list(prompt_ids), int(max_new_tokens), sampling,
                           eos_id=self.eos_id, stop_ids=tuple(stop_ids), on_tokens=on_tokens, scheduler=self.scheduler)
+
+    def grammars(self):
+        """The grammar compiler of this engine's tokenizer and vocabulary (built once: ~1-8 s for tiktoken)."""
+        from kdtree.decode.grammar import Grammars
+        return Grammars.for_tokenizer(self.tokenizer, int(self.cfg.model.vocab_size))
 
     def complete(self, prompt: str, max_new_tokens: int) -> tuple:
         """Text in, (text out, GenerationResult)."""

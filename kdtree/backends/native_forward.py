@@ -211,6 +211,7 @@ class NativeLatentCache:
         self.slot = int(p[0])
         self._len = lib.ffi.new("int64_t *")
         self._kv: Optional[List[np.ndarray]] = None
+        target.__dict__.setdefault("_live_caches", weakref.WeakSet()).add(self)    # compact_pool drops their views
         # the finalizer holds the target, so the model is never destroyed before its cache slots are freed
         self._finalizer = weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
 
@@ -410,6 +411,15 @@ class NativeTarget:
         new_cache raises CachePoolBusy when no range is free. 0 = one allocation per cache again."""
         self.lib.check(self.lib.c.kd_model_reserve(self.handle, int(rows)), "kd_model_reserve")
         self.pool_rows = int(rows)
+
+    def compact_pool(self) -> int:
+        """Pack the arena's caches to its front (kd_model_compact: rows moved, caches unchanged otherwise), so its
+        free rows are one range; returns their count. Between forwards only (the scheduler's admission)."""
+        free = self.lib.ffi.new("int64_t *")
+        self.lib.check(self.lib.c.kd_model_compact(self.handle, free), "kd_model_compact")
+        for cache in list(getattr(self, "_live_caches", ())):
+            cache._kv = None                              # views into the old rows
+        return int(free[0])
 
     def reserve_cache_pool(self, rows: int) -> bool:
         """One latent-cache arena of `rows` rows that every later new_cache is carved from (a full pool raises

@@ -134,6 +134,7 @@ class TreeConfig:
     width: int = 4
     depth: int = 7
     budget: int = 32
+    policy: str = "fixed"  # fixed: verify the whole budget | cost: the prefix with the most expected tokens/s (lossless)
 
 
 @dataclass
@@ -224,7 +225,8 @@ class HealthConfig:
     pid: int = 0
     unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
-    api_key: str = ""  # Bearer key for health.url (this run's engine: KDTREE_API_KEY or serve.api_key_file); redacted when saved
+    api_key: str = ""  # refused (a key on a command line is in `ps`): KDTREE_API_KEY or health.api_key_file
+    api_key_file: str = ""  # a file holding health.url's Bearer key (on the controller); KDTREE_API_KEY wins
     status_path: str = ""  # a kdtree status.json on the host to read when /status does not answer
     disk: str = ""  # block device holding the weights (nvme0n1, as in /proc/diskstats): its reads count as progress
     expected_bytes: int = 0  # checkpoint size in bytes for the ETA of servers that report nothing; 0 = model.path's size

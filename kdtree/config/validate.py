@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kdtree.decode.sampling import SamplingError, SamplingParams
 from kdtree.config.schema import GENERATED_MODELS, is_generated
+from kdtree.config.secrets import api_key
 from kdtree.engines import check_engine
 from kdtree.errors import ConfigError
 
@@ -263,6 +264,11 @@ def validate_health(cfg: DictConfig, stages: Sequence[str] = ()) -> None:
     """Every health.* setting in range before anything starts (a negative window or a zero timeout would
     give verdicts that mean nothing)."""
     h = cfg.health
+    if h.api_key:
+        raise ConfigError("health.api_key is not taken: a key given as an override is visible in `ps` and kept in "
+                          "shell history; export KDTREE_API_KEY=<key> or set health.api_key_file=<file with the key>")
+    if h.get("api_key_file"):
+        api_key(h, "health")                  # readable and not empty, before the watch starts
     for key in ("interval_s", "stall_window_s", "deadline_s", "probe_timeout_s"):
         value = h[key]
         if not value > 0:

@@ -4,7 +4,7 @@ the contiguous latent-cache arena; no paged pool yet: a hit COPIES the rows into
     pc = PrefixCache(page_tokens=16, max_tokens=8192)
     hit = pc.lookup(prompt, limit=len(prompt) - 1, need_hidden=speculative)   # pages of the longest cached prefix
     rows, hidden = pc.gather(hit)           # f32[n_layers, m, W] and {layer: f32[m, D]} (or None)
-    pc.release(hit)                         # the copy is done: its pages may be evicted again
+    pc.release(hit)                         # the request finished: its pages may be evicted again
     pc.insert(tokens, read_rows, hidden)    # a finished request: prompt + generated tokens, the rows it computed
 
 Nodes are pages of `page_tokens` tokens (a child is keyed by its page's token tuple), so a prefix matches page by
@@ -16,8 +16,9 @@ Exactness: kdtree's kernels are batch-invariant, so a latent row of position i d
 the chunk it was computed in, the verify block it was accepted from, or its batch: a hit gives the same rows, so the
 same logits and tokens, bit for bit (tests/decode/test_prefix_cache.py).
 
-Pages are reference-counted while a request copies from them (lookup .. release) and evicted least recently used
-(leaves first, never one referenced) when the cache holds more than `max_tokens` tokens.
+Pages are reference-counted by the requests that mapped them (lookup at admission .. release at finish: "used") and
+evicted least recently used (leaves first, never a referenced one) when the cache holds more than `max_tokens`
+tokens; page_counts() -> used / cached / free / total (/status, /metrics kdtree_prefix_cache_pages{state}).
 """
 from __future__ import annotations
 
@@ -138,12 +139,17 @@ class PrefixCache:
                        default=None)
             if leaf is None:                 # every leaf is in use: over budget until they are released
                 break
-            del leaf.parent.children[leaf.key]
-            self.pages -= 1
-            self.bytes -= leaf.rows.nbytes + (sum(h.nbytes for h in leaf.hidden.values()) if leaf.hidden else 0)
+            self._drop(leaf)
             dropped += 1
         self.evictions += dropped
         return dropped
+
+    def _drop(self, leaf: _Page) -> None:
+        """Unlink one unreferenced leaf page and free its rows."""
+        assert leaf.ref == 0 and not leaf.children, "evicting a page in use"
+        del leaf.parent.children[leaf.key]
+        self.pages -= 1
+        self.bytes -= leaf.rows.nbytes + (sum(h.nbytes for h in leaf.hidden.values()) if leaf.hidden else 0)
 
     def _walk(self):
         stack = list(self.root.children.values())
@@ -152,10 +158,22 @@ class PrefixCache:
             yield pg
             stack.extend(pg.children.values())
 
+    def page_counts(self) -> Dict[str, int]:
+        """Pages by state: used (referenced by a running request: mapped at its admission, held until it finishes;
+        never evicted), cached (held, unreferenced: evictable LRU), free (the budget's pages not held), total (the
+        budget, max_tokens // page). used + cached + free == total, except while used pages alone pin the cache over
+        its budget (then free is 0 and used + cached == pages > total)."""
+        used = sum(1 for pg in self._walk() if pg.ref > 0)
+        total = max(0, self.max_tokens // self.page)
+        return {"used": used, "cached": self.pages - used, "free": max(0, total - self.pages), "total": total}
+
     def stats(self) -> Dict[str, int]:
+        pages = self.page_counts()
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
                 "prefix_cache_tokens": self.tokens, "prefix_cache_max_tokens": self.max_tokens,
-                "prefix_cache_bytes": self.bytes, "prefix_cache_evictions": self.evictions}
+                "prefix_cache_bytes": self.bytes, "prefix_cache_evictions": self.evictions,
+                "prefix_cache_page_tokens": self.page,
+                **{f"prefix_cache_pages_{k}": v for k, v in pages.items()}}
 
 
 __all__ = ["PrefixCache"]

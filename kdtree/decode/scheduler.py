@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from kdtree.decode.request import Request, RequestCancelled, RequestTimeout
+from kdtree.decode.cost import ForwardCosts
 from kdtree.decode.state import DecodeState
 from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
 
@@ -71,12 +72,16 @@ class Scheduler:
         self.speculate_max_batch = int(speculate_max_batch)   # 0 = no limit
         self.speculating = True                         # the last step's mode (status)
         self.prefix_cache = prefix_cache                # a PrefixCache (kdtree/decode/prefix_cache.py) or None
+        self.prefix_enabled = prefix_cache is not None  # False: new requests neither look up nor insert (a toggle)
         self._lock = threading.Condition()
         self._waiting: List[Request] = []
         self._running: List[Request] = []
         self._state: Dict[int, DecodeState] = {}       # id(request) -> its state until it finishes
         self._deadline: Dict[int, float] = {}
         self.pool_used = 0                              # latent rows reserved by running requests
+        self.costs: Optional[ForwardCosts] = None       # tree.policy=cost: forward seconds by rows, measured
+        self.compactions = 0                            # times the arena was packed to admit a request
+        self.compaction_seconds = 0.0
         self.steps = 0
         self.last_batch_size = 0                        # sequences in the last step's forward
         self.last_batch_rows = 0                        # rows in the last step's forward
@@ -93,9 +98,14 @@ class Scheduler:
             raise ConfigError(f"n={req.sampling.n}: the scheduler decodes one completion per request; "
                               f"submit n requests (Engine.generate_n)")
         st = DecodeState(req, self.model, self.drafter, self.tree if req.tree is None else req.tree, self.eos_id,
-                         self.max_context, self.pool_tokens, prefix=self.prefix_cache)
+                         self.max_context, self.pool_tokens,
+                         prefix=self.prefix_cache if self.prefix_enabled else None)
         timeout = req.timeout_s or self.request_timeout_s
         req.submitted_at = time.monotonic()
+        if st.policy == "cost":                          # measured forward costs, shared by every such request
+            if self.costs is None:
+                self.costs = ForwardCosts(self.model)
+            st.costs = self.costs
         with self._lock:
             self._state[id(req)] = st
             self._deadline[id(req)] = req.submitted_at + timeout if timeout > 0 else float("inf")
@@ -119,8 +129,18 @@ class Scheduler:
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
                     "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
-                    "speculating": self.speculating,
-                    **(self.prefix_cache.stats() if self.prefix_cache is not None else {})}
+                    "speculating": self.speculating, "kv_pool_compactions": self.compactions,
+                    **({"prefix_cache_enabled": self.prefix_enabled, **self.prefix_cache.stats()}
+                       if self.prefix_cache is not None else {})}
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache on/off for requests submitted from now on (its pages are kept; bench_serve measures
+        both ways on one server this way). ConfigError when the engine has none (serve.prefix_cache=false)."""
+        if self.prefix_cache is None:
+            raise ConfigError("this engine has no prefix cache (serve.prefix_cache=false or prefix_cache_tokens=0); "
+                              "restart it with serve.prefix_cache=true to toggle it")
+        with self._lock:
+            self.prefix_enabled = bool(enabled)
 
     def wake(self) -> None:
         with self._lock:
@@ -188,6 +208,7 @@ class Scheduler:
         plan, rows_left = [], self.max_batch_tokens                  # plan: (request, block) in forward order
         for req in active:                                           # decoding requests: one block each
             st = self._state[id(req)]
+            st.solo = len(active) == 1
             if not st.prefilling:
                 self._plan(plan, req, st, 0, speculate)
         rows_left -= sum(b.rows for _, b in plan)
@@ -230,6 +251,8 @@ class Scheduler:
                 self._finish(req, e)
             return
         dt = time.perf_counter() - t0
+        if self.costs is not None and len(plan) == 1 and plan[0][1].kind != "prefill":
+            self.costs.observe(plan[0][1].rows, dt)
         self.steps += 1
         self.last_batch_size, self.last_batch_rows = len(seqs), sum(b.rows for _, b in plan)
         r0 = 0
@@ -255,8 +278,8 @@ class Scheduler:
                 if self.pool_used + st.need > self.pool_tokens:
                     break
                 try:
-                    over = st.allocate()                   # its rows of the arena (or its own arrays)
-                except CachePoolBusy:                      # fragmented: wait for a range to free up
+                    over = self._allocate(st)              # its rows of the arena (or its own arrays)
+                except CachePoolBusy:                      # no room even packed: wait for rows to free up
                     break
                 except Exception as e:                     # this request fails alone; the rest go on
                     self._finish(req, e, locked=True)
@@ -267,6 +290,23 @@ class Scheduler:
                 self._running.append(req)
                 if over:
                     self._finish(req, None, locked=True)
+
+    def _allocate(self, st: DecodeState) -> bool:
+        """st.allocate(); when the arena has the rows but not in one range (fragmented by requests that finished
+        out of order), pack it (Target.compact_pool: live rows moved, between forwards) and try once more."""
+        try:
+            return st.allocate()
+        except CachePoolBusy:
+            compact = getattr(self.model, "compact_pool", None)
+            if compact is None:
+                raise
+            t0 = time.perf_counter()
+            free = compact()
+            self.compactions += 1
+            self.compaction_seconds += time.perf_counter() - t0
+            if free < st.need:
+                raise
+            return st.allocate()
 
     def _reap(self, req: Request, now: float) -> None:
         if req.cancelled.is_set():

@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kdtree.decode.cost import best_prefix, policy_of, prefix_tree
 from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
@@ -142,6 +143,10 @@ class DecodeState:
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
         self.hid_log: List[Dict[int, np.ndarray]] = []       # hidden rows of every cache row (speculative + prefix)
         self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
+        self.policy = policy_of(tree_cfg) if self.budget else "fixed"
+        self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
+        self.solo = False                      # set by the scheduler: this round's forward is this request's alone
+        self.prefix_path: list = []            # the prefix cache pages this request mapped (released at finish)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -183,8 +188,10 @@ class DecodeState:
         try:
             rows, hidden = self.prefix.gather(path)
             self.cache.write_rows(0, rows)
-        finally:
+        except BaseException:
             self.prefix.release(path)
+            raise
+        self.prefix_path = path                # referenced ("used") until release(): never evicted under it
         m = int(rows.shape[1])
         self.prefilled = m
         self.req.result.cached_tokens = m
@@ -210,6 +217,9 @@ class DecodeState:
         """Give the latent rows back now (the scheduler's finish)."""
         if self.owns_cache and self.cache is not None and hasattr(self.cache, "release"):
             self.cache.release()
+        if self.prefix_path:
+            self.prefix.release(self.prefix_path)
+            self.prefix_path = []
         self.cache = self.dcache = None
 
     # -- plan: the rows of the next forward --------------------------------------------------------------------
@@ -243,12 +253,16 @@ class DecodeState:
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
+        if self.costs is not None and self.solo:   # tree.policy=cost: the prefix with the most tokens per second
+            self.costs.observe_draft(t1 - t0)
+            if self.costs.calibrated or self.costs.calibrate(self.budget + 1):
+                tree = prefix_tree(tree, best_prefix(tree, logp, ids, self.costs))
         masks = None
         if self.grammar is not None:           # deeper nodes: pruned where their own path's state refuses them
             t2 = time.perf_counter()
             ends = [*self.stops] + ([self.eos_id] if self.eos_id is not None else [])
             tree, masks = constrain_tree(self.grammar, tree, ends, self.budget)
-            res.stage_seconds["grammar"] = res.stage_seconds.get("grammar", 0.0) + time.perf_counter() - t2
+            self._grammar_time(t2)
         tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
         positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
         res.stage_seconds["draft"] += t1 - t0
@@ -314,6 +328,7 @@ class DecodeState:
         choice = logits                        # under a grammar: each row masked by its own path's state
         if block.masks is not None:
             choice = choose_rows(self.ops, logits, block.masks, self.sampler is None)
+            self._grammar_time(t0)
         if self.sampler is None:
             if block.masks is not None:
                 argmax = choice
@@ -339,9 +354,16 @@ class DecodeState:
             res.stage_seconds["draft"] += time.perf_counter() - t2
         return over
 
+    def _grammar_time(self, t0: float) -> None:
+        """Seconds spent on the grammar (masks, tree pruning, consuming): stage_seconds["grammar"]."""
+        st = self.req.result.stage_seconds
+        st["grammar"] = st.get("grammar", 0.0) + time.perf_counter() - t0
+
     def _draw(self, logits: np.ndarray, argmax: Optional[np.ndarray], row: int) -> int:
         if self.grammar is not None:           # the committed state's mask (AR row, the first token)
+            t0 = time.perf_counter()
             z = choose_rows(self.ops, logits[row:row + 1], self.grammar.bits()[None], self.sampler is None)
+            self._grammar_time(t0)
             return int(z[0]) if self.sampler is None else self.sampler.sample(z[0])
         if self.sampler is None:
             return int(argmax[row]) if argmax is not None else int(np.argmax(logits[row]))
@@ -359,7 +381,9 @@ class DecodeState:
                 del res.tokens[max(int(keep), n0):]
                 res.finish_reason, over = "stop", True
         if self.grammar is not None and len(res.tokens) > n0:
+            t0 = time.perf_counter()
             self.grammar.consume(res.tokens[n0:])
+            self._grammar_time(t0)
             if self.grammar.stopped:           # complete: only an end token could follow (committed or not)
                 res.finish_reason, over = "stop", True
         if self.top is not None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Deque, Optional, Tuple
 
+MIN_SPAN_S = 0.25         # two samples this far apart give a rate (the second sample of a watch at 0.5 s or more)
+MAX_ETA_S = 7 * 86400     # an ETA past a week says "the rate is ~0", not when the load ends: none is shown
+
 
 class RateMeter:
     def __init__(self, window_s: float = 10.0):
@@ -23,14 +26,16 @@ class RateMeter:
             self.points.popleft()
 
     def rate(self) -> Optional[float]:
-        """bytes/s over the window, None until two points at least 0.5 s apart."""
+        """bytes/s over the window (bursts of reads count over all of it, not per sample), None until two points
+        at least MIN_SPAN_S apart."""
         if len(self.points) < 2:
             return None
         (t0, v0), (t1, v1) = self.points[0], self.points[-1]
-        return (v1 - v0) / (t1 - t0) if t1 - t0 >= 0.5 else None
+        return (v1 - v0) / (t1 - t0) if t1 - t0 >= MIN_SPAN_S else None
 
 
 def eta_seconds(done: float, total: float, rate: Optional[float]) -> Optional[float]:
     if not total or rate is None or rate <= 0:
         return None
-    return max(0.0, (total - done) / rate)
+    eta = max(0.0, (total - done) / rate)
+    return eta if eta <= MAX_ETA_S else None

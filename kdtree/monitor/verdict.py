@@ -1,11 +1,15 @@
-"""Verdict per sample: READY, PROGRESSING, STALLED, CRASHED, UNREACHABLE or NOT_OPENAI, from the probe results.
+"""Verdict per sample: READY, PROGRESSING, WAITING, STALLED, CRASHED, UNREACHABLE or NOT_OPENAI, from the probe
+results.
 
     READY        the completion probe got choices back
     CRASHED      the engine process is gone (or a zombie), its systemd unit failed, or status says failed
     NOT_OPENAI   the completion endpoint answers with a permanent 4xx (404, 405, ...) on two samples in a row:
                  something answers there, but not as an OpenAI completions server
-    UNREACHABLE  the host: no sample command came back for stall_window_s; or the server: nothing listened at the
-                 URL (refused, unresolved, timed out) for stall_window_s and no process of it is known
+    UNREACHABLE  the host: its connection failed (connect/transport), or (ssh) no sample command came back for
+                 stall_window_s -- never a local host, whose late sample is a slow sample; or the server: nothing
+                 listened at the URL (refused, unresolved, timed out) for stall_window_s and no process of it is known
+    WAITING      nothing has moved yet since the watch began (the window has not decided), or no reply from the
+                 host yet: a line that does not claim progress
     PROGRESSING  a progress signal moved within stall_window_s: status bytes/shards/phase/warm-up shapes, the
                  watched process TREE's loaded bytes / disk reads / CPU / page faults, its GPU memory, log growth,
                  the completion's answer changing (port opens, 503 -> 200), or reads of the disk named by health.disk. Machine-wide disk reads and GPU memory never count:
@@ -20,8 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-VERDICTS = ("READY", "PROGRESSING", "STALLED", "CRASHED", "UNREACHABLE", "NOT_OPENAI")
-EXIT_CODES = {"READY": 0, "PROGRESSING": 2, "STALLED": 3, "CRASHED": 4, "UNREACHABLE": 5, "NOT_OPENAI": 6}
+VERDICTS = ("READY", "PROGRESSING", "WAITING", "STALLED", "CRASHED", "UNREACHABLE", "NOT_OPENAI")
+EXIT_CODES = {"READY": 0, "PROGRESSING": 2, "WAITING": 2, "STALLED": 3, "CRASHED": 4, "UNREACHABLE": 5,
+              "NOT_OPENAI": 6}
 TERMINAL = ("READY", "CRASHED", "STALLED", "UNREACHABLE", "NOT_OPENAI")
 
 # How much a counter must grow between two samples to count as progress. The monitor's own probes make
@@ -119,8 +124,10 @@ class Judgement:
 
 
 class Judge:
-    def __init__(self, stall_window_s: float, deadline_s: float, now: float):
+    def __init__(self, stall_window_s: float, deadline_s: float, now: float, local: bool = False):
         self.window = float(stall_window_s)
+        self.local = local          # probes run on this machine: a late sample is slow, never an unreachable host
+        self.moved_once = False     # until something moves, lines say WAITING, not PROGRESSING
         self.t0 = now
         self.deadline_at = now + float(deadline_s)
         self.last_progress = now    # the first window is the benefit of the doubt
@@ -137,17 +144,14 @@ class Judge:
         seen_at = now if seen_at is None else seen_at
         reached = [p for p in probes.values() if not (p.unreachable or p.timed_out)]
         if probes and not reached:         # the sample never came back: nothing was observed, nothing moved
-            self.unreachable_since = self.unreachable_since or seen_at
-            first = next(iter(probes.values()))
-            down = now - self.unreachable_since
-            return Judgement("UNREACHABLE", down >= self.window,
-                             f"host unreachable for {down:.0f} s: {first.error[:160]}", [], now - self.last_progress)
+            return self._no_reply(probes, now, seen_at)
         self.unreachable_since = None
 
         signals = progress_signals(probes)
         moved = moved_signals(self.prev, signals, now - self.prev_t) if self.prev_t is not None else []
         self.prev, self.prev_t = signals, now
         if moved:
+            self.moved_once = True
             self.last_progress = max(self.last_progress, seen_at)
             self.deadline_at = max(self.deadline_at, now + self.window)
         quiet = 0.0 if moved else now - self.last_progress      # a sample that saw a move is never STALLED
@@ -181,12 +185,35 @@ class Judge:
                 return Judgement("UNREACHABLE", True, f"nothing listening at the URL for {closed_for:.0f} s ({why}) "
                                  f"and no process of the server to watch (health.pid)", moved, quiet)
             if quiet >= self.window:
-                return Judgement("STALLED", True, f"nothing moved for {quiet:.0f} s (stall window {self.window:g} s)",
-                                 moved, quiet)
+                return Judgement("STALLED", True, f"nothing moved for {quiet:.0f} s (stall window {self.window:g} s)"
+                                 + _stopped(probes), moved, quiet)
             return Judgement("STALLED", True, f"deadline of {self.deadline_at - self.t0:.0f} s passed without "
                              f"progress", moved, quiet)
+        if not self.moved_once:
+            return Judgement("WAITING", False, f"nothing moved yet: {quiet:.0f} s of {self.window:g} s window"
+                             + _stopped(probes), moved, quiet)
         return Judgement("PROGRESSING", False, "moved: " + ",".join(moved) if moved else
                          f"quiet {quiet:.0f} s of {self.window:g} s window", moved, quiet)
+
+    def _no_reply(self, probes: Dict[str, Any], now: float, seen_at: float) -> Judgement:
+        """A sample that observed nothing. A failed connection (connect/transport) is an unreachable host; a sample
+        that ran out of time is a slow one: on a local host never "unreachable" (STALLED once nothing moved for the
+        window), over ssh WAITING until no reply came for the whole window (then UNREACHABLE)."""
+        first = next(iter(probes.values()))
+        quiet = now - self.last_progress
+        if self.local:
+            if quiet >= self.window:
+                return Judgement("STALLED", True, f"nothing moved for {quiet:.0f} s (stall window {self.window:g} s); "
+                                 f"the last sample took {first.seconds:.1f} s: this machine is overloaded", [], quiet)
+            return Judgement("WAITING", False, f"slow sample ({first.seconds:.1f} s; this machine is overloaded): "
+                             f"nothing observed, quiet {quiet:.0f} s of {self.window:g} s window", [], quiet)
+        self.unreachable_since = self.unreachable_since or seen_at
+        down = now - self.unreachable_since
+        if any(p.unreachable for p in probes.values()) or down >= self.window:
+            return Judgement("UNREACHABLE", down >= self.window, f"host unreachable for {down:.0f} s: "
+                             f"{first.error[:160]}", [], quiet)
+        return Judgement("WAITING", False, f"host not answering for {down:.0f} s (no reply yet: slow is not down; "
+                         f"the verdict waits for the {self.window:g} s window): {first.error[:120]}", [], quiet)
 
     @staticmethod
     def _crash_reason(probes: Dict[str, Any]) -> str:
@@ -210,3 +237,12 @@ class Judge:
         if isinstance(snap, dict) and snap.get("phase") == "failed":
             return f"engine status failed: {snap.get('error', '')}"[:240]
         return ""
+
+
+def _stopped(probes: Dict[str, Any]) -> str:
+    """"; pid N is stopped (state T ...)" when the watched process is stopped (SIGSTOP, a debugger), else ""."""
+    proc = probes.get("process")
+    if proc is not None and proc.ok and proc.data.get("alive") and proc.data.get("state") in ("T", "t"):
+        pid = proc.data.get("pid")
+        return f"; pid {pid} is stopped (state T: SIGSTOP or a debugger; `kill -CONT {pid}` resumes it)"
+    return ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
 from kdtree.monitor.eta import RateMeter, eta_seconds
+from kdtree.monitor.evidence import check_evidence, evidence_note
 from kdtree.monitor.history import History, compare
 from kdtree.monitor.verdict import EXIT_CODES, Judge
 from kdtree.serve.status import describe
@@ -42,6 +44,7 @@ class Target:
     checkpoint: str = ""        # checkpoint dir on the host: its size for the ETA of servers that report nothing
     expected_bytes: int = 0     # the checkpoint's size when known (health.expected_bytes); wins over `checkpoint`
     disk: str = ""              # a block device (nvme0n1) that holds the weights: its reads count as progress
+    pid_source: str = ""        # the setting that named `pid` ("health.pid"): it must exist at start (evidence.py)
 
 
 class _FirstByte(io.TextIOBase):
@@ -62,6 +65,9 @@ class _FirstByte(io.TextIOBase):
         return True
 
 
+_ETA_WORDS = re.compile(r"[,;]?\s*\bETA\s+~?[\d.]+\s*s\b")
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 1e9 else f"{n / 1e9:.2f} GB"
 
@@ -77,6 +83,7 @@ class Watcher:
         self.history, self.out_dir, self.echo = history, Path(out_dir) if out_dir else None, echo
         self.samples: List[Dict[str, Any]] = []
         self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
+        self.read_meter = RateMeter(window_s=self.meter.window_s)   # the tree's loaded bytes, for its `read` rate
         self.tree = P.ProcessTree()
         self._tree_root = 0
         self._prev_disk: Optional[Dict[str, Any]] = None
@@ -91,6 +98,7 @@ class Watcher:
         self._port_pid = 0                           # the process found listening on the URL's port
         self._first_byte_s: List[float] = []       # seconds from a sample's start to its first byte (recent ones)
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
+        self._missing: Dict[str, str] = {}         # evidence named but absent at start: {"log": why, ...}
 
     # -- probes ----------------------------------------------------------------------------------------
     def _pid(self) -> int:
@@ -308,6 +316,8 @@ class Watcher:
             parts.append(f"http 200 {c.data.get('text')!r} in {c.seconds:.2f} s")
         elif c.data.get("http") is not None:
             msg = c.data.get("message")
+            if msg and eta is not None and eta["eta_s"] is not None:
+                msg = _ETA_WORDS.sub("", msg)      # one ETA per line: the monitor's, not also the engine's
             parts.append(f"http {c.data['http']}" + (f" {msg[:80]!r}" if msg else ""))
         elif c.data.get("slow"):
             parts.append(f"port open, no answer within {c.seconds:.1f} s")
@@ -329,9 +339,13 @@ class Watcher:
                 if same:
                     txt += f" cpu {100 * (d['cpu_s'] - prev['cpu_s']) / dt:.0f}%"
                 txt += f" rss {_mb(d['rss_bytes'])}"
-                if d.get("io_readable") and same:
-                    txt += f" read {(d['loaded'] - prev['loaded']) / dt / 1e6:.1f} MB/s"
-                elif not d.get("io_readable"):
+                if d.get("io_readable"):             # over the rate window: mmap reads come in bursts
+                    if prev is not None and prev.get("pid") != d["pid"]:
+                        self.read_meter = RateMeter(window_s=self.meter.window_s)
+                    self.read_meter.add(now, d["loaded"])
+                    r = self.read_meter.rate()
+                    txt += f" read {r / 1e6:.1f} MB/s" if r is not None else ""
+                else:
                     txt += " io ?"
                 if len(d.get("members", ())) > 1:
                     txt += f" ({len(d['members'])} procs)"
@@ -351,7 +365,8 @@ class Watcher:
                 dk.data["read_mb_s"] = {n: round(r, 2) for n, r in rates.items() if r > 0}
                 if self.target.disk:
                     r = rates.get(self.target.disk)
-                    parts.append(f"disk {self.target.disk} " + ("?" if r is None else f"{r:.1f} MB/s"))
+                    if r is not None:           # a device the host does not list: said once at start
+                        parts.append(f"disk {self.target.disk} {r:.1f} MB/s")
                 else:
                     top = sorted(dk.data["read_mb_s"].items(), key=lambda kv: -kv[1])[:2]
                     parts.append("disk " + (", ".join(f"{n} {r:.1f} MB/s" for n, r in top) + " (not counted)"
@@ -374,7 +389,8 @@ class Watcher:
         lg = probes.get("log")
         if lg is not None and lg.ok:
             if "active" in lg.data:
-                parts.append(f"unit {lg.data['active']}/{lg.data['sub']}")
+                if lg.data["active"]:           # no systemd / no such unit: said once at start
+                    parts.append(f"unit {lg.data['active']}/{lg.data['sub']}")
             elif lg.data.get("exists"):
                 grew = lg.data["size"] - self._prev_log_size if self._prev_log_size is not None else 0
                 parts.append(f"log +{grew} B" if grew else f"log silent {time.time() - lg.data['mtime']:.0f} s")
@@ -383,28 +399,15 @@ class Watcher:
         return head + " " + " | ".join(parts) + f" | {j.reason}"
 
     def evidence_note(self) -> str:
-        """What this watch can attribute to the server (said once, in the first line)."""
-        t = self.target
-        what = []
-        if t.pid or t.pidfile:
-            what.append(f"process tree of pid {t.pid or '(pidfile ' + t.pidfile + ')'}")
-        elif t.unit:
-            what.append(f"process tree of unit {t.unit}'s MainPID")
-        elif t.status_path:
-            what.append("the engine's status (and its pid's process tree)")
-        if t.disk:
-            what.append(f"reads of {t.disk}")
-        if not what:
-            owner = " until a process listens on the port (then its process tree)" if self._local_port() else ""
-            return ("evidence: nothing attributable to the server (no health.pid, health.unit or health.disk): "
-                    "judging on the port, the completion probe" + (" and the log" if t.log else "") + " alone"
-                    + owner)
-        return "evidence: " + " + ".join(what) + (" + log" if t.log or t.unit else "")
+        """What this watch can attribute to the server (said once, in the first line); see evidence.py."""
+        return evidence_note(self.target, self._missing, self._local_port())
 
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> Dict[str, Any]:
+        self._missing = check_evidence(self.host, self.target, self.timeout + 1.0)   # ConfigError: no such pid
         t_start = time.monotonic()
-        judge = Judge(self.window, self.deadline_s, t_start)
+        local = getattr(self.host, "kind", "local") == "local"
+        judge = Judge(self.window, self.deadline_s, t_start, local=local)
         base = self.history.baseline() if self.history is not None else {"starts": 0}
         hist_line = (f"{base['starts']} earlier cold start(s), usually ready after {base['to_ready_s']:.1f} s"
                      if base.get("starts") and base.get("to_ready_s") else "no earlier cold starts recorded")

@@ -6,6 +6,7 @@ mirrored on all ranks; each rank's shard is build_target's choice (NativeTarget 
     logits, hid = model.forward(tokens, positions, cache, visibility, hidden_layers)   # all ranks run it
     logits, argmax, hid = model.forward_batch([(tokens, positions, cache, visibility), ...], hidden_layers)
     cache.keep(start, rows); cache.truncate(n)       # mirrored on every rank
+    cache.write_rows(0, rows); cache.read_rows(0, n) # a prefix cache hit: the same rows on every rank; rank 0's
     model.embed_tokens / lm_head_w / ops / cfg       # rank 0 only (replicated; the drafter shares them)
     model.close()                                    # shutdown to every worker, reap them, leave the group
 
@@ -59,6 +60,18 @@ class TPCache:
         with self.model._lock:
             self.local.keep(start, rows)
             self.model._send("keep", self.id, int(start), rows)
+
+    def read_rows(self, start: int, n: int) -> np.ndarray:
+        """Rank 0's rows f32[n_layers, n, width] (the latent rows are the same on every rank: q_a/kv_a and the
+        norms are replicated, the residual stream is all-reduced in rank order)."""
+        return self.local.read_rows(start, n)
+
+    def write_rows(self, start: int, rows: np.ndarray) -> None:
+        """The same rows written on every rank (a prefix cache hit)."""
+        rows = np.ascontiguousarray(rows, np.float32)
+        with self.model._lock:
+            self.local.write_rows(start, rows)            # raises here first on a bad range
+            self.model._send("write_rows", self.id, int(start), rows)
 
 
 class TPModel:

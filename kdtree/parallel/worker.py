@@ -7,7 +7,8 @@ FD is this rank's end of a socketpair with rank 0 (a multiprocessing Connection 
     rank 0 -> worker  ("setup", {...}) once, then (op, args, dropped_cache_ids) per command:
                       forward(cache_id, tokens, positions, visibility, hidden_layers), forward_batch([(cache_id, tokens,
                       positions, visibility)], hidden_layers), new_cache(cache_id, max_len),
-                      keep(cache_id, start, rows), truncate(cache_id, n), shutdown()
+                      keep(cache_id, start, rows), truncate(cache_id, n), write_rows(cache_id, start, rows),
+                      shutdown()
     worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds, resident_bytes}) after loading,
                       ("error", "one line") before exiting 1 on any failure
 The worker exits when rank 0 dies: PR_SET_PDEATHSIG (SIGKILL when the launching thread's process goes), EOF on
@@ -96,6 +97,9 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
         elif op == "truncate":
             cid, n = args
             caches[cid].truncate(n)
+        elif op == "write_rows":                   # a prefix cache hit: rank 0's cached rows
+            cid, start, rows = args
+            caches[cid].write_rows(start, rows)
         elif op == "attach_device_collective":     # every rank has loaded (see TPModel.attach_device_collective)
             model.attach_device_collective()
         elif op == "shutdown":

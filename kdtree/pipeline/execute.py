@@ -52,7 +52,10 @@ def execute_stage(ctx: StageContext, spec: StageSpec, events: EventLog,
         seconds = round(time.monotonic() - t0, 3)
         _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-        events.emit("stage_fail", side=spec.on, seconds=seconds, error_type=type(e).__name__, error=msg, **base)
+        code = getattr(e, "exit_code", None)       # a monitor verdict's own exit code (watcher.HealthError)
+        extra = {"exit_code": code} if isinstance(code, int) and 0 < code < 126 else {}
+        events.emit("stage_fail", side=spec.on, seconds=seconds, error_type=type(e).__name__, error=msg, **extra,
+                    **base)
         return False
     finally:
         _disarm(old_handler, in_main and bool(spec.timeout_s), watchdog)

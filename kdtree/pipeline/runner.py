@@ -1,6 +1,8 @@
 """Run a pipeline: plan it (every check before any work), then its stages, controller and host side.
 
-    run_pipeline(cfg, run_dir) -> exit code     (0 ok, 1 a stage failed, 2 the plan is invalid, 130 Ctrl-C)
+    run_pipeline(cfg, run_dir) -> exit code     (0 ok, 1 a stage failed, 2 the plan is invalid, 130 Ctrl-C; a failed
+                                                 watch/health_poll: its verdict's 3 STALLED, 4 CRASHED, 5 UNREACHABLE,
+                                                 6 NOT_OPENAI)
 
 Consecutive `on: host` stages run in ONE engine process launched through the host connection (detached,
 run_dir/engine.{pid,log,exit}); controller stages run here. A controller stage that follows a host group
@@ -182,11 +184,12 @@ class _Run:
                 self.launch(stages)
                 continue
             if not execute_stage(self.ctx, stages[0], self.events):
-                self.error(_fail_line(_last_failure(self.run_dir, "controller") or {}, self.spec))
+                failure = _last_failure(self.run_dir, "controller") or {}
+                self.error(_fail_line(failure, self.spec))
                 # KEEPS_RUNNING (serve.detach=true) leaves a READY engine running; one whose health poll failed
                 # is stopped (or the stop command printed, when its host does not answer)
                 self.stop_engine(f"stage {stages[0].stage!r} failed")
-                return EXIT_STAGE_FAILED
+                return int(failure.get("exit_code") or EXIT_STAGE_FAILED)   # a verdict's: 3/4/5/6 (README)
         if self.engine is None:
             return EXIT_OK
         last_side = groups[-1][0]
@@ -201,7 +204,8 @@ class _Run:
 
 
 def run_pipeline(cfg, run_dir, out=None) -> int:
-    """Plan and run cfg.pipeline in run_dir; the process exit code (0 ok, 1 stage failed, 2 bad plan, 130 Ctrl-C)."""
+    """Plan and run cfg.pipeline in run_dir; the process exit code (0 ok, 1 stage failed, 2 bad plan, 130 Ctrl-C,
+    3-6 a monitor verdict)."""
     out = out if out is not None else sys.stdout  # looked up now: tests and callers may have replaced it
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

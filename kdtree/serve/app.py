@@ -15,10 +15,12 @@ Endpoints (the schema is at GET /openapi.json)
     GET  /ready     readiness: 200 when completions are served, else 503 with the phase
     GET  /status    the engine status (status.json) + queue depth
     GET  /metrics   Prometheus text (kdtree/serve/metrics.py)
+    POST /prefix_cache  {"enabled": bool}: the prefix cache on/off for new requests (the key, when one is set)
 /v1/* needs `Authorization: Bearer <key>` when a key is set (KDTREE_API_KEY or serve.api_key_file), checked
 before the body is read; the operator endpoints stay open (monitors and load balancers poll them without
-secrets). Every error, whatever its status and whoever raised it (a route, the router, the body limit, the
-HTTP parser), is OpenAI-shaped JSON: {"error": {"message", "type", "param", "code"}}.
+secrets), but POST /prefix_cache checks the key too. Every error, whatever its status and whoever raised it (a
+route, the router, the body limit, the HTTP parser), is OpenAI-shaped JSON:
+{"error": {"message", "type", "param", "code"}}.
 
 Streaming is live: the engine worker hands each commit's tokens to the request, which sends them as SSE chunks
 (never splitting a UTF-8 character, holding back text that could still start a stop string), then a chunk with
@@ -28,6 +30,7 @@ finished) is an SSE `{"error": ...}` event before [DONE]: a stream never just en
 """
 from __future__ import annotations
 
+import hmac
 import socket
 import sys
 import threading
@@ -185,7 +188,26 @@ class ServeApp:
         snap = w.snapshot()
         return {"running": snap["running"], "waiting": snap["waiting"], "batch_size": snap["batch_size"],
                 "kv_cache_usage": snap["kv_pool_used"] / max(1, snap["kv_pool_tokens"]),
-                "speculating": float(snap["speculating"])}
+                "speculating": float(snap["speculating"]),
+                "prefix_cache_pages": {k: snap[f"prefix_cache_pages_{k}"] for k in ("used", "cached", "free")
+                                       if f"prefix_cache_pages_{k}" in snap}}
+
+    def set_prefix_cache(self, body: Any, authorization: str) -> Dict[str, Any]:
+        """POST /prefix_cache {"enabled": bool}: the prefix cache on/off for new requests (behind the API key when
+        one is set); its state and pages after."""
+        if self.api_key and not hmac.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not isinstance(body, dict) or not isinstance(body.get("enabled"), bool):
+            raise ApiError(400, 'send {"enabled": true} or {"enabled": false}', param="enabled")
+        if self.worker is None:
+            raise self.not_ready_error()
+        try:
+            self.worker.scheduler.set_prefix_cache(body["enabled"])
+        except KdtreeError as e:
+            raise ApiError(409, str(e), param="enabled", code="no_prefix_cache") from None
+        snap = self.worker.snapshot()
+        return {"enabled": snap["prefix_cache_enabled"],
+                **{k[len("prefix_cache_"):]: v for k, v in snap.items() if k.startswith("prefix_cache_pages_")}}
 
     # -- requests --------------------------------------------------------------------------------------
     def not_ready_error(self) -> ApiError:
@@ -203,11 +225,17 @@ class ServeApp:
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
     def _headroom(self) -> int:
-        """Context the decoder needs past the last token: the tree's verify block (budget + root)."""
-        cfg = getattr(self.engine, "cfg", None)
-        if getattr(self.engine, "drafter", None) is None or cfg is None:
-            return 0
-        return int(cfg.tree.budget) + 1
+        """Context the decoder needs past the last token: the tree's verify block (budget + root). Kept per engine:
+        reading an OmegaConf key costs ~40 us, and a request of 60000 prompts checks every one."""
+        engine = self.engine
+        cached = getattr(self, "_headroom_of", None)
+        if cached is not None and cached[0] is engine:
+            return cached[1]
+        cfg = getattr(engine, "cfg", None)
+        head = 0 if getattr(engine, "drafter", None) is None or cfg is None else int(cfg.tree.budget) + 1
+        if engine is not None:
+            self._headroom_of = (engine, head)
+        return head
 
     def _token_ids(self, p) -> Tuple[List[int], str]:
         if isinstance(p, str):
@@ -224,6 +252,7 @@ class ServeApp:
         if not ids:
             raise ApiError(400, "prompt is empty (0 tokens); give at least one token", param=param)
         if len(ids) + max_tokens + head > ctx:
+            param = "max_tokens" if max_tokens + head >= ctx else param    # no prompt could fit beside it
             raise ApiError(400, f"this model's maximum context length is {ctx} tokens, however you requested "
                                 f"{len(ids) + max_tokens + head} tokens ({len(ids)} in the prompt, {max_tokens} for the "
                                 f"completion, {head} for the speculative tree's verify block); shorten the prompt "

@@ -19,6 +19,9 @@ def param_and_message(err: Dict[str, Any]) -> Tuple[Optional[str], str]:
     path = [x for x in loc if isinstance(x, int) or ("[" not in x and x not in ("str", "int", "float", "bool"))]
     param = ".".join(str(x) for x in path) or None
     kind = err.get("type", "")
+    if kind == "missing" and not path:
+        return None, ('request body is empty; send a JSON object, e.g. {"prompt": "2+2=", "max_tokens": 8} '
+                      '(Content-Type: application/json)')
     if kind == "missing":
         return param, f"missing required field '{param}'"
     if kind == "extra_forbidden":
@@ -45,6 +48,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if own:
         param, msg = param_and_message(own[0])
         return ApiError(400, msg, param=param)
+    # a union (prompt, stop) reports every branch; the branch that failed on a limit (a token id < 0, 17 stop strings)
+    # says what is wrong, the branches of another type ("should be a valid string") do not
+    limits = [e for e in errors if not str(e.get("type", "")).endswith("_type") and e.get("type") != "missing"]
+    branches = {tuple(e.get("loc", ()))[:3] for e in limits}       # body, field, branch: one branch, one answer
+    if len(errors) > 1 and len(branches) == 1:
+        param, msg = param_and_message(limits[0])
+        return ApiError(400, msg, param=param.split(".")[0] if param else None)     # the field; the item in msg
     params = {param_and_message(e)[0] for e in errors}
     if params == {"prompt"} and len(errors) > 1:       # every branch of prompt's union failed
         return ApiError(400, "prompt must be a non-empty string, a list of token ids, or a list of those; got "

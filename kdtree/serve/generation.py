@@ -70,8 +70,8 @@ def _choice(serve, g: Generation, i: int, req, text: str, finish: str, counts: L
 async def respond(serve, http: HttpRequest, g: Generation) -> Response:
     """Submit every choice of `g` (all or none), then stream them or wait for all (a client that goes away cancels
     them) and answer; a choice that ended with an error answers that error."""
-    reqs = serve.submit(g.prompts, g.max_tokens, g.stops, asyncio.get_running_loop(), g.stream, g.sampling,
-                        grammar=g.plan.grammar, extra_stop_ids=g.stop_ids)
+    reqs = await asyncio.to_thread(serve.submit, g.prompts, g.max_tokens, g.stops, asyncio.get_running_loop(),
+                                   g.stream, g.sampling, g.plan.grammar, g.stop_ids)   # off the event loop
     n_prompt = sum(len(ids) for ids in g.prompts)
     if g.stream:
         texts = [g.texts[k // g.sampling.n] for k in range(len(reqs))]

@@ -1,8 +1,11 @@
 """The HTTP routes (FastAPI): operator endpoints, the OpenAI endpoints, the exception handlers and middleware. Thin:
 parse (pydantic) -> ServeApp's checks -> a Generation -> kdtree/serve/generation.py's respond (submission, then the
-response or the SSE stream), the one path both generation APIs share."""
+response or the SSE stream), the one path both generation APIs share. Tokenizing, rendering a chat template and
+submitting run in a worker thread (asyncio.to_thread), never on the event loop: a request of 20000 prompts must not
+keep /health (or anyone else) waiting."""
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 
@@ -18,7 +21,7 @@ from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kdtree.serve.output_plan import chat_plan, completion_plan
 from kdtree.serve.status import describe
-from kdtree.serve.transport import Access, ApiError, Guard
+from kdtree.serve.transport import Access, ApiError, Guard, log_safe
 
 
 def build_app(serve) -> FastAPI:
@@ -44,8 +47,8 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         if exc.status >= 500 and exc.status != 503:
-            print(f"[serve] {request.method} {request.url.path} -> {exc.status} {exc.message}", file=sys.stderr,
-                  flush=True)
+            print(f"[serve] {request.method} {log_safe(request.url.path)} -> {exc.status} {log_safe(exc.message)}",
+                  file=sys.stderr, flush=True)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -72,8 +75,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
-        print(f"[serve] {request.method} {request.url.path} -> 500 {type(exc).__name__}: {exc}", file=sys.stderr,
-              flush=True)
+        print(f"[serve] {request.method} {log_safe(request.url.path)} -> 500 {type(exc).__name__}: {log_safe(exc)}",
+              file=sys.stderr, flush=True)
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error").response()
 
 
@@ -101,6 +104,15 @@ def _operator_routes(app: FastAPI, serve) -> None:
         snap["in_flight"] = serve.worker.in_flight if serve.worker else 0
         snap["batch"] = serve.worker.snapshot() if serve.worker else {}   # running, waiting, batch_size, kv pool
         return snap
+
+    @app.post("/prefix_cache", tags=["operator"])
+    async def prefix_cache(request: Request):
+        """{"enabled": bool}: the prefix cache on/off for new requests (the API key when one is set)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        return serve.set_prefix_cache(body, request.headers.get("authorization", ""))
 
     @app.get("/metrics", tags=["operator"], response_class=Response)
     async def metrics():
@@ -133,9 +145,13 @@ def _openai_routes(app: FastAPI, serve) -> None:
         serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
         plan = completion_plan(serve, req)
         max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
-        encoded = [serve._token_ids(p) for p in req.prompts()]
-        for ids, _ in encoded:
-            serve._check_context(ids, max_tokens, "prompt")
+        def encode():
+            encoded = [serve._token_ids(p) for p in req.prompts()]
+            for ids, _ in encoded:
+                serve._check_context(ids, max_tokens, "prompt")
+            return encoded
+
+        encoded = await asyncio.to_thread(encode)
         return await respond(serve, request, Generation(
             chat=False, prompts=[ids for ids, _ in encoded], texts=[text for _, text in encoded],
             max_tokens=max_tokens, stops=req.stops(), sampling=sp, stream=bool(req.stream), echo=bool(req.echo),
@@ -149,8 +165,9 @@ def _openai_routes(app: FastAPI, serve) -> None:
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
         plan = chat_plan(serve, req)                            # tools, tool_choice, response_format: a 400 here
         try:                    # k26: the template's markers are their ids, a user's written marker plain text
-            ids, text = tpl.encode(serve.engine.tokenizer, [m.for_template() for m in req.messages],
-                                   req.add_generation_prompt, req.tool_dicts(), **(req.chat_template_kwargs or {}))
+            ids, text = await asyncio.to_thread(
+                tpl.encode, serve.engine.tokenizer, [m.for_template() for m in req.messages],
+                req.add_generation_prompt, req.tool_dicts(), **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         limit = req.limit()

@@ -5,6 +5,7 @@ log (_Access), and ApiError, the one shape of every error: {"error": {"message",
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import sys
@@ -23,6 +24,8 @@ REQUEST_READ_TIMEOUT_S = 10.0     # a request head must arrive whole within this
                                   # pause no longer than this between chunks (else 408, closed)
 MONITOR_AGENT = "kdtree-monitor"  # the health monitor's User-Agent: its probes are not access-logged (see Access)
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DISCARD_BYTES = 64 << 20          # a body over the limit is read and dropped up to this much past the limit before the
+                                  # 413, so that the client, still sending, reads the 413 instead of a connection reset
 
 
 class ApiError(Exception):
@@ -170,6 +173,22 @@ class JsonH11Protocol(H11Protocol):
         self.transport.close()
 
 
+async def _discard(receive, most: int, idle_s: float = 0.5) -> None:
+    """Read and drop up to `most` bytes of a request body; its end, a disconnect, or a pause of `idle_s` (a client
+    that waits for the answer before it sends the rest) end it. Closing a socket with unread bytes resets it: the
+    client, still sending, would see a reset instead of the 413."""
+    while most > 0:
+        try:
+            message = await asyncio.wait_for(receive(), idle_s)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        most -= len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
+
+
 class Guard:
     """Before the body is read: the API key (401), the body limit (413 from Content-Length, or while reading a
     chunked body)."""
@@ -198,6 +217,8 @@ class Guard:
         if length is not None and (not length.isdigit() or int(length) > limit):
             msg = (f"request body of {length.decode(errors='replace')} bytes exceeds {limit} bytes "
                    f"(serve.max_body_bytes)" if length.isdigit() else "Content-Length is not a number")
+            if length.isdigit() and int(length) <= limit + DISCARD_BYTES and b"expect" not in headers:
+                await _discard(receive, int(length))      # (a client that expects 100-continue has sent none)
             return await ApiError(413 if length.isdigit() else 400, msg,
                                   headers={"Connection": "close"}).response()(scope, receive, send)
         seen = 0
@@ -208,10 +229,23 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
+                    if message.get("more_body"):
+                        await _discard(receive, limit + DISCARD_BYTES - seen)
                     raise StarletteHTTPException(413, f"request body exceeds {limit} bytes (serve.max_body_bytes)")
             return message
 
         return await self.app(scope, counted, send)
+
+
+def log_safe(value: Any) -> str:
+    """`value` for one field of a log line: every control character (C0, DEL, C1, and the Unicode line and paragraph
+    separators), a backslash and a double quote escaped as \\xNN / \\uNNNN, so that no request (a `%0a` in its
+    path, a CR in a header) can end a log line or forge one, nor close the quoted request field."""
+    text = str(value)
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c not in '"\\' else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}") for c in text)
 
 
 class Access:
@@ -260,6 +294,7 @@ class Access:
                                   ("/v1/models/{id}" if known else "other"), state["code"])
             if not headers.get(b"user-agent", b"").startswith(MONITOR_AGENT.encode()):
                 client = scope.get("client") or ("-", 0)
-                print(f"[access] {client[0]} \"{scope['method']} {path} HTTP/{scope.get('http_version', '1.1')}\" "
-                      f"{state['code']} {state['bytes']} {time.monotonic() - t0:.3f}s rid={rid}", file=sys.stderr,
-                      flush=True)
+                version = "HTTP/" + scope.get("http_version", "1.1")
+                line = " ".join(log_safe(f) for f in (scope["method"], path, version))
+                print(f"[access] {log_safe(client[0])} \"{line}\" {state['code']} {state['bytes']} "
+                      f"{time.monotonic() - t0:.3f}s rid={log_safe(rid)}", file=sys.stderr, flush=True)

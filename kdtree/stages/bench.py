@@ -38,6 +38,8 @@ class BenchConfig:
     prompts: str = ""  # a JSON file {"prompts": [...]}; empty = kdtree/assets/bench_prompts.json
     max_new_tokens: int = 48  # per prompt
     repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
+    # structured output on every prompt: "" none | json (any JSON object) | a .json schema file | a .lark grammar file
+    grammar: str = ""
 
 
 CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
@@ -119,17 +121,67 @@ def provenance(ctx, sampling=None) -> dict:
     }
 
 
-def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> dict:
-    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i)."""
+def load_grammar(engine, spec: str):
+    """bench.grammar -> a GrammarSpec (None for "")."""
+    if not spec:
+        return None
+    g = engine.grammars()
+    if spec == "json":
+        return g.json_schema({"type": "object"}, param="bench.grammar")
+    p = Path(spec).expanduser()
+    if not p.is_file():
+        raise PipelineError(f"bench.grammar={spec!r}: no such file; use json, a .json schema file or a .lark file")
+    if p.suffix == ".lark":
+        return g.lark(p.read_text(), param="bench.grammar")
+    try:
+        schema = json.loads(p.read_text())
+    except ValueError as e:
+        raise PipelineError(f"bench.grammar={spec!r}: not JSON ({e}); give a JSON schema or a .lark file") from None
+    return g.json_schema(schema, param="bench.grammar")
+
+
+def moe_columns(engine, stats: dict, forwards: int, tokens: int) -> dict:
+    """The MoE tax of a run: per MoE layer the mean distinct routed experts per target forward (a forward streams
+    the union of its rows' experts), and where the backend says what it holds (NativeTarget.weight_bytes) the target
+    bytes streamed per committed token (dense matrices every forward + each forward's expert union; prefill
+    included). {} where the target does not count (CUDA, tp)."""
+    if not stats:
+        return {}
+    per_layer = {str(i): st["experts"] / max(st["forwards"], 1) for i, st in stats.items()}
+    out = {"experts_per_forward": per_layer,
+           "mean_experts_per_forward": sum(per_layer.values()) / len(per_layer),
+           "rows_per_forward": sum(st["rows"] for st in stats.values()) / max(sum(st["forwards"] for st in stats.values()), 1)}
+    held = getattr(engine.model, "weight_bytes", None)
+    if held is None:
+        return out
+    E = int(engine.cfg.model.n_routed_experts or 1)
+    dense, per_expert = 0, {}
+    for name, (b, _n) in held().items():
+        if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*
+            layer = int(name.split(".")[2])
+            per_expert[layer] = per_expert.get(layer, 0.0) + b / E
+        else:
+            dense += b
+    routed = sum(per_expert.get(i, 0.0) * st["experts"] for i, st in stats.items())
+    out["bytes_per_token"] = (forwards * dense + routed) / max(tokens, 1)
+    out["expert_bytes_per_token"] = routed / max(tokens, 1)
+    return out
+
+
+def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, grammar=None) -> dict:
+    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i). grammar: a GrammarSpec."""
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0
     seconds = 0.0
     lib0, coll0 = LIBRARY_CLOCK.seconds, LIBRARY_CLOCK.collective_seconds
     cpu0 = time.process_time()   # this process's CPU seconds: steadier than wall time on a shared machine
+    counts = getattr(engine.model, "moe_stats", None)
+    if counts is not None:
+        counts(reset=True)
     for i, ids in enumerate(prompts_ids):
         sp = None if sampling is None or sampling.greedy else sampling.for_sample(i)
-        r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp)
+        r = engine.generate(ids, max_new_tokens, tree=tree_cfg, sampling=sp, grammar=grammar)
         per_prompt.append({"tokens": r.tokens, "acceptance_lengths": r.acceptance_lengths,
                            "target_forwards": r.target_forwards, "seconds": r.seconds, "seed": r.seed})
         hist.update(r.acceptance_lengths)
@@ -155,6 +207,7 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None) -> di
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "stage_seconds": stage_s, "per_prompt": per_prompt,
+        "moe": moe_columns(engine, counts(reset=True) if counts is not None else {}, forwards, tokens),
     }
 
 
@@ -168,17 +221,28 @@ def run(ctx, conf: BenchConfig) -> dict:
     texts = load_prompts(prompts)
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
     sampling = engine.pipeline_sampling()
+    grammar = load_grammar(engine, conf.grammar)
+    policy = str(cfg.tree.get("policy", "fixed"))
+    fixed_tree = OmegaConf.merge(cfg.tree, {"policy": "fixed"}) if policy == "cost" else None
+    if fixed_tree is not None:                     # tree.policy=cost measures its forward costs once, untimed
+        engine.generate(prompts_ids[0], 2, tree=cfg.tree)
+    fixed = None
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
-        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling)
-        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling) if cfg.tree.kind != "ar" else a
+        a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling, grammar)
+        t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling, grammar) if cfg.tree.kind != "ar" else a
         ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
         tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
+        if fixed_tree is not None:                 # the same tree with the whole budget every round
+            f = _run_set(engine, prompts_ids, max_new_tokens, fixed_tree, sampling, grammar)
+            fixed = f if fixed is None or f["seconds"] < fixed["seconds"] else fixed
     lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
+    if fixed is not None:
+        lossless = lossless and all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], fixed["per_prompt"]))
     greedy_acc = tree["mean_acceptance_length"]
     if not sampling.greedy and cfg.tree.kind != "ar":
-        greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree)["mean_acceptance_length"]
+        greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
     out = {
         "tree": OmegaConf.to_container(cfg.tree, resolve=True),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
@@ -198,12 +262,21 @@ def run(ctx, conf: BenchConfig) -> dict:
         "acceptance_histogram": tree["acceptance_histogram"],
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
+        "moe": tree["moe"], "ar_moe": ar["moe"],
+        "policy": policy,
+        "fixed_policy": None if fixed is None else {
+            "tokens_per_s": fixed["tokens_per_s"], "mean_acceptance_length": fixed["mean_acceptance_length"],
+            "target_forwards_per_token": fixed["target_forwards_per_token"], "moe": fixed["moe"],
+            "policy_speedup": tree["tokens_per_s"] / max(fixed["tokens_per_s"], 1e-9)},
+        "grammar": conf.grammar,
+        "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
         "ar": ar, "result": tree,
         "provenance": provenance(ctx, sampling),
     }
     (ctx.run_dir / "bench.json").write_text(json.dumps(out, indent=2))
     t = cfg.tree
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
+    how += f" grammar={conf.grammar}" if conf.grammar else ""
     print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (CPU time "
           f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "
@@ -211,6 +284,14 @@ def run(ctx, conf: BenchConfig) -> dict:
           f"{out['target_forwards_per_token']:.3f}, "
           f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
+    if fixed is not None:
+        print(f"bench tree.policy=cost: {out['tokens_per_s']:.1f} tok/s vs the whole budget every round "
+              f"{fixed['tokens_per_s']:.1f} tok/s -> {out['fixed_policy']['policy_speedup']:.2f}x (acceptance "
+              f"{out['mean_acceptance_length']:.2f} vs {fixed['mean_acceptance_length']:.2f})")
+    if tree["moe"].get("bytes_per_token") and ar["moe"].get("bytes_per_token"):
+        print(f"bench MoE tax: {tree['moe']['mean_experts_per_forward']:.2f} experts per MoE layer per forward vs AR "
+              f"{ar['moe']['mean_experts_per_forward']:.2f}; {tree['moe']['bytes_per_token'] / 1e6:.1f} MB streamed "
+              f"per token vs AR {ar['moe']['bytes_per_token'] / 1e6:.1f} MB")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
                             f"broken (see {ctx.run_dir / 'bench.json'}); report this as a bug")

@@ -7,7 +7,10 @@ client threads each send `requests` streamed completions (prompts in turn, `max_
 output tokens/s and requests/s over the wall time of the round, time to first token and time per output token
 (p50/p95, per request: (end - first token) / (tokens - 1)), `exact` (every answer's text equals its solo answer);
 `scaling` = tokens/s at N / tokens/s at 1. `short_latency_ratio`: a `short_tokens` request's latency while a
-`long_tokens` request streams, over its latency alone (median of 3 each). Then the engine is stopped (SIGTERM:
+`long_tokens` request streams, over its latency alone (median of 3 each). `shared_prefix` (shared_prefix_tokens > 0):
+a ~shared_prefix_tokens system prompt + short distinct questions, TTFT p50 (requests one at a time) and tokens/s at
+N = shared_prefix_clients with the prefix cache off, then on, on the same server (POST /prefix_cache), and whether
+every answer is the same both ways (`exact`, folded into the top-level `exact`). Then the engine is stopped (SIGTERM:
 it drains) so the pipeline ends. Figures are ratios within one run; a shared machine varies between runs.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import statistics
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +40,9 @@ class BenchServeConfig:
     max_tokens: int = 64  # per completion
     short_tokens: int = 4  # short_latency_ratio: this request's latency beside a long_tokens one, over alone
     long_tokens: int = 1000
+    shared_prefix_tokens: int = 2000  # shared-prefix workload: a system prompt of ~this many tokens (0: skip it)
+    shared_prefix_clients: int = 16  # its concurrent clients (throughput with / without the prefix cache)
+    shared_prefix_requests: int = 8  # its sequential requests (TTFT p50 with / without the prefix cache)
 
 
 CONFIG = BenchServeConfig  # cfg.bench_serve: this stage's options (kdtree/pipeline/registry.py)
@@ -48,7 +55,7 @@ def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Even
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    text, tokens, first = "", 0, None
+    text, tokens, first, cached, prompt_tokens = "", 0, None, 0, 0
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
             line = line.decode().strip()
@@ -59,6 +66,8 @@ def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Even
                 raise PipelineError(f"bench_serve: the server answered an error: {ev['error'].get('message')}")
             if ev.get("usage"):
                 tokens = int(ev["usage"]["completion_tokens"])
+                cached = int((ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                prompt_tokens = int(ev["usage"].get("prompt_tokens") or 0)
             piece = "".join(c.get("text") or "" for c in ev.get("choices", []))
             if piece and first is None:
                 first = time.perf_counter() - t0
@@ -66,7 +75,8 @@ def stream(url: str, prompt: str, max_tokens: int, stop: Optional[threading.Even
             if stop is not None and stop.is_set():      # the caller is done with it: hang up (cancels it)
                 break
     end = time.perf_counter() - t0
-    return {"text": text, "tokens": tokens, "ttft": first if first is not None else end, "seconds": end}
+    return {"text": text, "tokens": tokens, "ttft": first if first is not None else end, "seconds": end,
+            "cached_tokens": cached, "prompt_tokens": prompt_tokens}
 
 
 def _pct(xs: List[float], q: float) -> float:
@@ -110,6 +120,82 @@ def short_latency_ratio(url: str, prompt: str, short_tokens: int, long_tokens: i
         t.join(600)
     return {"short_alone_s": round(alone, 4), "short_beside_long_s": round(statistics.median(beside), 4),
             "short_latency_ratio": round(statistics.median(beside) / alone, 3)}
+
+
+def system_prompt(chars: int) -> str:
+    """An agent's system prompt of `chars` characters (tool definitions)."""
+    lines, i = ["You are a careful agent. Answer with the tool you would call and why, in one line."], 0
+    while sum(len(x) + 1 for x in lines) < chars:
+        lines.append(f"Tool {i}: lookup_{i}(key: str, limit: int = {i % 7 + 1}) returns the records of table t{i} "
+                     f"whose key starts with `key`, newest first.")
+        i += 1
+    return "\n".join(lines)[:chars]
+
+
+def set_prefix_cache(url: str, enabled: bool) -> dict:
+    req = urllib.request.Request(url + "/prefix_cache", data=json.dumps({"enabled": enabled}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def shared_prefix(url: str, conf: "BenchServeConfig", tokens: int, tokenizer_chars: float) -> dict:
+    """A ~`tokens`-token system prompt + short distinct questions: TTFT p50 of shared_prefix_requests requests
+    one at a time, and tokens/s of shared_prefix_clients clients (other questions), with the prefix cache off, then
+    on (one server, POST /prefix_cache); `exact`: every answer the same both ways. tokenizer_chars: characters per
+    token (the byte tokenizer: 1; ~4 for K2's BPE on this English text)."""
+    system = system_prompt(int(tokens * tokenizer_chars))
+    n, k = int(conf.shared_prefix_clients), int(conf.shared_prefix_requests)
+    questions = [f"{system}\nUser {i}: which tool lists table t{(7 * i) % 50}, at most {i % 5 + 1} rows?\nAgent:"
+                 for i in range(k + n)]
+    out, answers = {}, {}
+    for mode in ("off", "on"):
+        set_prefix_cache(url, mode == "on")
+        if mode == "on":
+            stream(url, system, 2)                       # one earlier request: the system prompt is cached
+        seq = [stream(url, q, conf.max_tokens) for q in questions[:k]]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            par = list(pool.map(lambda q: stream(url, q, conf.max_tokens), questions[k:]))
+        wall = time.perf_counter() - t0
+        answers[mode] = [r["text"] for r in seq + par]
+        out[mode] = {"ttft_p50_s": round(_pct([r["ttft"] for r in seq], 0.5), 4),
+                     "prompt_tokens_p50": int(_pct([r["prompt_tokens"] for r in seq], 0.5)),
+                     "cached_tokens_p50": int(_pct([r["cached_tokens"] for r in seq], 0.5)),
+                     "tokens_per_s": round(sum(r["tokens"] for r in par) / wall, 2),     # at N = clients
+                     "ttft_p50_s_concurrent": round(_pct([r["ttft"] for r in par], 0.5), 4)}
+    set_prefix_cache(url, True)
+    return {"shared_prefix_chars": len(system), "clients": n, "requests": k, **out,
+            "ttft_speedup": round(out["off"]["ttft_p50_s"] / max(out["on"]["ttft_p50_s"], 1e-9), 2),
+            "exact": answers["off"] == answers["on"]}
+
+
+def shared_prefix_round(ctx, url: str, conf: BenchServeConfig) -> dict:
+    """shared_prefix() with a system prompt that fits the server's context (max_model_len) beside the question, the
+    answer and the tree's verify block; printed."""
+    byte_tok = str(ctx.cfg.model.get("tokenizer", "")) == "byte"
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        max_len = int(json.loads(r.read())["data"][0].get("max_model_len") or 0)
+    tree = ctx.cfg.tree
+    room = max_len - conf.max_tokens - (int(tree.budget) + 1 if str(tree.kind) != "ar" else 0) - 80   # 80: question
+    n_prefix = int(conf.shared_prefix_tokens)
+    if 0 < room < n_prefix:                         # the tiny's 2048-token context: what fits beside the rest
+        print(f"[bench_serve] shared prefix: {room} tokens instead of {n_prefix} (the context is {max_len} "
+              f"tokens)", flush=True)
+        n_prefix = room
+    try:
+        shared = shared_prefix(url, conf, n_prefix, 1.0 if byte_tok else 4.0)
+    except urllib.error.HTTPError as e:              # 409: the server runs without a prefix cache
+        raise PipelineError(f"bench_serve: shared-prefix workload: POST /prefix_cache answered {e.code} "
+                            f"({e.read().decode(errors='replace')[:200]}); serve with serve.prefix_cache=true "
+                            f"or set bench_serve.shared_prefix_tokens=0") from None
+    print(f"[bench_serve] shared prefix ({shared['shared_prefix_chars']} chars): TTFT p50 "
+          f"{shared['off']['ttft_p50_s']:.3f} s without the prefix cache, {shared['on']['ttft_p50_s']:.3f} s "
+          f"with ({shared['ttft_speedup']:.1f}x, {shared['on']['cached_tokens_p50']} tokens cached); "
+          f"N={shared['clients']}: {shared['off']['tokens_per_s']:.1f} -> {shared['on']['tokens_per_s']:.1f} tok/s; "
+          f"exact {shared['exact']}",
+          flush=True)
+    return shared
 
 
 def plot(rounds: List[dict], path: Path) -> None:
@@ -159,6 +245,7 @@ def run(ctx, conf: BenchServeConfig) -> dict:
                   f"TPOT p50/p95 {r['tpot_p50_s'] * 1e3:.1f}/{r['tpot_p95_s'] * 1e3:.1f} ms  exact {r['exact']}",
                   flush=True)
         short = short_latency_ratio(url, texts[0], short_tokens, long_tokens)
+        shared = shared_prefix_round(ctx, url, conf) if conf.shared_prefix_tokens > 0 else None
     finally:
         engine = ctx.engine_process                      # the pipeline ends with the bench: stop the server
         if engine is not None:
@@ -166,10 +253,12 @@ def run(ctx, conf: BenchServeConfig) -> dict:
             stop_engine(engine.host, engine.pid, grace_s=float(ctx.cfg.stop.timeout_s) + 30.0)
     out = {"url": url, "max_tokens": max_tokens, "requests_per_client": requests, "rounds": rounds,
            "scaling": {str(r["clients"]): r["scaling"] for r in rounds},
-           "exact": all(r["exact"] for r in rounds), **short,
+           "exact": all(r["exact"] for r in rounds) and (shared is None or shared["exact"]), **short,
+           "shared_prefix": shared,
            "backend": str(ctx.cfg.backend.name) if "name" in ctx.cfg.backend else "",
            "tree": {k: ctx.cfg.tree[k] for k in ("kind", "width", "depth", "budget")},
-           "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens", "speculate_max_batch")}}
+           "serve": {k: ctx.cfg.serve[k] for k in ("max_batch_tokens", "kv_pool_tokens", "speculate_max_batch",
+                                                    "prefix_cache_tokens", "prefix_cache_page")}}
     run_dir = Path(ctx.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "bench_serve.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -177,4 +266,5 @@ def run(ctx, conf: BenchServeConfig) -> dict:
     print(f"[bench_serve] short_latency_ratio {out['short_latency_ratio']:.2f} "
           f"({out['short_alone_s']:.3f} s alone, {out['short_beside_long_s']:.3f} s beside a {long_tokens}-token "
           f"request); exact {out['exact']}; {run_dir / 'bench_serve.json'}", flush=True)
-    return {k: out[k] for k in ("scaling", "exact", "short_latency_ratio")}
+    return {**{k: out[k] for k in ("scaling", "exact", "short_latency_ratio")},
+            **({"shared_prefix_ttft_speedup": shared["ttft_speedup"]} if shared else {})}

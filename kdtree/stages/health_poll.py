@@ -28,8 +28,9 @@ def engine_target(cfg, pid: int, run_dir: str, log: str) -> Target:
     s, h = cfg.serve, cfg.health
     bind = "127.0.0.1" if s.host in ("0.0.0.0", "", "::") else s.host
     url = h.url or (f"http://{bind}:{s.port}" if int(s.port) else "")   # port 0: the status says which
-    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=h.api_key or _engine_key(s),
-                  pid=int(h.pid or pid or 0), status_path=f"{run_dir}/status.json",
+    return Target(url=url, model=h.model or s.model_name or cfg.model.name, api_key=api_key(h, "health") or _engine_key(s),
+                  pid=int(h.pid or pid or 0), pid_source="health.pid" if int(h.pid) else "",
+                  status_path=f"{run_dir}/status.json",
                   log=h.log or log, unit=h.unit, unit_user=h.unit_user, disk=h.disk,
                   expected_bytes=int(h.expected_bytes))
 

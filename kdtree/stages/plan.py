@@ -3,7 +3,7 @@
     python -m kdtree.run pipeline=plan model=k26 tp=8 quant=int4_w4a16 [plan.disk_mb_s=[2000,240]]
 
 Per rank: the bytes of its slices of the sharded tensors (1/tp each) plus every replicated tensor; the
-latent KV cache per token; the shard files the rank reads (from the checkpoint's index when the checkpoint
+latent KV cache per token; the prefix cache's pages and bytes per token; the shard files the rank reads (from the checkpoint's index when the checkpoint
 is there, else a computed layout of `shard_gb` shards in file order); the load time of the whole node at
 each disk rate. Sharding rules (kdtree/parallel/sharding.py): q_b_proj and kv_b_proj split by head
 (rows), o_proj by input columns; dense/shared/routed expert gate/up by rows, down by columns; latent
@@ -255,6 +255,46 @@ def _device_plan(cfg, model, layout, dtypes: Dict[str, str], float_label: str, t
             "does_not_fit": advice, "max_rank_bytes": worst["total_bytes"]}
 
 
+def _prefix_plan(cfg, model, with_drafter: bool, kv_per_token: int, drafter_kv_per_token: int, device) -> dict:
+    """The prefix cache (serve.prefix_cache*; kdtree/decode/prefix_cache.py): its pages and bytes per token (latent
+    rows of every layer + the target's hidden rows of the drafter's layers, float32, held by rank 0 in host memory),
+    and with backend=cuda how many cached tokens would fit on each rank's device after the weights, the running
+    requests' pool, scratch, graphs and reserve (latent rows on every rank; rank 0 also the hidden rows)."""
+    page = int(OmegaConf.select(cfg, "serve.prefix_cache_page", default=16))
+    budget = int(OmegaConf.select(cfg, "serve.prefix_cache_tokens", default=8192))
+    hidden = len(model.drafter.target_layer_ids) * model.hidden_size * KV_BYTES if with_drafter else 0
+    per_token = kv_per_token + hidden
+    out = {"enabled": bool(OmegaConf.select(cfg, "serve.prefix_cache", default=True)) and budget >= page,
+           "page_tokens": page, "budget_tokens": budget, "pages": budget // page,
+           "latent_bytes_per_token_per_layer": (model.kv_lora_rank + model.qk_rope_head_dim) * KV_BYTES,
+           "latent_bytes_per_token": kv_per_token, "drafter_hidden_bytes_per_token": hidden,
+           "drafter_kv_bytes_per_token": drafter_kv_per_token if with_drafter else 0,   # the alternative not taken
+           "drafter_hidden_formula": (f"{len(model.drafter.target_layer_ids)} layers x {model.hidden_size} x "
+                                      f"{KV_BYTES} B" if with_drafter else ""),
+           "bytes_per_token": per_token, "page_bytes": page * per_token,
+           "budget_bytes": budget // page * page * per_token, "held_by": "rank 0, host memory"}
+    if device is not None:
+        fit = {dev: min(max(0, int((cap - r["total_bytes"]) // (kv_per_token + (hidden if r["rank"] == 0 else 0))))
+                        for r in device["ranks"]) for dev, cap in device["devices"].items()}
+        out["device_fit"] = {dev: {"tokens": t // page * page, "pages": t // page} for dev, t in fit.items()}
+    return out
+
+
+def format_prefix(c: dict, layers: int) -> List[str]:
+    hid = c["drafter_hidden_bytes_per_token"]
+    line = (f"  prefix cache         {c['budget_tokens']} tokens = {c['pages']} pages of {c['page_tokens']}"
+            f"{'' if c['enabled'] else ' (off)'}; per token: latent {c['latent_bytes_per_token'] / KiB:,.1f} KiB "
+            f"({c['latent_bytes_per_token_per_layer']} B per layer x {layers})"
+            + (f" + drafter hidden rows {hid / KiB:,.1f} KiB ({c['drafter_hidden_formula']}; its context KV would be "
+               f"{c['drafter_kv_bytes_per_token'] / KiB:,.1f} KiB)" if hid else "")
+            + f" = {c['bytes_per_token'] / KiB:,.1f} KiB; {_fmt_bytes(c['budget_bytes'])} on {c['held_by']}")
+    lines = [line]
+    for dev, f in (c.get("device_fit") or {}).items():
+        lines.append(f"  prefix cache fit     {dev}: {f['tokens']} tokens ({f['pages']} pages) per rank (the tightest) "
+                     f"after the weights and the serve.kv_pool_tokens pool")
+    return lines
+
+
 def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_gb: float = 5.0) -> dict:
     model, quant = _plain(cfg.model), _plain(cfg.quant)
     model.drafter = types.SimpleNamespace(**model.drafter)
@@ -338,7 +378,7 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
                               ranks[0]["drafter"]["read_bytes"] if ranks[0]["drafter"] else 0,
                               kv_per_token, drafter_kv_per_token if with_drafter else 0, rows)
     return {
-        "model": model.name, "quant": quant.method, "tp": tp, "source": source, "files_total": n_files,
+        "model": model.name, "quant": quant.method, "tp": tp, "source": source, "layers": model.num_hidden_layers, "files_total": n_files,
         "backend": backend, "strategy": strategy, "tree": str(tree.kind) if tree is not None else "ar",
         "float_dtype": float_dtype if ckpt is None else "as stored",
         "total_bytes": sharded + replicated, "sharded_bytes": sharded, "replicated_bytes": replicated,
@@ -347,6 +387,8 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
         "kv_cache": {"dtype": KV_DTYPE, "bytes_per_token": kv_per_token, "per_rank": True,
                      "drafter_bytes_per_token": drafter_kv_per_token if with_drafter else 0,
                      "formula": f"({model.kv_lora_rank}+{model.qk_rope_head_dim}) x {model.num_hidden_layers} layers x {KV_BYTES} B"},
+        "prefix_cache": _prefix_plan(cfg, model, with_drafter, kv_per_token,
+                                     drafter_kv_per_token if with_drafter else 0, device),
         "ranks": ranks,
         "node_read_bytes": node_bytes,
         "load_time_s": {f"{r:g}": node_bytes / (r * MB) for r in disk_mb_s},
@@ -391,6 +433,7 @@ def format_plan(p: dict) -> str:
         f"  KV cache per token   {kv['bytes_per_token'] / KiB:>11,.1f} KiB   latent {kv['dtype']}, {kv['formula']}, "
         f"per rank ({kv['bytes_per_token'] * 8192 / GB:.2f} GB per 8k tokens)"
         + (f"; drafter {kv['drafter_bytes_per_token'] / KiB:,.1f} KiB on rank 0" if kv["drafter_bytes_per_token"] else ""),
+        *format_prefix(p["prefix_cache"], p["layers"]),
         "",
         f"  {'rank':>4}  {'files':>5}  {'read':>10}  {'mapped':>10}  {'copied':>10}  {'drafter':>10}  "
         f"{'resident':>10}  {'scratch':>9}  files",
@@ -450,6 +493,7 @@ def run(ctx, conf: PlanConfig) -> dict:
     (Path(ctx.run_dir) / "plan.json").write_text(json.dumps(p, indent=1))
     return {"per_rank_bytes": p["per_rank_bytes"], "files_total": p["files_total"],
             "kv_bytes_per_token": p["kv_cache"]["bytes_per_token"],
+            "prefix_cache_bytes_per_token": p["prefix_cache"]["bytes_per_token"],
             "resident_after_load_bytes": [r["resident_after_load_bytes"] for r in p["ranks"]],
             **({"device_bytes_per_rank": [r["total_bytes"] for r in p["device"]["ranks"]],
                 "device_fits": p["device"]["fits"]} if p.get("device") else {})}

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 12  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 13  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -252,6 +252,10 @@ int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *r
  * fit; KD_ENOMEM when no range is free now); 0 = one allocation per slot again. Fails while a slot uses the
  * current pool. The serving scheduler reserves serve.kv_pool_tokens once. */
 int kd_model_reserve(kd_model *m, int64_t rows);
+/* Pack the pooled slots to the front of the arena (ascending offsets; each slot's rows moved, its id unchanged), so
+ * the free rows are one range: a kd_cache_alloc that failed for fragmentation alone then fits. *free_rows = the free
+ * range's length. Between forwards only (it moves rows; kd_cache_rows pointers taken before are stale). */
+int kd_model_compact(kd_model *m, int64_t *free_rows);
 
 /* CUDA build (src/cuda/kd_forward.cu): the same calls on HOST arrays (descriptors, forward args and outputs), with
  * the model on the device: kd_model_create uploads every weight once (f32 tensors whose values are all exact

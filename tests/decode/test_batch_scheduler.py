@@ -302,29 +302,30 @@ def run_sampled(engine, speculate_max_batch):
 
 
 @pytest.mark.skipif(CPU_SKIPPED, reason="the native latent-cache arena needs the CPU library")
-def test_a_fragmented_cache_arena_makes_a_request_wait_not_fail(compose_cfg):
-    """backend=cpu: every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (20)
-    and C (40) fill 100; A and C finish first, leaving 80 rows free in two ranges of 40: D (50 rows) fits the
-    accounting but no range, so it waits (not an error) until B finishes, then runs to its solo tokens."""
+def test_a_fragmented_cache_arena_is_packed_and_the_request_admitted(compose_cfg):
+    """backend=cpu: every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (a chain,
+    72) and C (40) fill 152; A and C finish first, leaving 80 rows free in two ranges of 40: D (50 rows) fits the
+    accounting but no range. The arena is packed (B's rows moved while it decodes) and D is admitted at once -- it
+    used to wait for B -- and every request still gets its solo tokens."""
     engine = Engine.from_config(compose_cfg("backend=cpu", "load.progress=false"))   # its own arena, no other caches
-    sched = scheduler(engine, pool_tokens=100)
-    assert sched.pooled and engine.model.pool_rows == 100       # exactly serve.kv_pool_tokens rows
+    sched = scheduler(engine, pool_tokens=152)
+    assert sched.pooled and engine.model.pool_rows == 152       # exactly serve.kv_pool_tokens rows
     enc = engine.tokenizer.encode
-    ar = TREES["ar"]
+    ar, chain = TREES["ar"], OmegaConf.create({"kind": "chain", "width": 1, "depth": 3, "budget": 3})
     a = sched.submit(Request(enc(TEXT[:30]), 10, tree=ar))
-    b = sched.submit(Request(enc(TEXT[40:44]), 16, tree=ar))
+    b = sched.submit(Request(enc(TEXT[40:44]), 64, tree=chain))
     c = sched.submit(Request(enc(TEXT[50:80]), 10, tree=ar))
     while not (a.done.is_set() and c.done.is_set()):
         sched.step()
-    assert not b.done.is_set() and sched.pool_used == 20
+    assert not b.done.is_set() and sched.pool_used == 72 and b.generated < 50
     d = sched.submit(Request(enc(TEXT[90:100]), 40, tree=ar))
     sched.step()
-    assert sched.snapshot()["waiting"] == 1 and not d.admitted_at     # 20 + 50 <= 100, but no free range of 50
-    while not b.done.is_set():
-        sched.step()
+    assert sched.snapshot()["waiting"] == 0 and d.admitted_at and not b.done.is_set()  # 72 + 50 <= 152: admitted
+    assert sched.compactions == 1
     while sched.step():
         pass
-    assert d.admitted_at >= b.finished_at and d.error is None
+    assert d.error is None and b.error is None
     assert d.result.tokens == engine.generate(enc(TEXT[90:100]), 40, tree=ar).tokens
-    assert [r.result.tokens for r in (a, b, c)] == [engine.generate(enc(t), n, tree=ar).tokens
-                                                    for t, n in ((TEXT[:30], 10), (TEXT[40:44], 16), (TEXT[50:80], 10))]
+    assert b.result.tokens == engine.generate(enc(TEXT[40:44]), 64, tree=ar).tokens   # its rows moved mid-decode
+    assert [r.result.tokens for r in (a, c)] == [engine.generate(enc(t), n, tree=ar).tokens
+                                                 for t, n in ((TEXT[:30], 10), (TEXT[50:80], 10))]

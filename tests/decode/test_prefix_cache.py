@@ -1,7 +1,8 @@
 """The exact prefix cache (kdtree/decode/prefix_cache.py): a request whose prompt extends a finished request's
 prompt + answer copies the cached latent rows (and the drafter's hidden rows) and prefills only the rest, and its
 tokens are bit-identical to a run without the cache: AR, chain and DDTree, greedy and seeded sampling, numpy and the
-native cpu backend, with a full-prompt hit, a partial hit and a miss. Also the radix tree itself: page-granular
+native cpu backend, fp32 and INT4 (int4_w4a16), with a full-prompt hit, a partial hit and a miss; a prefix's latent
+rows prefilled in chunks of 1, 7, 64 and 512 rows are bit-identical (tp=2: tests/parallel/test_tp_prefix_cache.py). Also the radix tree itself: page-granular
 matching, the P - 1 limit, LRU eviction under the budget that never drops a referenced page.
 
 Run: .venv/bin/python -m pytest -q tests/decode/test_prefix_cache.py
@@ -29,12 +30,12 @@ BACKENDS = ["numpy"] + ([] if CPU_SKIPPED else ["cpu"])
 _engines = {}
 
 
-def engine_for(compose_cfg, backend) -> Engine:
-    if backend not in _engines:
-        _engines[backend] = Engine.from_config(compose_cfg(f"backend={backend}", "tree=ddtree", "tree.width=4",
-                                                           "tree.depth=7", "tree.budget=8", "load.progress=false",
-                                                           "serve.prefix_cache=false"))
-    return _engines[backend]
+def engine_for(compose_cfg, backend, quant="fp32") -> Engine:
+    if (backend, quant) not in _engines:
+        _engines[backend, quant] = Engine.from_config(compose_cfg(
+            f"backend={backend}", f"quant={quant}", "tree=ddtree", "tree.width=4", "tree.depth=7", "tree.budget=8",
+            "load.progress=false", "serve.prefix_cache=false"))
+    return _engines[backend, quant]
 
 
 def run(engine, sched, ids, max_new, tree, sampling=None):
@@ -49,11 +50,15 @@ def sched_for(engine, pc):
                      max_batch_tokens=48, pool_tokens=4096, prefix_cache=pc)
 
 
+QUANTS = ["fp32", "int4_w4a16"]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["ddtree", "chain", "ar"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_hit_same_tokens(compose_cfg, backend, kind, sampled):
-    engine = engine_for(compose_cfg, backend)
+def test_hit_same_tokens(compose_cfg, backend, kind, sampled, quant):
+    engine = engine_for(compose_cfg, backend, quant)
     tree = TREES[kind]
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=1234) if sampled else None
     ids = engine.tokenizer.encode(TEXT[1000:1400])[:70]
@@ -101,6 +106,32 @@ def test_rows_bit_identical(compose_cfg, backend):
     assert np.array_equal(cache.read_rows(0, rows.shape[1]), rows)
     if hasattr(cache, "release"):
         cache.release()
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_bit_identical_across_prefill_chunks(compose_cfg, backend, quant):
+    """A prefix's latent rows prefilled in chunks of 1, 7, 64 and 512 rows are bit-identical (every layer), and
+    equal to the rows the prefix cache holds for it: the premise of an exact cache (batch-invariant kernels)."""
+    engine = engine_for(compose_cfg, backend, quant)
+    ids = (engine.tokenizer.encode(TEXT) * 2)[:600]
+    got = {}
+    for chunk in (1, 7, 64, 512):
+        cache = engine.model.new_cache(len(ids))
+        for a in range(0, len(ids), chunk):
+            t = np.asarray(ids[a:a + chunk], np.int32)
+            engine.model.forward(t, np.arange(a, a + t.size, dtype=np.int32), cache)
+        got[chunk] = cache.read_rows(0, len(ids))
+        if hasattr(cache, "release"):
+            cache.release()
+    for chunk in (7, 64, 512):
+        assert np.array_equal(got[chunk], got[1]), f"chunk {chunk} rows differ from chunk 1 ({backend}, {quant})"
+    pc = PrefixCache(page_tokens=16)
+    run(engine, sched_for(engine, pc), ids[:520], 1, AR_TREE)       # a max_batch_tokens=48 prefill (chunks of 48)
+    path = pc.lookup(ids, 520)
+    rows, _ = pc.gather(path)
+    pc.release(path)
+    assert rows.shape[1] == 512 and np.array_equal(rows, got[1][:, :512])
 
 
 def test_radix_tree_pages_and_eviction():

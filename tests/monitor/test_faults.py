@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.monitor.test_cold_start import (HOST_KEYS, REPO, HERE, _env, finish, host_overrides, launch, output,
-                                           wait_loading)
+                                           wait_loading, waiting_then_progressing)
 
 
 def _kdtree_watch(tmp_path, cache, run_dir, *overrides):
@@ -47,7 +47,7 @@ def test_workers_outside_the_process_group_reading_with_mmap_are_progress_then_r
     assert watch.returncode == 0, output(run_dir)[-3000:]
     health = json.loads((run_dir / "health.json").read_text())
     verdicts = [s["verdict"] for s in health["samples"]]
-    assert verdicts[-1] == "READY" and set(verdicts[:-1]) == {"PROGRESSING"}, verdicts
+    assert verdicts[-1] == "READY" and waiting_then_progressing(verdicts[:-1]), verdicts
     lines = [s["line"] for s in health["samples"]]
     # the workers are seen (3 processes), their page-ins are the moves, and the ETA runs on them
     loading = [s for s in health["samples"] if "(3 procs)" in s["line"] and "port refused" in s["line"]]
@@ -140,9 +140,9 @@ def test_frozen_sshd_mid_load_is_host_unreachable_and_the_run_exits(tmp_path, kd
             except ProcessLookupError:
                 pass
     health = finish(proc, run_dir)
-    assert proc.returncode == 1, output(run_dir)[-3000:]
+    assert proc.returncode == 5, output(run_dir)[-3000:]
     after = [s for s in health["samples"] if s["at"] > t_stop]
-    first = next(s for s in after if "host unreachable" in s["reason"])
+    first = next(s for s in after if "host not answering" in s["reason"] or "host unreachable" in s["reason"])
     assert first["at"] - t_stop <= 2 * interval + 0.5, [s["line"] for s in after]
     assert health["verdict"] == "UNREACHABLE" and "host unreachable" in health["reason"], health["reason"]
     verdict_at = health["samples"][-1]["at"]
@@ -169,7 +169,7 @@ def test_killed_tp_rank_mid_load_is_crashed_within_2_s_naming_the_rank(tmp_path,
         proc.kill()
         raise
     health = finish(proc, run_dir)
-    assert proc.returncode == 1, output(run_dir)[-3000:]
+    assert proc.returncode == 4, output(run_dir)[-3000:]
     assert health["verdict"] == "CRASHED", health["reason"]
     assert "tp rank 1/2" in health["reason"] and "SIGKILL" in health["reason"], health["reason"]
     assert health["samples"][-1]["at"] - t_kill <= 2.0, [s["line"] for s in health["samples"][-4:]]
@@ -302,6 +302,6 @@ def test_url_only_server_listening_early_is_watched_through_the_ports_owner(tmp_
         server.kill()
         server.wait(10)
     assert summary["verdict"] == "READY", lines
-    assert all(s["verdict"] == "PROGRESSING" for s in summary["samples"][:-1]), lines
+    assert waiting_then_progressing([s["verdict"] for s in summary["samples"][:-1]]), lines
     assert "until a process listens on the port" in lines[0], lines[0]
     assert any(f"pid {server.pid} " in ln and "(3 procs)" in ln and "http 503" in ln for ln in lines), lines

@@ -18,7 +18,8 @@ def loading(bytes_done, cpu_s=1.0, rchar=10 << 20, alive=True, state="S", http=5
 
 def test_moving_bytes_is_progressing_and_silence_is_stalled_after_the_window():
     j = Judge(stall_window_s=10, deadline_s=600, now=0.0)
-    assert j.judge(loading(10), 0.0).verdict == "PROGRESSING"
+    v = j.judge(loading(10), 0.0)            # nothing to compare with yet: no claim of progress
+    assert v.verdict == "WAITING" and "nothing moved yet" in v.reason and not v.terminal
     v = j.judge(loading(20), 1.0)
     assert v.verdict == "PROGRESSING" and "status.bytes_done" in v.moved
     for t in range(2, 11):                       # frozen: nothing moves for 9 s of a 10 s window
@@ -73,7 +74,7 @@ def url_only(port="refused", http=None, code_final=False, message=""):
 def test_nothing_listening_for_the_window_is_unreachable_with_the_reason():
     j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
     for t in (0.0, 1.0, 2.0):
-        assert j.judge(url_only(), t).verdict == "PROGRESSING"
+        assert j.judge(url_only(), t).verdict == "WAITING"
     v = j.judge(url_only(), 3.0)
     assert v.verdict == "UNREACHABLE" and v.terminal and "connection refused" in v.reason
     v = Judge(3, 600, 0.0).judge(url_only("unresolved"), 3.5)
@@ -85,8 +86,8 @@ def test_nothing_listening_for_the_window_is_unreachable_with_the_reason():
 
 def test_a_permanent_4xx_is_its_own_verdict_after_two_samples():
     j = Judge(stall_window_s=30, deadline_s=600, now=0.0)
-    assert j.judge(url_only("open", http=404, code_final=False), 0.0).verdict == "PROGRESSING"  # model unsettled
-    assert j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 1.0).verdict == "PROGRESSING"
+    assert j.judge(url_only("open", http=404, code_final=False), 0.0).verdict == "WAITING"  # model unsettled
+    assert j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 1.0).verdict == "WAITING"
     v = j.judge(url_only("open", http=404, code_final=True, message="Not Found"), 2.0)
     assert v.verdict == "NOT_OPENAI" and v.terminal and "HTTP 404 'Not Found'" in v.reason
     assert "not as an OpenAI completions server" in v.reason
@@ -121,17 +122,38 @@ def test_unreachable_host_is_called_after_the_window_not_on_one_blip():
     j = Judge(stall_window_s=3, deadline_s=600, now=0.0)
     v = j.judge(down, 0.0)
     assert v.verdict == "UNREACHABLE" and not v.terminal
-    assert j.judge(loading(10), 1.0).verdict == "PROGRESSING"       # back: the clock restarts
+    assert j.judge(loading(10), 1.0).verdict == "WAITING"           # back: the clock restarts
     assert not j.judge(down, 2.0).terminal
     v = j.judge(down, 5.5)
     assert v.verdict == "UNREACHABLE" and v.terminal
+
+
+def test_a_late_sample_is_slow_not_unreachable_and_a_stopped_process_is_named():
+    late = {n: ProbeResult(n, False, 21.0, timed_out=True, error="command timed out after 21 s on local")
+            for n in ("completion", "disk")}
+    j = Judge(stall_window_s=30, deadline_s=600, now=0.0, local=True)
+    j.judge(loading(10), 0.0)
+    j.judge(loading(20), 1.0)
+    v = j.judge(late, 22.0, seen_at=1.0)                 # a local host: a slow sample, never "unreachable"
+    assert v.verdict == "WAITING" and "slow sample" in v.reason and "unreachable" not in v.reason and not v.terminal
+    v = j.judge(late, 31.5, seen_at=22.0)
+    assert v.verdict == "STALLED" and v.terminal and "unreachable" not in v.reason
+    ssh = Judge(stall_window_s=30, deadline_s=600, now=0.0)
+    v = ssh.judge({n: ProbeResult(n, False, 2.0, timed_out=True, error="no answer for 2 s") for n in ("completion",)},
+                  2.0, seen_at=0.0)                      # ssh slower than usual: not (yet) unreachable
+    assert v.verdict == "WAITING" and "unreachable" not in v.reason and "not answering for 2 s" in v.reason
+    frozen = Judge(stall_window_s=3, deadline_s=600, now=0.0)
+    for t in (0.0, 1.0, 2.0):
+        assert frozen.judge(loading(10, state="T"), t).verdict == "WAITING"
+    v = frozen.judge(loading(10, state="T"), 3.0)
+    assert v.verdict == "STALLED" and "pid 7 is stopped (state T" in v.reason
 
 
 def test_deadline_extends_while_progress_moves():
     j = Judge(stall_window_s=5, deadline_s=3, now=0.0)
     for t in range(0, 20):                       # bytes move every second: never a failure
         v = j.judge(loading(t), float(t))
-        assert v.verdict == "PROGRESSING", (t, v)
+        assert v.verdict == ("WAITING" if t == 0 else "PROGRESSING"), (t, v)
 
 
 def test_one_sample_script_output_parses_into_every_probe():

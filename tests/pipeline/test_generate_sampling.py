@@ -117,3 +117,42 @@ def test_sweep_over_temperature_and_its_report(tmp_path, kdtree_cache):
     greedy = {float(r["temperature"]): float(r["greedy_mean_acceptance_length"]) for r in rows}
     assert greedy[0.0] == greedy[1.5]                   # the greedy acceptance is reported next to the sampled one
     assert "| temperature |" in (sweep / "report.md").read_text()
+
+
+@pytest.mark.parametrize("grammar", ["kdtree/assets/grammars/tool_call.lark",
+                                     "kdtree/assets/grammars/file_entry.schema.json"])
+def test_bench_under_a_grammar_is_lossless_and_every_output_follows_it(tmp_path, kdtree_cache, grammar):
+    import jsonschema
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main(", "import os\n"]}))
+    _kdtree("pipeline=bench", f"bench.grammar={REPO / grammar}", "bench.max_new_tokens=240", "bench.repeats=1",
+            f"bench.prompts={prompts}", "load.progress=false", runs=tmp_path / "runs", cache=kdtree_cache)
+    b = _result(tmp_path / "runs", "bench.json")
+    assert b["outputs_equal_ar"] is True and b["grammar"].endswith(Path(grammar).name)
+    assert b["grammar_seconds_per_token"] > 0
+    from kdtree.tokenizer import ByteTokenizer
+    for p in b["result"]["per_prompt"]:
+        text = ByteTokenizer().decode(p["tokens"])
+        if grammar.endswith(".lark"):          # markers (all forced) + arguments: the tree is verified whole
+            args = text.split("<|tool_call_argument_begin|>")[1].split("<|tool_call_end|>")[0]
+            assert text.endswith("<|tool_call_end|><|tool_calls_section_end|>")
+            jsonschema.validate(json.loads(args), {"type": "object", "required": ["path", "kind", "depth"]})
+        else:
+            jsonschema.validate(json.loads(text), json.loads((REPO / grammar).read_text()))
+    if grammar.endswith(".lark"):
+        assert b["mean_acceptance_length"] > 8
+
+
+def test_bench_reports_the_moe_tax(tmp_path, kdtree_cache):
+    """bench.json's expert-union columns: a 33-row verify routes to (nearly) every expert of a MoE layer where an AR
+    step reads top-2 of 8; the target bytes streamed per committed token still fall (~6 tokens per verify)."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main(", "import os\n"]}))
+    _kdtree("pipeline=bench", "backend=cpu", "bench.max_new_tokens=24", "bench.repeats=1", f"bench.prompts={prompts}",
+            "load.progress=false", runs=tmp_path / "runs", cache=kdtree_cache)
+    b = _result(tmp_path / "runs", "bench.json")
+    tree, ar = b["moe"], b["ar_moe"]
+    assert set(tree["experts_per_forward"]) == set(ar["experts_per_forward"]) == {"1", "2", "3"}   # tiny's MoE layers
+    assert 2.0 <= ar["mean_experts_per_forward"] < 3.0 < tree["mean_experts_per_forward"] <= 8.0
+    assert 0 < tree["bytes_per_token"] < ar["bytes_per_token"]
+    assert 0 < tree["expert_bytes_per_token"] < tree["bytes_per_token"]

@@ -66,7 +66,7 @@ def test_failed_stage_is_reported_by_status_health_and_the_monitor(tmp_path, kdt
         assert code == 503 and "failed, PipelineError: weights rejected by the checker" in err["error"]["message"]
 
         out, errout = proc.communicate(timeout=120)
-        assert proc.returncode == 1, out[-2000:] + errout[-2000:]
+        assert proc.returncode == 4, out[-2000:] + errout[-2000:]
         health = json.loads((run_dir / "health.json").read_text())
         assert health["verdict"] == "CRASHED", health
         assert "engine status failed: PipelineError: weights rejected by the checker" in health["reason"]

@@ -264,6 +264,31 @@ int kd_model_reserve(kd_model *m, int64_t rows) {
   return KD_OK;
 }
 
+int kd_model_compact(kd_model *m, int64_t *free_rows) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_compact", m);
+  KD_CHECK_PTR("kd_model_compact", free_rows);
+  int64_t at = 0;
+  for (;;) { /* the pooled slot with the lowest offset >= at, moved down to at */
+    kd_slot *next = NULL;
+    for (int64_t i = 0; i < m->n_slots; i++) {
+      kd_slot *o = &m->slots[i];
+      if (o->used && o->pooled && o->off >= at && (!next || o->off < next->off)) next = o;
+    }
+    if (!next) break;
+    if (next->off != at) {
+      float *to = m->pool + at * m->E;
+      for (int64_t l = 0; l < m->d.n_layers; l++) /* only the rows in use move; memmove: the ranges may overlap */
+        memmove(to + l * next->stride, next->kv + l * next->stride, sizeof(float) * (size_t)(next->length * m->E));
+      next->kv = to;
+      next->off = at;
+    }
+    at += next->max_len;
+  }
+  *free_rows = m->pool ? m->pool_rows - at : 0;
+  return KD_OK;
+}
+
 int kd_cache_free(kd_model *m, int64_t slot) {
   kd_clear_error();
   kd_slot *c = kd_slot_get(m, slot, "kd_cache_free");

@@ -1218,6 +1218,40 @@ extern "C" int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int
 
 /* One device arena of `rows` latent-cache rows (the serving pool, reserved once at start so the fit is checked
  * before serving and no request pays a cudaMalloc); slots are row ranges of it. */
+extern "C" int kd_model_compact(kd_model *m, int64_t *free_rows) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_model_compact", m);
+  KD_CHECK_PTR("kd_model_compact", free_rows);
+  int64_t at = 0;
+  const int64_t row = m->d.n_layers * m->E; /* floats per pool row: a slot is [n_layers][max_len][L+R] */
+  for (;;) {
+    fw_slot *next = NULL;
+    for (int64_t i = 0; i < m->n_slots; i++) {
+      fw_slot *o = &m->slots[i];
+      if (o->used && o->pooled && o->off >= at && (!next || o->off < next->off)) next = o;
+    }
+    if (!next) break;
+    if (next->off != at) {
+      float *to = m->pool + at * row;
+      size_t bytes = sizeof(float) * (size_t)(next->max_len * row);
+      float *tmp = NULL; /* the ranges may overlap: through a scratch copy */
+      if (cudaMalloc((void **)&tmp, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        return kd_fail(KD_ENOMEM, "kd_model_compact: no device memory for a %zu-byte scratch copy", bytes);
+      }
+      cudaError_t e = cudaMemcpy(tmp, next->kv, bytes, cudaMemcpyDeviceToDevice);
+      if (e == cudaSuccess) e = cudaMemcpy(to, tmp, bytes, cudaMemcpyDeviceToDevice);
+      cudaFree(tmp);
+      if (e != cudaSuccess) return kd_fail(KD_ECUDA, "kd_model_compact: %s", cudaGetErrorString(e));
+      next->kv = to;
+      next->off = at;
+    }
+    at += next->max_len;
+  }
+  *free_rows = m->pool ? m->pool_rows - at : 0;
+  return KD_OK;
+}
+
 extern "C" int kd_model_reserve(kd_model *m, int64_t rows) {
   kd_clear_error();
   KD_CHECK_PTR("kd_model_reserve", m);
