@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional
 
-from kdtree.decode.grammar import JSON_DEFAULTS, GrammarError, Grammars, GrammarSpec
+from kdtree.decode.grammar import GrammarError, Grammars, GrammarSpec
 from kdtree.serve.reasoning import END_THINK, THINK
 from kdtree.serve.tools import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 
@@ -40,11 +40,10 @@ def _without(text: str) -> str:
 
 
 def _schema(grammars: Grammars, schema: Any, param: str) -> str:
-    """A schema checked alone first (its own error names `param`), then embedded as %json, compact as
+    """`%json {...}` of a schema compiled alone first (its own error names `param`); compact as
     Grammars.json_schema compiles it (llguidance's %json default lets whitespace run on unbounded)."""
     grammars.json_schema(schema, param=param)
-    options = {**JSON_DEFAULTS, **(schema.get("x-guidance") or {})}
-    return json.dumps({**schema, "x-guidance": options}, separators=(",", ":"))
+    return grammars.json_rule(schema, param=param)
 
 
 def _tool_rules(grammars: Grammars, tools: List[Dict[str, Any]], only: Optional[str]) -> List[str]:
@@ -56,7 +55,7 @@ def _tool_rules(grammars: Grammars, tools: List[Dict[str, Any]], only: Optional[
             continue
         params = fn.get("parameters") or ANY_OBJECT
         rules.append(f'f{i}: {json.dumps("functions." + fn["name"] + ":")} IDX {m(ARG_BEGIN)} a{i} {m(CALL_END)}')
-        rules.append(f"a{i}: %json {_schema(grammars, params, 'tools')}")
+        rules.append(f"a{i}: {_schema(grammars, params, 'tools')}")
         alts.append(f"f{i}")
     return [f"call: {m(CALL_BEGIN)} ({' | '.join(alts)})", *rules, f"IDX: {IDX}"]
 
@@ -103,7 +102,7 @@ def output_grammar(grammars: Grammars, tools: Optional[List[Dict[str, Any]]], to
     if not forced:
         if schema is not None:
             alts.append("answer")
-            rules.append(f"answer: %json {_schema(grammars, schema, 'response_format')}")
+            rules.append(f"answer: {_schema(grammars, schema, 'response_format')}")
         elif tool_choice == "none":
             alts.append("TEXT")
             rules.append("TEXT: /(?s:.*)/" if SECTION_BEGIN in grammars.special else f"TEXT: {_without(SECTION_BEGIN)}")
