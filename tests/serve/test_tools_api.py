@@ -241,3 +241,14 @@ def test_bad_tools_and_formats_are_a_400_naming_the_param_and_the_server_keeps_s
     code, ok = post(served.url, {"messages": USER, "max_tokens": 2, "temperature": 0}, path="/v1/chat/completions")
     assert code == 200 and ok["choices"][0]["message"]["content"] is not None
     assert "tool_calls" not in ok["choices"][0]["message"] and "completion_tokens_details" not in ok["usage"]
+
+
+def test_n_samples_each_decode_under_their_own_matcher(served):
+    c = client(served)
+    tools = tools_for(3)
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=tools, tool_choice="required", n=3,
+                                  parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=5)
+    assert len(r.choices) == 3
+    for ch in r.choices:
+        check_calls(tools, None, [(t.id, t.function.name, t.function.arguments) for t in ch.message.tool_calls],
+                    ch.finish_reason, 0)
