@@ -116,6 +116,17 @@ def check_calls(tools, named, calls, finish, i):
         jsonschema.validate(json.loads(args), schemas[name])
 
 
+def test_a_tool_call_decoded_alone_under_ddtree(served):
+    """Request 5 alone (greedy, the tree speculating): its verify rows must be masked by their own paths' states
+    (a tree whose depth-first order differs from its node order once committed a token the grammar refused: 500;
+    kdtree/decode/grammar.py constrain_tree's unchanged-tree return must stack the masks in node order)."""
+    c = client(served)
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=tools_for(5), tool_choice="required",
+                                  max_tokens=400, temperature=0)
+    check_calls(tools_for(5), None, [(t.id, t.function.name, t.function.arguments)
+                                     for t in r.choices[0].message.tool_calls or []], r.choices[0].finish_reason, 5)
+
+
 def test_tool_choice_required_and_named_100_of_100_validate(served):
     c = client(served)
     t0 = time.monotonic()
