@@ -205,6 +205,12 @@ class ServeConfig:
     prefix_cache: bool = True
     prefix_cache_tokens: int = 8192  # tokens held (LRU-evicted past it); K2.6 fp32 latent: 61 x 576 x 4 B = 141 KB/token
     prefix_cache_page: int = 16  # tokens per page (a prefix matches whole pages)
+    # chat output parsers (vLLM's --tool-call-parser / --reasoning-parser): K2's tool-call markers -> tool_calls
+    tool_call_parser: str = "kimi_k2"  # kimi_k2 | none (markers stay text)
+    # <think>...</think> -> reasoning_content: kimi_k2 (thinking on unless chat_template_kwargs.thinking=false) |
+    # none | auto = kimi_k2, thinking on by default when <think> is a special token of the tokenizer (k26), off
+    # otherwise (tiny: chat_template_kwargs {"thinking": true} opens <think> and splits)
+    reasoning_parser: str = "auto"
 
 
 @dataclass

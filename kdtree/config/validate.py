@@ -314,6 +314,9 @@ def validate_serve(cfg: DictConfig) -> None:
         raise ConfigError(f"serve.host={s.host!r} must be an address to bind (127.0.0.1, 0.0.0.0, ::), not a URL")
     if s.max_queue < 1:
         raise ConfigError(f"serve.max_queue={s.max_queue} must be >= 1 (requests waiting for the engine)")
+    for key, allowed in (("tool_call_parser", ("kimi_k2", "none")), ("reasoning_parser", ("auto", "kimi_k2", "none"))):
+        if s.get(key, allowed[0]) not in allowed:
+            raise ConfigError(f"serve.{key}={s.get(key)!r} is not a parser kdtree has; use one of {', '.join(allowed)}")
     if s.demo_tokens < 0:
         raise ConfigError(f"serve.demo_tokens={s.demo_tokens} must be >= 0 (0 = no demo)")
     if cfg.stop.timeout_s < 0:

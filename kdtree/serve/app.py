@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.sampling import SamplingError, SamplingParams
@@ -63,8 +63,10 @@ class ServeApp:
                  max_body_bytes: int = MAX_BODY_BYTES, max_header_bytes: int = MAX_HEADER_BYTES,
                  max_connections: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S,
                  max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
-                 request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S):
+                 request_read_timeout_s: float = REQUEST_READ_TIMEOUT_S, tool_call_parser: str = "kimi_k2",
+                 reasoning_parser: str = "auto"):
         self.status = status
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser  # output_plan.py
         self.host, self.port = host, int(port)
         self.model_name = model_name
         self.api_key = api_key or ""
@@ -235,13 +237,6 @@ class ServeApp:
             self._headroom_of = (engine, head)
         return head
 
-    def _encode(self, text: str) -> List[int]:
-        tok = self.engine.tokenizer
-        try:
-            return list(tok.encode(text, allow_special=True))   # template text names special tokens (k26)
-        except TypeError:
-            return list(tok.encode(text))
-
     def _token_ids(self, p) -> Tuple[List[int], str]:
         if isinstance(p, str):
             return list(self.engine.tokenizer.encode(p)), p
@@ -307,18 +302,20 @@ class ServeApp:
             raise ApiError(400, str(e), param=e.param) from None
 
     def submit(self, prompts: List[List[int]], max_tokens: int, stops: List[str], loop, stream: bool,
-               sampling: Optional[SamplingParams] = None) -> List[Request]:
+               sampling: Optional[SamplingParams] = None, grammar: Any = None,
+               extra_stop_ids: Sequence[int] = ()) -> List[Request]:
         """One Request per prompt and sample, wired to this loop (kdtree/serve/bridge.py): prompt-major, so request k
         is choice index k (prompt k // n, sample k % n, whose seed is sampling.for_sample(k % n).seed). All of them
-        or none: a refusal cancels the ones already queued."""
+        or none: a refusal cancels the ones already queued. `grammar` (a GrammarSpec): each its own matcher."""
         if not self.ready:
             raise self.not_ready_error()
-        stop_ids, reqs = self._stop_ids(stops), []
+        stop_ids, reqs = tuple(dict.fromkeys(self._stop_ids(stops) + tuple(extra_stop_ids))), []
         n = sampling.n if sampling is not None else 1
         try:
             for ids, i in [(ids, i) for ids in prompts for i in range(n)]:
                 req = Request(ids, max_tokens, sampling=sampling.for_sample(i) if sampling is not None else None,
-                              stop_ids=stop_ids, stop_strings=tuple(stops))
+                              stop_ids=stop_ids, stop_strings=tuple(stops),
+                              grammar=grammar.start() if grammar is not None else None)
                 reqs.append(self.worker.submit(wired(req, loop, stream)))
         except QueueFull:
             self._cancel(reqs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_MAX_TOKENS = 16           # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -52,6 +52,35 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+JsonSchema = Dict[str, Any]
+
+
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[Text] = None
+    schema_: Optional[JsonSchema] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None          # always enforced: the output is constrained by the grammar engine
+
+
+class ResponseFormat(_Request):
+    """text | json_object (any JSON object) | json_schema (a JSON value valid under json_schema.schema)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format type json_schema needs json_schema.schema (a JSON schema object)")
+        return self
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"type": self.type}
+        if self.type == "json_schema":
+            out["json_schema"] = {"name": self.json_schema.name, "schema": self.json_schema.schema_}
+        return out
+
+
 class _SamplingFields(_Request):
     """Fields both APIs share. None = not set: the server's default (sampling_defaults())."""
     model: Optional[Text] = None
@@ -74,6 +103,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_hidden_states: bool = False
+    response_format: Optional[ResponseFormat] = None                   # structured output (a grammar, llguidance)
 
     def unsupported(self) -> Optional[tuple]:
         """(param, message) for the first field set to something kdtree cannot do; None when all are fine."""
@@ -117,14 +147,67 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCallIn(_Request):
+    name: Text
+    arguments: Text                        # JSON text, as the API sends it
+
+
+class ToolCallIn(_Request):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[Text, List[TextPart]]] = None
     name: Optional[Text] = None
+    tool_calls: Optional[List[ToolCallIn]] = None          # assistant: the calls it made (content may be None)
+    tool_call_id: Optional[Text] = None                    # tool: the call this is the result of
+    reasoning_content: Optional[Text] = None               # assistant: its thinking (vLLM's field)
 
     def text(self) -> str:
         c = self.content
         return "" if c is None else c if isinstance(c, str) else "".join(p.text for p in c)
+
+    def for_template(self) -> Dict[str, Any]:
+        """The message as the chat template reads it (HF's dict shape; unset fields absent)."""
+        out: Dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for k in ("tool_call_id", "reasoning_content"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+
+class FunctionDef(_Request):
+    name: FunctionName
+    description: Optional[Text] = None
+    parameters: Optional[JsonSchema] = None   # a JSON schema of the arguments (none: no arguments, {})
+    strict: Optional[bool] = None             # always enforced under tool_choice required / named
+
+    def for_template(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None and k != "strict"}
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -137,6 +220,21 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False          # SGLang/vLLM extensions sglang-router sends (identity values only)
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    tools: Optional[Annotated[List[Tool], Field(max_length=128)]] = None
+    tool_choice: Optional[ToolChoice] = None          # None: auto with tools, none without (OpenAI's default)
+    parallel_tool_calls: Optional[bool] = None        # false: at most one call (exactly one under required/named)
+    chat_template_kwargs: Optional[Dict[str, Any]] = None   # vLLM's: extra template variables ({"thinking": false})
+
+    def tool_dicts(self) -> Optional[List[Dict[str, Any]]]:
+        """The tools as the template and the grammar builder read them (OpenAI's dict shape)."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": t.function.for_template()} for t in self.tools]
+
+    def choice(self) -> Any:
+        """tool_choice as plain data: a string or {"type": "function", "function": {"name"}}."""
+        c = self.tool_choice
+        return c.model_dump() if isinstance(c, BaseModel) else c
 
     def unsupported(self) -> Optional[tuple]:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -163,11 +261,16 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0              # prompt tokens served from the prefix cache (OpenAI's field)
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0           # completion tokens of the reasoning (thinking) part
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None   # only with a reasoning parser's split
 
 
 class KdtreeStats(_Response):
@@ -198,7 +301,7 @@ class ChatLogprobs(_Response):
     content: Optional[List[ChatTokenLogprob]] = None
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionChoice(_Response):
@@ -218,9 +321,23 @@ class CompletionResponse(_Response):
     kdtree: Optional[KdtreeStats] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    # absent (not null) unless the output had them: a response without tools reads as it always did
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class ChatChoice(_Response):
@@ -240,9 +357,24 @@ class ChatCompletionResponse(_Response):
     kdtree: Optional[KdtreeStats] = None
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: Optional[str] = None             # the first delta of a call: id, type, function.name (arguments "")
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class DeltaMessage(_Response):
+    """A streamed chunk's delta (the SSE writer sends only the fields a chunk has)."""
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(_Response):
@@ -275,6 +407,18 @@ class ModelList(_Response):
     data: List[ModelCard]
 
 
+# the fields added with tools and reasoning: absent when None (a response without them reads as it always did)
+OMIT_NONE = frozenset(("reasoning_content", "tool_calls", "completion_tokens_details"))
+
+
+def _omit(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _omit(v) for k, v in obj.items() if not (v is None and k in OMIT_NONE)}
+    if isinstance(obj, list):
+        return [_omit(v) for v in obj]
+    return obj
+
+
 def dump(model: BaseModel) -> Dict[str, Any]:
-    """The JSON-ready dict of a response model (None fields kept: OpenAI sends `logprobs: null`)."""
-    return model.model_dump(mode="json")
+    """The JSON-ready dict of a response model (None fields kept: OpenAI sends `logprobs: null`; but OMIT_NONE's)."""
+    return _omit(model.model_dump(mode="json"))

@@ -19,6 +19,7 @@ from kdtree.serve.chat_template import ChatTemplateError
 from kdtree.serve.errors import ERRORS, validation_error
 from kdtree.serve.generation import Generation, respond
 from kdtree.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kdtree.serve.output_plan import chat_plan, completion_plan
 from kdtree.serve.status import describe
 from kdtree.serve.transport import Access, ApiError, Guard, log_safe
 
@@ -142,6 +143,7 @@ def _openai_routes(app: FastAPI, serve) -> None:
     async def completions(req: P.CompletionRequest, request: Request):
         sp = serve.admit(req, chat=False)
         serve._check_fan_out(len(req.prompts()), sp.n)          # before any tokenizing
+        plan = completion_plan(serve, req)
         max_tokens = P.DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens   # null: the default
         def encode():
             encoded = [serve._token_ids(p) for p in req.prompts()]
@@ -153,7 +155,7 @@ def _openai_routes(app: FastAPI, serve) -> None:
         return await respond(serve, request, Generation(
             chat=False, prompts=[ids for ids, _ in encoded], texts=[text for _, text in encoded],
             max_tokens=max_tokens, stops=req.stops(), sampling=sp, stream=bool(req.stream), echo=bool(req.echo),
-            include_usage=bool(req.stream_options and req.stream_options.include_usage)))
+            include_usage=bool(req.stream_options and req.stream_options.include_usage), plan=plan))
 
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses={**ERRORS, **stream_doc})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
@@ -161,13 +163,13 @@ def _openai_routes(app: FastAPI, serve) -> None:
         tpl = serve.chat_template
         if isinstance(tpl, Exception):
             raise ApiError(400, str(tpl), param="messages", code="no_chat_template")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        try:
-            text = await asyncio.to_thread(tpl.render, messages, add_generation_prompt=req.add_generation_prompt)
+        plan = chat_plan(serve, req)                            # tools, tool_choice, response_format: a 400 here
+        try:                    # k26: the template's markers are their ids, a user's written marker plain text
+            ids, text = await asyncio.to_thread(
+                tpl.encode, serve.engine.tokenizer, [m.for_template() for m in req.messages],
+                req.add_generation_prompt, req.tool_dicts(), **(req.chat_template_kwargs or {}))
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
-        ids = await asyncio.to_thread(serve._encode, text)
         limit = req.limit()
         # no limit given: the rest of the context, capped by what the latent-cache pool can ever hold for one request
         # (it ends with finish_reason "length" there) -- never refused for a default
@@ -176,5 +178,5 @@ def _openai_routes(app: FastAPI, serve) -> None:
         serve._check_context(ids, max(1, max_tokens), "messages")
         return await respond(serve, request, Generation(
             chat=True, prompts=[ids], texts=[text], max_tokens=max_tokens, stops=req.stops() + list(tpl.stops),
-            sampling=sp, stream=bool(req.stream),
+            sampling=sp, stream=bool(req.stream), plan=plan, stop_ids=tpl.end_of_turn_ids(serve.engine.tokenizer),
             include_usage=bool(req.stream_options and req.stream_options.include_usage)))

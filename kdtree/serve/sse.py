@@ -14,9 +14,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from kdtree.decode.sampling import SamplingParams
 from kdtree.serve.bridge import pieces
+from kdtree.serve.chat_output import OutputStream
 from kdtree.serve.logprobs import chat_logprobs, completion_logprobs
 from kdtree.decode.request import Request
 from kdtree.serve.text_stream import TextStream, cut_at_stop
+from kdtree.serve.tools import finish_reason
 
 
 def sse(obj: Any) -> bytes:
@@ -28,8 +30,12 @@ def seed_of(sampling: Optional[SamplingParams]) -> Optional[int]:
     return None if sampling is None or sampling.greedy else int(sampling.seed)
 
 
-def final_text(serve, req: Request, stops: List[str]) -> Tuple[str, str]:
-    text, stopped = cut_at_stop(serve.engine.tokenizer.decode(req.result.tokens), stops)
+def final_text(serve, req: Request, stops: List[str], specials: bool = False) -> Tuple[str, str]:
+    """The choice's text (specials=True: special tokens as their text, k26's markers for the output parsers)."""
+    tokens = req.result.tokens
+    decoded = serve.engine.tokenizer.decode(tokens, skip_special_tokens=False) if specials else \
+        serve.engine.tokenizer.decode(tokens)
+    text, stopped = cut_at_stop(decoded, stops)
     return text, "stop" if stopped or req.result.finish_reason in ("stop", "eos") else "length"
 
 
@@ -50,9 +56,12 @@ class Chunks:
     def head(self) -> dict:
         return {"id": self.cid, "object": self.kind, "created": self.created, "model": self.model}
 
-    def event(self, index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None) -> bytes:
+    def event(self, index: int, text: Optional[str], finish: Optional[str], role: bool = False, lp: Any = None,
+              delta: Optional[dict] = None) -> bytes:
+        """One choice's chunk: its text (chat: or a parsed `delta`: reasoning_content, tool_calls), its finish."""
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -92,12 +101,25 @@ class _Logprobs:
         return out
 
 
+def _texts(ch: Chunks, index: int, piece: str, os: Optional[OutputStream], lps: "_Logprobs", upto: int,
+           final: bool = False):
+    """The events of a piece of final text: as it is, or (a parsed chat) its deltas; the logprobs ride on the first."""
+    if os is None:
+        if piece:
+            yield ch.event(index, piece, None, lp=lps.next(upto))
+        return
+    for d in (os.push(piece) if piece else []) + (os.finish() if final else []):
+        yield ch.event(index, None, None, lp=lps.next(upto), delta=d)
+
+
 async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops: List[str], echo: bool,
-                  text: str, want_lp: bool, out: List[int]):
-    """The chunks of choice `index`: (chat) the role, (echo) the prompt, the text as it commits, the finish chunk.
-    An engine error after the stream started ends it with an SSE error event (out[1] = 1)."""
+                  text: str, want_lp: bool, out: List[int], plan: Any = None):
+    """The chunks of choice `index`: (chat) the role, (echo) the prompt, the text as it commits (parsed into
+    reasoning / tool-call deltas when `plan` says so), the finish chunk. An engine error after the stream started
+    ends it with an SSE error event (out[1] = 1)."""
     tok = serve.engine.tokenizer
-    ts = TextStream(tok, stops)
+    os = OutputStream(plan.reasoning, plan.tools) if plan is not None and plan.parses else None
+    ts = TextStream(tok, stops, skip_special_tokens=os is None)       # parsed: k26's markers as their text
     lps = _Logprobs(tok, ch, req, want_lp, 0 if ch.chat else len(text))
     if ch.chat:
         yield ch.event(index, None, None, role=True)
@@ -106,9 +128,8 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
             first = await req.tag.aqueue.get()      # its prefill is done: the prompt's logprobs are in
         yield ch.event(index, text, None, lp=lps.prompt())
     async for ids in pieces(req, first):
-        piece = ts.push(ids)
-        if piece:
-            yield ch.event(index, piece, None, lp=lps.next(len(ts.tokens)))
+        for event in _texts(ch, index, ts.push(ids), os, lps, len(ts.tokens)):
+            yield event
         if ts.stopped:
             req.cancel()                            # the text is over; free the engine for the next request
             break
@@ -120,10 +141,13 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
             out[1] = 1
             yield sse(e.body())
             return
-    piece = ts.finish()
-    if piece:
-        yield ch.event(index, piece, None, lp=lps.next(len(ts.tokens)))
+    for event in _texts(ch, index, ts.finish(), os, lps, len(ts.tokens), final=True):
+        yield event
     finish = "stop" if ts.stopped or req.result.finish_reason in ("stop", "eos") else "length"
+    if os is not None:
+        finish = finish_reason(os.calls, os.open, finish)
+    if os is not None and plan.reasoning:
+        out[2] += len(tok.encode(os.reasoning)) if os.reasoning else 0
     rest = lps.next(len(ts.tokens), final=True)
     if rest is not None and not (rest.get("content") if ch.chat else rest["tokens"]):
         rest = None
@@ -132,7 +156,8 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
 
 
 async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: bool, texts: List[str],
-                 n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None) -> Response:
+                 n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None,
+                 plan: Any = None) -> Response:
     """The SSE response of `reqs` (one per choice, in order); an error before the first token is a JSON error."""
     first = await reqs[0].tag.aqueue.get()             # the first tokens, or the end of a request that failed
     if first is None and reqs[0].error is not None:
@@ -143,19 +168,21 @@ async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: 
     want_lp = sampling is not None and sampling.logprobs is not None
 
     async def body():
-        t0, out = time.monotonic(), [0, 0]             # completion tokens sent, failed
+        t0, out = time.monotonic(), [0, 0, 0]          # completion tokens sent, failed, reasoning tokens
         try:
             for index, req in enumerate(reqs):
                 async for chunk in _choice(serve, ch, index, req, first if index == 0 else ..., stops, echo,
-                                           texts[index], want_lp, out):
+                                           texts[index], want_lp, out, plan):
                     yield chunk
                 if out[1]:
                     break
             else:
                 if include_usage:
-                    yield sse({**ch.head(), "choices": [], "usage": {
-                        "prompt_tokens": n_prompt, "completion_tokens": out[0], "total_tokens": n_prompt + out[0],
-                        "prompt_tokens_details": {"cached_tokens": sum(r.result.cached_tokens for r in reqs)}}})
+                    usage = {"prompt_tokens": n_prompt, "completion_tokens": out[0], "total_tokens": n_prompt + out[0],
+                             "prompt_tokens_details": {"cached_tokens": sum(r.result.cached_tokens for r in reqs)}}
+                    if plan is not None and plan.reasoning:
+                        usage["completion_tokens_details"] = {"reasoning_tokens": out[2]}
+                    yield sse({**ch.head(), "choices": [], "usage": usage})
             yield b"data: [DONE]\n\n"
             if not out[1]:
                 print(f"[serve] stream {n_prompt}+{out[0]} tokens {time.monotonic() - t0:.3f} s", file=sys.stderr,

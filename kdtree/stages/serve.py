@@ -50,7 +50,9 @@ def on_process_start(ctx) -> ServeApp:
                    max_body_bytes=s.max_body_bytes, max_header_bytes=s.max_header_bytes,
                    max_connections=s.max_connections, keepalive_s=s.keepalive_s,
                    max_connections_per_client=s.max_connections_per_client,
-                   request_read_timeout_s=s.request_read_timeout_s).start()
+                   request_read_timeout_s=s.request_read_timeout_s,
+                   tool_call_parser=s.get("tool_call_parser", "kimi_k2"),
+                   reasoning_parser=s.get("reasoning_parser", "auto")).start()
     EngineState.of(ctx).server = app
     ctx.emit("serve_listening", url=app.url, phase=status.phase)
     return app
