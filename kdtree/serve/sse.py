@@ -2,6 +2,7 @@
 string, logprobs, finish_reason, usage, [DONE]; an error after the first byte is an SSE error event)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -155,6 +156,41 @@ async def _choice(serve, ch: Chunks, index: int, req: Request, first: Any, stops
     out[0] += len(ts.tokens)
 
 
+async def interleaved(gens: List[Any]):
+    """The items of several async generators as each produces them (each one's own order kept); an exception in
+    one is raised here; the rest are closed when the consumer stops."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(gen):
+        try:
+            async for item in gen:
+                await queue.put(item)
+        except Exception as e:                          # handed to the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(end)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    left = len(tasks)
+    try:
+        while left:
+            item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: bool, texts: List[str],
                  n_prompt: int, include_usage: bool, sampling: Optional[SamplingParams] = None,
                  plan: Any = None) -> Response:
@@ -170,10 +206,10 @@ async def stream(serve, reqs: List[Request], stops: List[str], kind: str, echo: 
     async def body():
         t0, out = time.monotonic(), [0, 0, 0]          # completion tokens sent, failed, reasoning tokens
         try:
-            for index, req in enumerate(reqs):
-                async for chunk in _choice(serve, ch, index, req, first if index == 0 else ..., stops, echo,
-                                           texts[index], want_lp, out, plan):
-                    yield chunk
+            choices = [_choice(serve, ch, index, req, first if index == 0 else ..., stops, echo, texts[index],
+                               want_lp, out, plan) for index, req in enumerate(reqs)]
+            async for chunk in interleaved(choices):       # n > 1: the choices' chunks as they are decoded
+                yield chunk
                 if out[1]:
                     break
             else:

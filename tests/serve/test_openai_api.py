@@ -325,6 +325,23 @@ def test_n_choices_each_with_its_derived_seed(served, engine):
     assert [ch.index for ch in chat.choices] == [0, 1]
 
 
+def test_n_choices_stream_interleaved_as_they_decode(served):
+    """n > 1 streamed: the choices decode in the same steps, and their chunks arrive interleaved (as vLLM sends
+    them), not one choice after another (issue 37 row 10); each choice's text is still its own, whole."""
+    c = client(served)
+    body = dict(model="tiny", prompt="def main(", max_tokens=32, temperature=1.0, seed=21, n=3)
+    plain = c.completions.create(**body)
+    order = [ch.choices[0].index for ch in c.completions.create(stream=True, **body) if ch.choices and
+             ch.choices[0].text]
+    assert sorted(set(order)) == [0, 1, 2]
+    last0 = max(k for k, i in enumerate(order) if i == 0)
+    assert min(k for k, i in enumerate(order) if i == 2) < last0, order    # choice 2 started before 0 ended
+    for i in range(3):
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(stream=True, **body)
+                           if ch.choices and ch.choices[0].index == i)
+        assert streamed == plain.choices[i].text
+
+
 def test_completion_logprobs_streamed_and_not_with_echo(served):
     c = client(served)
     r = c.completions.create(model="tiny", prompt="def f(x):", max_tokens=8, temperature=0.7, seed=1, logprobs=2)
