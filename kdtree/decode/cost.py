@@ -11,8 +11,10 @@ Where decoding is compute-bound (the tiny model: a 33-row forward costs ~8 singl
 where it is memory-bound (tiny_wide, K2.6: a verify of 9 rows costs about one step, each row of a MoE layer adding
 only the experts it alone routes to -- the union a verify streams) it picks a large one. The measured t(T) already
 contains the MoE union's bytes at the router's real statistics: no separate byte model to keep calibrated.
-Requests decoding together share one forward, so the policy runs for a request decoding alone; batched rounds keep
-the configured budget.
+Where even the best prefix commits fewer tokens per second than plain steps (a compute-bound model whose drafter costs
+more than it saves), the request takes AR steps, trying a tree round again every EXPLORE steps. Requests decoding
+together share one forward, so the policy runs for a request decoding alone; batched rounds keep the configured
+budget.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 from kdtree.tree import Tree
 
 SMOOTH = 0.2                 # weight of a new measurement in a size's running estimate
+EXPLORE = 8                  # while plain steps are faster: one tree round every this many steps
 
 
 def policy_of(tree_cfg) -> str:
@@ -43,6 +46,7 @@ class ForwardCosts:
         self.model = model
         self.rows: Dict[int, float] = {}
         self.draft = 0.0
+        self.tree_rate = 0.0                     # tokens per second of tree rounds (draft + verify), smoothed
         self.calibrated = False
 
     def calibrate(self, max_rows: int, repeats: int = 2) -> bool:
@@ -76,6 +80,14 @@ class ForwardCosts:
 
     def observe_draft(self, seconds: float) -> None:
         self.draft = seconds if not self.draft else (1 - SMOOTH) * self.draft + SMOOTH * seconds
+
+    def observe_round(self, tokens: int, seconds: float) -> None:
+        rate = tokens / max(seconds, 1e-9)
+        self.tree_rate = rate if not self.tree_rate else (1 - SMOOTH) * self.tree_rate + SMOOTH * rate
+
+    def prefers_ar(self) -> bool:
+        """A plain step (1 / t(1), no draft) commits faster than this model's tree rounds have been."""
+        return bool(self.calibrated and self.tree_rate and self.tree_rate < 1.0 / self.seconds(1))
 
     def seconds(self, rows: int) -> float:
         """t(rows): measured, else interpolated between the nearest measured sizes."""

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kdtree.decode.cost import best_prefix, policy_of, prefix_tree
+from kdtree.decode.cost import EXPLORE, best_prefix, policy_of, prefix_tree
 from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
@@ -146,6 +146,8 @@ class DecodeState:
         self.policy = policy_of(tree_cfg) if self.budget else "fixed"
         self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
         self.solo = False                      # set by the scheduler: this round's forward is this request's alone
+        self.plain_steps = 0                   # tree.policy=cost: AR steps taken since plain steps were faster
+        self.round_draft_s = 0.0
         self.prefix_path: list = []            # the prefix cache pages this request mapped (released at finish)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
@@ -233,10 +235,19 @@ class DecodeState:
             a = self.prefilled
             return Block("prefill", self.prompt[a:a + n], np.arange(a, a + n, dtype=np.int32), None, a)
         start = self.cache.length
-        if not (self.budget and speculate):    # AR, or a speculative request while speculation is off
+        if not (self.budget and speculate) or self._plain_step():   # AR, or a speculative request stepping plain
             last = self.req.result.tokens[-1]
             return Block("ar", np.array([last], np.int32), np.array([start], np.int32), None, start)
         return self._plan_tree(start)
+
+    def _plain_step(self) -> bool:
+        """tree.policy=cost: True for an AR step while plain steps commit faster than tree rounds (one tree round
+        every EXPLORE steps keeps the comparison current)."""
+        if self.costs is None or not self.solo or not self.costs.prefers_ar():
+            self.plain_steps = 0
+            return False
+        self.plain_steps += 1
+        return self.plain_steps % EXPLORE != 0
 
     def _plan_tree(self, start: int) -> Block:
         res, t0 = self.req.result, time.perf_counter()
@@ -253,6 +264,7 @@ class DecodeState:
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
+        self.round_draft_s = t1 - t0
         if self.costs is not None and self.solo:   # tree.policy=cost: the prefix with the most tokens per second
             self.costs.observe_draft(t1 - t0)
             if self.costs.calibrated or self.costs.calibrate(self.budget + 1):
@@ -291,7 +303,7 @@ class DecodeState:
                 self.bonus = token
                 self.pending_hid.append(row)
             return over
-        return self._advance_tree(block, logits, argmax, hid)
+        return self._advance_tree(block, logits, argmax, hid, seconds)
 
     def _advance_prefill(self, block: Block, logits, argmax, hid) -> bool:
         res, a, n, P = self.req.result, block.start, block.rows, len(self.prompt)
@@ -323,7 +335,7 @@ class DecodeState:
         self.bonus = first
         return self._commit([first], logits[row:row + 1])
 
-    def _advance_tree(self, block: Block, logits, argmax, hid) -> bool:
+    def _advance_tree(self, block: Block, logits, argmax, hid, seconds: float = 0.0) -> bool:
         res, tree, t0 = self.req.result, block.tree, time.perf_counter()
         choice = logits                        # under a grammar: each row masked by its own path's state
         if block.masks is not None:
@@ -341,6 +353,8 @@ class DecodeState:
         rows = np.concatenate([[0], path + 1])                 # block rows of root + accepted path
         self.cache.keep(block.start, block.start + rows)
         committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
+        if self.costs is not None and self.solo:
+            self.costs.observe_round(len(committed), seconds + self.round_draft_s)
         t1 = time.perf_counter()
         res.stage_seconds["accept"] += t1 - t0
         over = self._commit(committed, logits[rows] if self.top is not None else None)

@@ -72,3 +72,13 @@ def test_cost_policy_is_lossless_alone_and_batched(compose_cfg, backend, sampled
         engine.drive(r)
     assert reqs[0].result.tokens == want
     assert reqs[1].result.tokens == engine.generate(ids[3:], 24, tree=AR_TREE, sampling=sp).tokens
+
+
+def test_plain_steps_when_tree_rounds_are_slower():
+    c = _costs(lambda T: 0.01 * T)                 # a plain step: 100 tokens/s
+    assert not c.prefers_ar()                      # no tree round measured yet: try trees
+    c.observe_round(3, 0.05)                       # a tree round: 60 tokens/s
+    assert c.prefers_ar()
+    for _ in range(20):
+        c.observe_round(6, 0.04)                   # rounds now commit 150 tokens/s
+    assert not c.prefers_ar()
