@@ -19,7 +19,7 @@ budget.
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Tuple
 
 import numpy as np
 
@@ -47,6 +47,7 @@ class ForwardCosts:
         self.rows: Dict[int, float] = {}
         self.draft = 0.0
         self.tree_rate = 0.0                     # tokens per second of tree rounds (draft + verify), smoothed
+        self.confidence = 1.0                    # accepted drafted tokens / the drafter's expectation, smoothed
         self.calibrated = False
 
     def calibrate(self, max_rows: int, repeats: int = 2) -> bool:
@@ -81,7 +82,11 @@ class ForwardCosts:
     def observe_draft(self, seconds: float) -> None:
         self.draft = seconds if not self.draft else (1 - SMOOTH) * self.draft + SMOOTH * seconds
 
-    def observe_round(self, tokens: int, seconds: float) -> None:
+    def observe_round(self, tokens: int, seconds: float, expected: float = 0.0) -> None:
+        """A tree round committed `tokens` in `seconds`; `expected`: the drafted tokens it expected to accept."""
+        if expected > 0:                         # the drafter's probabilities are not calibrated: learn how far off
+            ratio = min(4.0, max(0.25, (tokens - 1) / expected))
+            self.confidence = (1 - SMOOTH) * self.confidence + SMOOTH * ratio
         rate = tokens / max(seconds, 1e-9)
         self.tree_rate = rate if not self.tree_rate else (1 - SMOOTH) * self.tree_rate + SMOOTH * rate
 
@@ -111,11 +116,13 @@ def node_scores(tree: Tree, logp: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def best_prefix(tree: Tree, logp: np.ndarray, ids: np.ndarray, costs: ForwardCosts) -> int:
-    """b* = argmax_b (1 + sum_{i<b} exp(score_i)) / (t(b + 1) + draft), over b = 0..N."""
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.exp(node_scores(tree, logp, ids)))])
-    rate = [expected[b] / (costs.seconds(b + 1) + costs.draft) for b in range(tree.size + 1)]
-    return int(np.argmax(rate))
+def best_prefix(tree: Tree, logp: np.ndarray, ids: np.ndarray, costs: ForwardCosts) -> Tuple[int, float]:
+    """(b*, the drafted tokens it expects to accept): b* = argmax_b (1 + c sum_{i<b} exp(score_i)) / (t(b + 1) +
+    draft) over b = 0..N, c = costs.confidence (how the drafter's probabilities have matched its acceptance)."""
+    drafted = np.concatenate([[0.0], np.cumsum(np.exp(node_scores(tree, logp, ids)))])
+    rate = [(1.0 + costs.confidence * drafted[b]) / (costs.seconds(b + 1) + costs.draft) for b in range(tree.size + 1)]
+    b = int(np.argmax(rate))
+    return b, float(drafted[b])
 
 
 def prefix_tree(tree: Tree, b: int) -> Tree:

@@ -148,6 +148,7 @@ class DecodeState:
         self.solo = False                      # set by the scheduler: this round's forward is this request's alone
         self.plain_steps = 0                   # tree.policy=cost: AR steps taken since plain steps were faster
         self.round_draft_s = 0.0
+        self.round_expected = 0.0              # the drafted tokens the chosen prefix expects to accept
         self.prefix_path: list = []            # the prefix cache pages this request mapped (released at finish)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
@@ -264,11 +265,12 @@ class DecodeState:
         t = self.ops.tree_build(logp, ids, self.budget)
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
-        self.round_draft_s = t1 - t0
+        self.round_draft_s, self.round_expected = t1 - t0, 0.0
         if self.costs is not None and self.solo:   # tree.policy=cost: the prefix with the most tokens per second
             self.costs.observe_draft(t1 - t0)
             if self.costs.calibrated or self.costs.calibrate(self.budget + 1):
-                tree = prefix_tree(tree, best_prefix(tree, logp, ids, self.costs))
+                b, self.round_expected = best_prefix(tree, logp, ids, self.costs)
+                tree = prefix_tree(tree, b)
         masks = None
         if self.grammar is not None:           # deeper nodes: pruned where their own path's state refuses them
             t2 = time.perf_counter()
@@ -354,7 +356,7 @@ class DecodeState:
         self.cache.keep(block.start, block.start + rows)
         committed = [int(t) for t in np.asarray(tree.tokens)[path]] + [int(new_bonus)]
         if self.costs is not None and self.solo:
-            self.costs.observe_round(len(committed), seconds + self.round_draft_s)
+            self.costs.observe_round(len(committed), seconds + self.round_draft_s, self.round_expected)
         t1 = time.perf_counter()
         res.stage_seconds["accept"] += t1 - t0
         over = self._commit(committed, logits[rows] if self.top is not None else None)

@@ -41,8 +41,8 @@ def test_the_prefix_follows_the_cost_curve():
     tree, logp, ids = _tree()
     scores = node_scores(tree, logp, ids)
     assert np.all(np.diff(scores) <= 1e-12)                       # best-first: scores never rise
-    flat = best_prefix(tree, logp, ids, _costs(lambda T: 1.0 + 0.001 * T))       # memory-bound: rows nearly free
-    steep = best_prefix(tree, logp, ids, _costs(lambda T: 1.0 * T))              # compute-bound: each row a step
+    flat, _ = best_prefix(tree, logp, ids, _costs(lambda T: 1.0 + 0.001 * T))       # memory-bound: rows nearly free
+    steep, _ = best_prefix(tree, logp, ids, _costs(lambda T: 1.0 * T))              # compute-bound: each row a step
     assert flat == tree.size and steep < 4 and flat > steep
     small = prefix_tree(tree, steep)
     assert small.size == steep and list(small.parents) == list(tree.parents[:steep])
