@@ -154,8 +154,10 @@ def status_replica(r: Replica, url: str, overrides: List[str], run_dir: Path,
     on its host): READY, or CRASHED / STALLED / UNREACHABLE with the reason; its lines through on_line."""
     pid_file = Path(r.run_dir) / "engine.pid"
     pid = pid_file.read_text().strip() if pid_file.is_file() else "0"
-    argv = kdtree_command("pipeline=watch", *host_args(r.host), f"health.url={url}",
-                          f"health.pid={pid}", f"health.status_path={r.run_dir}/status.json",
+    # health.pid_ran: the replica's engine did run with this pid, so a pid that is gone is its crash (CRASHED with
+    # the evidence), where a health.pid naming no process is otherwise a mistake in the command (an error at start)
+    argv = kdtree_command("pipeline=watch", *host_args(r.host), f"health.url={url}", f"health.pid={pid}",
+                          "health.pid_ran=true", f"health.status_path={r.run_dir}/status.json",
                           f"health.log={r.run_dir}/engine.log", f"hydra.run.dir={run_dir / f'replica-{r.index}'}",
                           *overrides)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)

@@ -223,6 +223,7 @@ class HealthConfig:
     unit: str = ""  # systemd unit for journalctl log silence
     log: str = ""  # engine log file for log silence
     pid: int = 0
+    pid_ran: bool = False  # the pid is known to have run (a fleet replica's record): gone = CRASHED, not a typo
     unit_user: bool = False  # health.unit is a user unit (systemctl --user / journalctl --user)
     model: str = ""  # model name for the completion probe; empty = serve.model_name/model.name, or GET /v1/models
     api_key: str = ""  # refused (a key on a command line is in `ps`): KDTREE_API_KEY or health.api_key_file

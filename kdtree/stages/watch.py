@@ -28,7 +28,7 @@ def run(ctx) -> dict:
         raise ConfigError("health.url is empty; give the server to watch, e.g. health.url=http://127.0.0.1:30001")
     host = connect(ctx.cfg.host)
     target = Target(url=h.url, model=h.model, api_key=api_key(h, "health"), pid=int(h.pid),
-                    pid_source="health.pid" if int(h.pid) else "", status_path=h.status_path,
+                    pid_source="health.pid" if int(h.pid) and not h.get("pid_ran", False) else "", status_path=h.status_path,
                     log=h.log, unit=h.unit, unit_user=h.unit_user, checkpoint=ctx.cfg.model.path,
                     expected_bytes=int(h.expected_bytes), disk=h.disk)
     try:
