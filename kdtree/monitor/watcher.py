@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
-from kdtree.monitor.eta import RateMeter, eta_seconds
+from kdtree.monitor.eta import LoadBytes, RateMeter, eta_seconds
 from kdtree.monitor.evidence import check_evidence, evidence_note
 from kdtree.monitor.finder import found_note
 from kdtree.monitor.history import History, compare
@@ -85,6 +85,7 @@ class Watcher:
         self.samples: List[Dict[str, Any]] = []
         self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
         self.read_meter = RateMeter(window_s=self.meter.window_s)   # the tree's loaded bytes, for its `read` rate
+        self.load_bytes = LoadBytes()                # the tree's loaded bytes less its reads before the load
         self.tree = P.ProcessTree()
         self._tree_root = 0
         self._prev_disk: Optional[Dict[str, Any]] = None
@@ -281,8 +282,9 @@ class Watcher:
                 self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint,
                                                                  self.timeout) or 0
             if self._checkpoint_total:
-                done, total, source = min(pr.data["loaded"], self._checkpoint_total), self._checkpoint_total, \
-                    "process"
+                done, total = min(self.load_bytes.done(pr.data["loaded"]), self._checkpoint_total), \
+                    self._checkpoint_total
+                source = "process"
         if done is None:
             return None
         self.meter.add(t, done)
