@@ -282,8 +282,8 @@ class Watcher:
                 self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint,
                                                                  self.timeout) or 0
             if self._checkpoint_total:
-                done, total = min(self.load_bytes.done(pr.data["loaded"]), self._checkpoint_total), \
-                    self._checkpoint_total
+                total = self._checkpoint_total
+                done = min(self.load_bytes.done(pr.data["loaded"], total), total)
                 source = "process"
         if done is None:
             return None
