@@ -39,3 +39,29 @@ def eta_seconds(done: float, total: float, rate: Optional[float]) -> Optional[fl
         return None
     eta = max(0.0, (total - done) / rate)
     return eta if eta <= MAX_ETA_S else None
+
+
+class LoadBytes:
+    """The checkpoint bytes a process tree has loaded: its loaded counter less what it had read while idle before
+    the load began (an interpreter's imports, config and tokenizer files: ~0.7 MB for a bare python, far more for a
+    server). Counted in, those bytes put the ETA low by their size / the rate all along, so it never converged (issue
+    37 row 18). While successive samples show no reads (< `min_move` bytes) and what was read is under `BASE_FRACTION`
+    of the checkpoint, everything read so far is the base; once reads move, the base is kept. A watch that begins
+    mid-load keeps 0: its first two samples move, or (a bursty load idle between two bursts) more than that fraction
+    is in already."""
+
+    BASE_FRACTION = 0.05
+
+    def __init__(self, min_move: int = 64 * 1024):
+        self.min_move, self.base, self.prev, self.started = int(min_move), 0, None, False
+
+    def done(self, loaded: int, total: int) -> int:
+        if loaded > self.BASE_FRACTION * total:
+            self.started = True
+        if not self.started and self.prev is not None:
+            if loaded - self.prev >= self.min_move:
+                self.started = True          # the load began (or was under way): the base stays
+            else:
+                self.base = loaded           # idle since the last sample: not load bytes
+        self.prev = loaded
+        return max(0, loaded - self.base)

@@ -84,7 +84,8 @@ def evidence_note(t, missing: Dict[str, str], local_port: int) -> str:
     has_log = bool(t.unit or (t.log and "log" not in missing))
     gone = ("; missing: " + "; ".join(missing.values())) if missing else ""
     if not what:
-        owner = " until a process listens on the port (then its process tree)" if local_port else ""
+        owner = (" until the server's process is found by its port (listening on it, or naming it on its command "
+                 "line: then its process tree)") if local_port else ""
         return ("evidence: nothing attributable to the server (no health.pid, health.unit or health.disk): "
                 "judging on the port, the completion probe" + (" and the log" if has_log else "") + " alone"
                 + owner + gone)

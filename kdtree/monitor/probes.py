@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from kdtree.errors import HostError
+from kdtree.monitor.finder import find_script, take_found
 
 PROMPT = "2+2="
 BODY_HEAD = 160                        # characters of an error body shown in the evidence line
@@ -51,7 +52,8 @@ class SampleSpec:
     model: str = ""                  # "" = completion without `model`, and GET /v1/models to learn the id
     pid: int = 0                     # root of the watched process tree; 0 = from pidfile, else no process probe
     pidfile: str = ""
-    port_owner: int = 0              # no pid: the process listening on this local TCP port is the root (0 = no)
+    port_owner: int = 0              # no pid: the process listening on this TCP port of the host, else one whose
+                                     # command line names it, is the root (finder.py; 0 = no)
     status_path: str = ""
     log: str = ""
     unit: str = ""
@@ -105,6 +107,7 @@ kd_show() {
 # Descendants of $P by ppid (one pass over every /proc/*/stat; the comm may hold spaces and parentheses, so
 # everything up to the LAST ") " is cut first), then each member's stat, RSS and io.
 _PROCESS_SH = r"""kd_mark process
+[ -n "$KD_FOUND" ] && echo "found $KD_FOUND $(tr '\0' ' ' </proc/$P/cmdline 2>/dev/null | head -c 200)"
 if ! [ "$P" -gt 0 ] 2>/dev/null; then
   echo "NOPID"
 elif [ -r /proc/$P/stat ]; then
@@ -119,14 +122,6 @@ else
   echo "GONE $P"
 fi
 """
-
-# The pid listening on a local TCP port: its socket's inode from /proc/net/tcp{,6} (state 0A = LISTEN), then the
-# process holding that inode among /proc/*/fd (one `find`, not a readlink per descriptor).
-_PORT_OWNER_SH = r"""if ! [ "$P" -gt 0 ] 2>/dev/null; then
-  I=$(awk -v h=":$(printf '%04X' {port})" '$2 ~ (h "$") && $4 == "0A" {{print $10; exit}}' /proc/net/tcp /proc/net/tcp6 2>/dev/null)
-  [ -n "$I" ] && P=$(find /proc/[0-9]*/fd -lname "socket:\[$I\]" 2>/dev/null | head -n 1 | cut -d/ -f3)
-  P=${{P:-0}}
-fi"""
 
 _GPU_SH = r"""kd_mark gpu
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -158,11 +153,11 @@ def sample_script(spec: SampleSpec) -> str:
             parts.append(f"kd_http models {spec.http_timeout_s:g} {q(base + '/v1/models')}")
         parts.append(f"kd_http status {spec.http_timeout_s:g} {q(base + '/status')}")
     if spec.pid or spec.pidfile or spec.port_owner:
-        parts.append(f"P={int(spec.pid)}")
+        parts.append(f"P={int(spec.pid)}; KD_FOUND=")
         if not spec.pid and spec.pidfile:
             parts.append(f"P=$(cat {q(spec.pidfile)} 2>/dev/null); P=${{P:-0}}")
         if not spec.pid and spec.port_owner:
-            parts.append(_PORT_OWNER_SH.format(port=int(spec.port_owner)))
+            parts.append(find_script(spec.port_owner))
         parts.append(_PROCESS_SH)
     parts.append("kd_mark disk; cat /proc/diskstats")
     if spec.gpu:
@@ -369,6 +364,13 @@ def whole_devices(devs: Dict[str, Any]) -> Dict[str, Any]:
 
 def _parse_process(text: str) -> Dict[str, Any]:
     lines = text.splitlines()
+    found = take_found(lines)
+    if found and lines and lines[0].startswith("GONE"):     # found, then gone before it was read: not found
+        return {"pid": 0, "alive": None, "state": "unknown", "procs": {}}
+    return dict(_parse_tree(lines), found=found) if found else _parse_tree(lines)
+
+
+def _parse_tree(lines: List[str]) -> Dict[str, Any]:
     if lines and lines[0].startswith("NOPID"):             # no pidfile yet / nothing listens on the port yet
         return {"pid": 0, "alive": None, "state": "unknown", "procs": {}}
     if not lines or lines[0].startswith("GONE"):

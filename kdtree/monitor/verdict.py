@@ -136,6 +136,9 @@ class Judge:
         self.unreachable_since: Optional[float] = None
         self.port_open_at: float = now     # last time something listened at the URL (start: benefit of the doubt)
         self.permanent: List[int] = []     # HTTP codes of the last samples' completions, while permanent
+        self.moves: List[float] = []       # when the last few moves were seen: a bursty load's cadence
+        self.spacing = 0.0                 # seconds between samples (running mean)
+        self.moving = False                # the previous sample saw a move
 
     def judge(self, probes: Dict[str, Any], now: float, seen_at: Optional[float] = None) -> Judgement:
         """`now`: the sample's end; `seen_at`: its start, when the probes went out (default `now`). A move is
@@ -149,12 +152,20 @@ class Judge:
 
         signals = progress_signals(probes)
         moved = moved_signals(self.prev, signals, now - self.prev_t) if self.prev_t is not None else []
+        if self.prev_t is not None:
+            self.spacing = now - self.prev_t if not self.spacing else 0.8 * self.spacing + 0.2 * (now - self.prev_t)
         self.prev, self.prev_t = signals, now
         if moved:
             self.moved_once = True
             self.last_progress = max(self.last_progress, seen_at)
             self.deadline_at = max(self.deadline_at, now + self.window)
-        quiet = 0.0 if moved else now - self.last_progress      # a sample that saw a move is never STALLED
+            if not self.moving:                    # a burst's start (a burst can span samples)
+                self.moves = (self.moves + [seen_at])[-4:]
+        self.moving = bool(moved)
+        cadence = self.cadence()
+        # a sample that saw a move is never STALLED; between the bursts of a steady bursty load (mmap page-ins in
+        # ~17 MB bursts) the quiet counts past the load's usual gap, not from its last burst (issue 37 row 17)
+        quiet = 0.0 if moved else max(0.0, now - self.last_progress - min(cadence, self.window / 2))
 
         comp = probes.get("completion")
         cd = comp.data if comp is not None and comp.ok else {}
@@ -185,15 +196,27 @@ class Judge:
                 return Judgement("UNREACHABLE", True, f"nothing listening at the URL for {closed_for:.0f} s ({why}) "
                                  f"and no process of the server to watch (health.pid)", moved, quiet)
             if quiet >= self.window:
-                return Judgement("STALLED", True, f"nothing moved for {quiet:.0f} s (stall window {self.window:g} s)"
+                return Judgement("STALLED", True, f"nothing moved for {now - self.last_progress:.0f} s (stall window "
+                                 f"{self.window:g} s" + (f" past the load's usual {cadence:.0f} s between moves)"
+                                                        if cadence else ")")
                                  + _stopped(probes), moved, quiet)
             return Judgement("STALLED", True, f"deadline of {self.deadline_at - self.t0:.0f} s passed without "
                              f"progress", moved, quiet)
         if not self.moved_once:
             return Judgement("WAITING", False, f"nothing moved yet: {quiet:.0f} s of {self.window:g} s window"
                              + _stopped(probes), moved, quiet)
+        usual = f" past the load's usual {cadence:.0f} s between moves" if cadence else ""
         return Judgement("PROGRESSING", False, "moved: " + ",".join(moved) if moved else
-                         f"quiet {quiet:.0f} s of {self.window:g} s window", moved, quiet)
+                         f"quiet {quiet:.0f} s{usual} of {self.window:g} s window", moved, quiet)
+
+    def cadence(self) -> float:
+        """The usual gap between a bursty load's moves, once two regular gaps (each >= 2 sample spacings, within
+        a factor 2 of each other) were seen: a frozen bursty load is then STALLED that much later (at most half a
+        window later). 0 for a load that moves every sample or irregularly."""
+        gaps = [b - a for a, b in zip(self.moves, self.moves[1:])][-2:]
+        if len(gaps) < 2 or min(gaps) < 2 * max(self.spacing, 0.1) or max(gaps) > 2 * min(gaps):
+            return 0.0
+        return sum(gaps) / 2
 
     def _no_reply(self, probes: Dict[str, Any], now: float, seen_at: float) -> Judgement:
         """A sample that observed nothing. A failed connection (connect/transport) is an unreachable host; a sample

@@ -23,8 +23,9 @@ from urllib.parse import urlsplit
 
 from kdtree.config.paths import cache_dir
 from kdtree.monitor import probes as P
-from kdtree.monitor.eta import RateMeter, eta_seconds
+from kdtree.monitor.eta import LoadBytes, RateMeter, eta_seconds
 from kdtree.monitor.evidence import check_evidence, evidence_note
+from kdtree.monitor.finder import found_note
 from kdtree.monitor.history import History, compare
 from kdtree.monitor.verdict import EXIT_CODES, Judge
 from kdtree.serve.status import describe
@@ -84,6 +85,7 @@ class Watcher:
         self.samples: List[Dict[str, Any]] = []
         self.meter = RateMeter(window_s=max(5.0, min(30.0, self.window)))
         self.read_meter = RateMeter(window_s=self.meter.window_s)   # the tree's loaded bytes, for its `read` rate
+        self.load_bytes = LoadBytes()                # the tree's loaded bytes less its reads before the load
         self.tree = P.ProcessTree()
         self._tree_root = 0
         self._prev_disk: Optional[Dict[str, Any]] = None
@@ -95,7 +97,8 @@ class Watcher:
         self._checkpoint_total: Optional[int] = int(target.expected_bytes) or None
         self._last_status: Optional[Dict[str, Any]] = None
         self._unit_pid = 0
-        self._port_pid = 0                           # the process found listening on the URL's port
+        self._port_pid = 0                           # the process found by the URL's port (finder.py)
+        self._found_note = ""                        # said once, in the sample that found it
         self._first_byte_s: List[float] = []       # seconds from a sample's start to its first byte (recent ones)
         self._observed: Dict[str, float] = {}      # monitor-seen milestones: port_open, ready (seconds)
         self._missing: Dict[str, str] = {}         # evidence named but absent at start: {"log": why, ...}
@@ -120,7 +123,8 @@ class Watcher:
             port = u.port or (443 if u.scheme == "https" else 80)
         except ValueError:
             return 0
-        return port if u.hostname in ("127.0.0.1", "localhost", "::1", "0.0.0.0") else 0
+        here = ("127.0.0.1", "localhost", "::1", "0.0.0.0", getattr(self.host, "address", None))
+        return port if u.hostname in here else 0
 
     def _spec(self) -> P.SampleSpec:
         t = self.target
@@ -161,7 +165,8 @@ class Watcher:
             if pr.data["pid"] != self._tree_root:      # another root (pidfile appeared, port owner found): a new tree
                 self.tree, self._tree_root = P.ProcessTree(), pr.data["pid"]
             if spec.port_owner and not spec.pid and pr.data.get("alive"):
-                self._port_pid = pr.data["pid"]        # the port's owner: watched from now on, as health.pid would be
+                self._port_pid = pr.data["pid"]        # found by its port: watched from now on, as health.pid would be
+                self._found_note = found_note(self._port_pid, pr.data.get("found") or {}, spec.port_owner)
             self.tree.account(pr.data)
         lg = probes.get("log")
         if lg is not None and lg.ok and lg.data.get("main_pid"):
@@ -250,6 +255,8 @@ class Watcher:
                   "terminal": j.terminal, "seconds": round(now - t_probe, 3), "interim": interim,
                   "reason": j.reason, "moved": j.moved, "quiet_s": round(j.quiet_s, 2), "eta": eta, "line": line,
                   "probes": {k: v.to_dict() for k, v in probes.items()}}
+        if self._found_note:
+            sample["found"], self._found_note = self._found_note, ""
         sample["probes"].get("status", {}).get("data", {}).pop("status", None)   # kept once below, smaller
         if isinstance(snap, dict):
             sample["status"] = {k: snap.get(k) for k in ("phase", "shards_done", "shards_total", "bytes_done",
@@ -275,8 +282,9 @@ class Watcher:
                 self._checkpoint_total = P.read_checkpoint_total(self.host, self.target.checkpoint,
                                                                  self.timeout) or 0
             if self._checkpoint_total:
-                done, total, source = min(pr.data["loaded"], self._checkpoint_total), self._checkpoint_total, \
-                    "process"
+                total = self._checkpoint_total
+                done = min(self.load_bytes.done(pr.data["loaded"], total), total)
+                source = "process"
         if done is None:
             return None
         self.meter.add(t, done)
@@ -425,6 +433,8 @@ class Watcher:
                 t_sample = time.monotonic()
                 for s in self.sample(judge, t_start):
                     self.samples.append(s)
+                    if s.get("found"):
+                        self.echo(s["found"])
                     self.echo(s["line"])
                     if jsonl:
                         with open(jsonl, "a") as f:

@@ -110,7 +110,7 @@ def _operator_routes(app: FastAPI, serve) -> None:
         """{"enabled": bool}: the prefix cache on/off for new requests (the API key when one is set)."""
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):          # not JSON, or nested past the parser's depth: no body
             body = None
         return serve.set_prefix_cache(body, request.headers.get("authorization", ""))
 

@@ -57,6 +57,9 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fie
             503: "Service Unavailable"}
 
 
+HOARDER = 8          # an address with this many sockets open: its silent ones may be closed to make room
+
+
 class JsonH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with kdtree's limits and JSON errors where uvicorn answers plain text itself:
     a request the parser refuses (400; 431 when its head exceeds MAX_HEADER_BYTES; 501 for a transfer coding
@@ -80,7 +83,13 @@ class JsonH11Protocol(H11Protocol):
         if per_client is None:
             per_client = self.server_state.kdtree_per_client = {}
         over = None
-        if len(self.connections) > self.max_connections:
+        self._closing = False                  # refused or evicted: closed, not yet lost (not an open slot)
+        st = self.server_state
+        st.kdtree_closing = getattr(st, "kdtree_closing", 0)
+        if not hasattr(st, "kdtree_reading"):
+            st.kdtree_reading = {}             # connections without a whole request yet (ordered: oldest first)
+        if len(self.connections) - st.kdtree_closing > self.max_connections and \
+                not self._evict_a_slow_reader(per_client):
             over = f"too many open connections (serve.max_connections={self.max_connections}); retry later"
         elif host is not None and self.max_connections_per_client > 0 and \
                 per_client.get(host, 0) >= self.max_connections_per_client:
@@ -88,11 +97,13 @@ class JsonH11Protocol(H11Protocol):
                     f"{self.max_connections_per_client}); close some or retry later")
         if over is not None:
             self._client_host = None           # not counted
+            self._mark_closing()
             transport.write(_error_bytes(503, over, "service_unavailable", "retry-after: 1\r\n"))
             transport.close()
             return
         if host is not None:
             per_client[host] = per_client.get(host, 0) + 1
+        st.kdtree_reading[self] = None
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._h11_error: Optional[h11.RemoteProtocolError] = None
         next_event = self.conn.next_event
@@ -106,7 +117,41 @@ class JsonH11Protocol(H11Protocol):
 
         self.conn.next_event = remember_error
 
+    def _evict_a_slow_reader(self, per_client) -> bool:
+        """Over serve.max_connections: close one connection still reading its request (part of a head or of a
+        body came, then it stalls or trickles: what a slowloris holds), never a lone client's; or one that sent
+        nothing yet from an address holding HOARDER sockets or more (a flood's, before its heads are read), so
+        that a new client (a /health probe, a completion) is served instead of refused while many addresses stall
+        their requests. The oldest such one is taken from the server's set of unfinished reads (no scan of every
+        connection per connect under a flood)."""
+        victim = None
+        for c in self.server_state.kdtree_reading:
+            n = per_client.get(getattr(c, "_client_host", None), 0)
+            if c is not self and not c.transport.is_closing() and \
+                    ((getattr(c, "_reading", None) and n > 1) or (getattr(c, "cycle", 1) is None and n >= HOARDER)):
+                victim = c
+                break
+        if victim is None:
+            return False
+        victim._mark_closing()
+        victim._cancel_read_timer()
+        self.server_state.kdtree_reading.pop(victim, None)
+        victim.transport.write(_error_bytes(503, f"closed to make room: over serve.max_connections="
+                                            f"{self.max_connections} while this request was still being sent",
+                                            "service_unavailable", "retry-after: 1\r\n"))
+        victim.transport.close()
+        return True
+
+    def _mark_closing(self) -> None:
+        if not getattr(self, "_closing", False):
+            self._closing = True
+            self.server_state.kdtree_closing = getattr(self.server_state, "kdtree_closing", 0) + 1
+
     def connection_lost(self, exc) -> None:
+        getattr(self.server_state, "kdtree_reading", {}).pop(self, None)
+        if getattr(self, "_closing", False):
+            self._closing = False
+            self.server_state.kdtree_closing -= 1
         self._cancel_read_timer()
         host, self._client_host = getattr(self, "_client_host", None), None
         if host is not None:
@@ -124,12 +169,16 @@ class JsonH11Protocol(H11Protocol):
             self._cancel_read_timer()
             return
         theirs = self.conn.their_state
+        reading = self.server_state.kdtree_reading
         if theirs is h11.SEND_BODY:            # a body being read: each chunk restarts the pause deadline
             self._arm_read_timer("body", restart=True)
+            reading.setdefault(self, None)
         elif theirs is h11.IDLE and self.conn.trailing_data[0]:
             self._arm_read_timer("head", restart=False)   # part of a head: one deadline from its first byte
+            reading.setdefault(self, None)
         else:
             self._cancel_read_timer()
+            reading.pop(self, None)
 
     def _arm_read_timer(self, what: str, restart: bool) -> None:
         if self._read_timer is not None and not restart and self._reading == what:

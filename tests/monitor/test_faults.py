@@ -303,5 +303,5 @@ def test_url_only_server_listening_early_is_watched_through_the_ports_owner(tmp_
         server.wait(10)
     assert summary["verdict"] == "READY", lines
     assert waiting_then_progressing([s["verdict"] for s in summary["samples"][:-1]]), lines
-    assert "until a process listens on the port" in lines[0], lines[0]
+    assert "until the server's process is found by its port" in lines[0], lines[0]
     assert any(f"pid {server.pid} " in ln and "(3 procs)" in ln and "http 503" in ln for ln in lines), lines

@@ -45,9 +45,10 @@ def test_a_bursty_steady_load_reads_at_its_window_rate_with_one_sane_eta(tmp_pat
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not (run_dir / "health.jsonl").exists() and time.monotonic() < deadline:
+        jsonl = run_dir / "health.jsonl"
+        while time.monotonic() < deadline and not (jsonl.exists() and jsonl.read_text().strip()):
             time.sleep(0.05)
-        go.write_text("")                                       # the monitor watches: the load starts now
+        go.write_text("")     # after the monitor's first sample (not before it: two idle samples would read 0.0 MB/s)
         time.sleep(EVERY_S * BURSTS + 1.0)
     finally:
         reader.kill()

@@ -125,3 +125,22 @@ def test_bad_input_messages_name_the_field_and_the_limit(small, body, param, wor
     code, err = post(small.url, "/v1/completions", body)
     assert code == 400 and err["error"]["param"] == param and words in err["error"]["message"], err
     assert "None" not in err["error"]["message"] and "valid string" not in err["error"]["message"], err
+
+
+def test_a_million_prompt_body_is_refused_while_health_and_a_canary_completion_answer(small):
+    """Issue 37 acceptance (row 2 at full size): one ~4 MB completion whose prompt is a list of 1,000,000 strings is
+    a 400 naming `prompt` and serve.max_queue, while /health and a one-token canary completion, timed on fresh
+    connections the whole time, answer 200 within 1 s."""
+    from test_slowloris import Canary
+
+    big = json.dumps({"prompt": ["a"] * 1_000_000, "max_tokens": 1}, separators=(",", ":")).encode()
+    assert 3_900_000 < len(big) < 8 << 20                           # under serve.max_body_bytes: parsed, not a 413
+    with Canary(small.url) as canary:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        code, err = post(small.url, "/v1/completions", big, timeout=120)
+        seconds = time.monotonic() - t0
+        time.sleep(0.5)
+    print(f"1M prompts: {code} in {seconds:.2f} s; canary {canary.n} requests, worst {canary.worst * 1000:.0f} ms")
+    assert code == 400 and err["error"]["param"] == "prompt" and "serve.max_queue" in err["error"]["message"], err
+    assert not canary.errors and canary.n >= 4 and canary.worst < 1.0, (canary.errors[:3], canary.n, canary.worst)
