@@ -27,7 +27,7 @@ run: setup native
 	$(VPY) -m kdtree.run $(RUN_ARGS) || [ $$? -eq 130 ]
 
 test: setup native
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=25 tests
 
 bench: setup native
 	$(VPY) -m pytest -q tests/bench --benchmark-enable --benchmark-only --benchmark-autosave
