@@ -404,5 +404,6 @@ def registry_entries(cfg) -> List[Dict[str, Any]]:
     return read_jsonl(cache_dir(cfg) / REGISTRY)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":     # run as the package's module, so stages catching EngineTerminated catch this one
+    from kdtree.pipeline import engine_process
+    sys.exit(engine_process.main())

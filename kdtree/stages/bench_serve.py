@@ -238,7 +238,12 @@ def run(ctx, conf: BenchServeConfig) -> dict:
                   f"TPOT p50/p95 {r['tpot_p50_s'] * 1e3:.1f}/{r['tpot_p95_s'] * 1e3:.1f} ms  exact {r['exact']}",
                   flush=True)
         short = short_latency_ratio(url, texts[0], short_tokens, long_tokens)
-        shared = shared_prefix_round(ctx, url, conf) if conf.shared_prefix_tokens > 0 else None
+        shared = None
+        if conf.shared_prefix_tokens > 0 and url.engine != "kdtree":   # off/on needs kdtree's POST /prefix_cache
+            print(f"[bench_serve] shared prefix: skipped for engine={url.engine} (its prefix cache cannot be turned "
+                  f"off and on through kdtree's POST /prefix_cache)", flush=True)
+        elif conf.shared_prefix_tokens > 0:
+            shared = shared_prefix_round(ctx, url, conf)
         compare = _compare(ctx, conf, texts, sorted(set([1] + clients)), solo)
     finally:
         engine = ctx.engine_process                      # the pipeline ends with the bench: stop the server

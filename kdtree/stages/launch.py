@@ -24,6 +24,7 @@ from pathlib import Path
 from kdtree.config.secrets import api_key
 from kdtree.engines import command_line, launch_env, printable
 from kdtree.errors import PipelineError
+from kdtree.pipeline.engine_process import EngineTerminated
 
 SIDE = "host"
 TERM_GRACE_S = 30.0              # SIGTERM to SIGKILL of the launched server when the stage is stopped
@@ -82,7 +83,12 @@ def run(ctx) -> dict:
                             f"engine.command) to the {name} installation on this host") from None
     try:
         code = proc.wait()
-    except BaseException:                      # SIGTERM (pipeline=stop, the runner) or Ctrl-C: stop the server
+    except (EngineTerminated, KeyboardInterrupt):   # SIGTERM (pipeline=stop, a bench's end) or Ctrl-C: as serve does,
+        code = _stop(proc)                          # stop the server and end the stage (the stop was asked for)
+        seconds = round(time.monotonic() - t0, 3)
+        ctx.emit("engine_stopped", engine=name, pid=proc.pid, code=code, seconds=seconds)
+        return {"engine": name, "pid": proc.pid, "code": code, "seconds": seconds, "stopped": True}
+    except BaseException:                      # anything else: the server must not outlive the stage
         code = _stop(proc)
         ctx.emit("engine_stopped", engine=name, pid=proc.pid, code=code, seconds=round(time.monotonic() - t0, 3))
         raise
