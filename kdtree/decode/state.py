@@ -266,16 +266,17 @@ class DecodeState:
         # copied: backend=cpu reuses one tree buffer per shape, and every request's tree lives until its verify
         tree = Tree(np.array(t.tokens), np.array(t.parents), np.array(t.depths), np.array(t.visibility))
         self.round_draft_s, self.round_expected = t1 - t0, 0.0
+        cap = self.budget                      # nodes this round may verify (a grammar's forced tokens fill up to it)
         if self.costs is not None and self.solo:   # tree.policy=cost: the prefix with the most tokens per second
             self.costs.observe_draft(t1 - t0)
             if self.costs.calibrated or self.costs.calibrate(self.budget + 1):
                 b, self.round_expected = best_prefix(tree, logp, ids, self.costs)
-                tree = prefix_tree(tree, b)
+                tree, cap = prefix_tree(tree, b), b
         masks = None
         if self.grammar is not None:           # deeper nodes: pruned where their own path's state refuses them
             t2 = time.perf_counter()
             ends = [*self.stops] + ([self.eos_id] if self.eos_id is not None else [])
-            tree, masks = constrain_tree(self.grammar, tree, ends, self.budget)
+            tree, masks = constrain_tree(self.grammar, tree, ends, cap)
             self._grammar_time(t2)
         tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
         positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
@@ -339,17 +340,19 @@ class DecodeState:
 
     def _advance_tree(self, block: Block, logits, argmax, hid, seconds: float = 0.0) -> bool:
         res, tree, t0 = self.req.result, block.tree, time.perf_counter()
-        choice = logits                        # under a grammar: each row masked by its own path's state
-        if block.masks is not None:
-            choice = choose_rows(self.ops, logits, block.masks, self.sampler is None)
-            self._grammar_time(t0)
+        masks = block.masks                    # under a grammar: each row masked by its own path's state
         if self.sampler is None:
-            if block.masks is not None:
-                argmax = choice
+            if masks is not None:
+                argmax = choose_rows(self.ops, logits, masks, True)
+                self._grammar_time(t0)
             path, new_bonus = self.ops.tree_accept(np.asarray(tree.parents, np.int32),
                                                    np.asarray(tree.tokens, np.int32), argmax)
-        else:                                  # draw at each visited row, in output-position order
-            path, new_bonus = sampled_walk(tree.parents, tree.tokens, lambda r: self.sampler.sample(choice[r]))
+        else:                                  # draw at each visited row, in output-position order; a masked
+            def draw(r: int) -> int:           # copy of only the rows the walk visits (not all T x V)
+                if masks is None:
+                    return self.sampler.sample(logits[r])
+                return self.sampler.sample(choose_rows(self.ops, logits[r:r + 1], masks[r:r + 1], False)[0])
+            path, new_bonus = sampled_walk(tree.parents, tree.tokens, draw)
         path = np.asarray(path, np.int64)
         res.acceptance_lengths.append(int(path.size) + 1)
         rows = np.concatenate([[0], path + 1])                 # block rows of root + accepted path

@@ -82,3 +82,66 @@ def test_plain_steps_when_tree_rounds_are_slower():
     for _ in range(20):
         c.observe_round(6, 0.04)                   # rounds now commit 150 tokens/s
     assert not c.prefers_ar()
+
+
+def test_warmup_measures_the_cost_curve_and_builds_the_grammar_vocabulary(compose_cfg, tmp_path):
+    """The serve pipeline's warmup stage: the first tree.policy=cost request finds the forward-cost curve measured
+    (one forward per verify size) and the first structured request finds the grammar vocabulary built."""
+    from kdtree.decode.grammar import Grammars
+    from kdtree.pipeline.context import StageContext
+    from kdtree.stages import load, warmup
+    from kdtree.engine import EngineState
+    cfg = compose_cfg("backend=numpy", "tree=ddtree", "tree.policy=cost", "tree.budget=8", "load.progress=false")
+    events = []
+    ctx = StageContext(cfg=cfg, run_dir=tmp_path, emit=lambda kind, **f: events.append((kind, f)))
+    load.run(ctx)
+    engine = EngineState.of(ctx).engine
+    Grammars._cache.pop(id(engine.tokenizer), None)
+    out = warmup.run(ctx)
+    costs = engine.scheduler.costs
+    assert costs is not None and costs.calibrated and set(range(1, 10)) <= set(costs.rows)
+    assert {"cost_curve", "grammar_vocab"} <= set(out["shapes"])
+    assert id(engine.tokenizer) in Grammars._cache
+    assert {f["shape"] for kind, f in events if kind == "warmup_shape"} >= {"cost_curve", "grammar_vocab"}
+
+
+def test_a_grammar_fills_only_the_prefix_the_cost_policy_chose(compose_cfg):
+    """tree.policy=cost with a JSON schema: where each extra row costs a whole step (a compute-bound curve) the
+    policy verifies a short prefix; the grammar's forced tokens fill up to that prefix, not back to tree.budget --
+    and the answer is still the AR one."""
+    from kdtree.decode.cost import ForwardCosts
+    engine = Engine.from_config(compose_cfg("backend=numpy", "load.progress=false", "serve.prefix_cache=false"))
+    spec = engine.grammars().json_schema({"type": "object", "properties": {"name": {"type": "string"},
+                                                                           "count": {"type": "integer"}},
+                                          "required": ["name", "count"], "additionalProperties": False})
+    ids = engine.tokenizer.encode("Return the record as JSON: ")
+    want = engine.generate(ids, 40, tree=AR_TREE, grammar=spec).tokens
+
+    class Steep(ForwardCosts):                       # a fixed compute-bound curve: measured times do not move it
+        def observe(self, rows, seconds):
+            pass
+
+    steep = Steep(engine.model)
+    steep.rows, steep.calibrated = {T: 1.0 * T for T in range(1, 40)}, True
+    engine.scheduler.costs = steep
+    got = engine.generate(ids, 40, tree=COST, grammar=spec)
+    assert got.tokens == want
+    assert got.acceptance_lengths and max(got.acceptance_lengths) <= 4, got.acceptance_lengths   # b* < 4 (+ bonus)
+    fixed = engine.generate(ids, 40, tree=OmegaConf.merge(COST, {"policy": "fixed"}), grammar=spec)
+    assert fixed.tokens == want and max(fixed.acceptance_lengths) > 4        # forced runs fill the whole budget
+
+
+def test_cost_policy_is_lossless_with_prefix_cache_hits(compose_cfg):
+    """tree.policy=cost with the prefix cache on: a miss, a full-prompt hit and a partial hit give AR's tokens."""
+    engine = Engine.from_config(compose_cfg("backend=numpy", "load.progress=false", "serve.prefix_cache=true"))
+    ids = engine.tokenizer.encode(TEXT * 2)
+    other = ids[:48] + engine.tokenizer.encode("import sys\n")
+    want = {tuple(p): Engine.generate(engine, p, 32, tree=AR_TREE).tokens for p in (ids, other)}
+    pc = engine.scheduler.prefix_cache
+    assert pc is not None
+    hits = []
+    for prompt in (ids, ids, other):
+        got = engine.generate(prompt, 32, tree=COST)
+        assert got.tokens == want[tuple(prompt)]
+        hits.append(got.cached_tokens)
+    assert hits[1] >= (len(ids) - 1) // 16 * 16 - 16 and hits[1] > 0 and hits[2] >= 32, hits

@@ -187,3 +187,30 @@ def test_every_row_mask_is_its_own_paths_state_when_nothing_is_pruned():
         fresh = spec.start()
         fresh.consume(path)
         assert np.array_equal(unpack_bitmask(bits[row:row + 1], 260)[0], fresh.mask()), row
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_schema_output_is_the_same_with_a_prefix_cache_hit(compose_cfg, backend, sampled):
+    """A grammar-constrained request with no hit, a full-prompt hit and a partial hit of the prefix cache: the same
+    answer as without a cache (AR and DDTree)."""
+    from kdtree.decode.prefix_cache import PrefixCache
+    engine = engine_for(compose_cfg, backend)
+    spec = grammars(engine).json_schema(SCHEMAS[0])
+    pc = PrefixCache(page_tokens=16, max_tokens=4096)
+    cached = Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context,
+                       max_batch_tokens=64, pool_tokens=8192, prefix_cache=pc)
+    ids = engine.tokenizer.encode(PROMPTS[0] * 2)
+    other = ids[:40] + engine.tokenizer.encode(PROMPTS[1])
+    for tree in (AR_TREE, TREES["ddtree"]):
+        for prompt, want_cached in ((ids, 0), (ids, (len(ids) - 1) // 16 * 16), (other, 32)):
+            sp = SamplingParams(temperature=0.9, top_p=0.95, seed=5) if sampled else None
+            base = run_alone(engine, [Request(list(prompt), 64, sampling=sp, tree=AR_TREE, grammar=spec.start())])[0]
+            req = cached.submit(Request(list(prompt), 64, sampling=sp, tree=tree, grammar=spec.start()))
+            cached.drive(req)
+            assert text_of(engine, req) == text_of(engine, base)
+            if tree is AR_TREE:                                  # the first pass fills the cache; DDTree hits it all
+                assert req.result.cached_tokens == want_cached, (len(prompt), req.result.cached_tokens)
+            else:
+                assert req.result.cached_tokens >= want_cached > 0 or want_cached == 0
+    assert pc.hits > 0

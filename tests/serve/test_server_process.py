@@ -85,7 +85,7 @@ def test_operator_endpoints(served):
     assert st["phase"] == "ready" and st["bytes_done"] == st["bytes_total"] > 0
     # every verify block size of the tree (root + 0..budget=4 nodes), prefill lengths, one decode round, one step of
     # 4 requests batched (the server's shape)
-    assert set(st["warmup_seconds"]) == {"prefill_1", "prefill_16", "prefill_128", "decode_tree_4", "batch_4",
+    assert set(st["warmup_seconds"]) == {"prefill_1", "prefill_16", "prefill_128", "decode_tree_4", "batch_4", "grammar_vocab",
                                          *(f"verify_{t}" for t in range(1, 6))}
     assert "seconds" in st["phases"]["loading"] and "seconds" in st["phases"]["warmup"]
     post(served.url, {"prompt": "metrics", "max_tokens": 3})
