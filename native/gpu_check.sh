@@ -59,7 +59,7 @@ raise SystemExit(0 if n > 0 else 3)
 PY
 export OUT=${OUT:-/tmp}
 rc=0
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native tests/decode/test_lossless.py -rs || rc=$?
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/native tests/decode/test_lossless.py tests/decode/test_batch_scheduler.py -rs || rc=$?
 # a failing benchmark must not hide the table or the test status: its rc is reported, the script goes on
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/bench/test_native_bench.py \
   --benchmark-enable --benchmark-only --benchmark-columns=min,median,mean,rounds \

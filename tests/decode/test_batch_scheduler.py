@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from kdtree.backends import native
 from kdtree.decode.request import ContextLengthExceeded, Request, RequestCancelled, RequestTimeout
 from kdtree.decode.scheduler import Scheduler
 from kdtree.engine import AR_TREE, Engine
@@ -301,13 +302,17 @@ def run_sampled(engine, speculate_max_batch):
 
 
 
-@pytest.mark.skipif(CPU_SKIPPED, reason="the native latent-cache arena needs the CPU library")
-def test_a_fragmented_cache_arena_is_packed_and_the_request_admitted(compose_cfg):
-    """backend=cpu: every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (a chain,
+@pytest.mark.parametrize("backend", [
+    pytest.param("cpu", marks=pytest.mark.skipif(CPU_SKIPPED, reason="the native latent-cache arena needs the CPU "
+                                                                      "library")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        native.cuda_device_count() == 0, reason=f"no CUDA device: {native.CUDA_REASON}")])])
+def test_a_fragmented_cache_arena_is_packed_and_the_request_admitted(compose_cfg, backend):
+    """backend=cpu (and cuda: kd_model_compact moves device rows): every request's latent rows are a range of ONE arena of pool_tokens rows. A (40 rows), B (a chain,
     72) and C (40) fill 152; A and C finish first, leaving 80 rows free in two ranges of 40: D (50 rows) fits the
     accounting but no range. The arena is packed (B's rows moved while it decodes) and D is admitted at once -- it
     used to wait for B -- and every request still gets its solo tokens."""
-    engine = Engine.from_config(compose_cfg("backend=cpu", "load.progress=false"))   # its own arena, no other caches
+    engine = Engine.from_config(compose_cfg(f"backend={backend}", "load.progress=false"))   # its own arena
     sched = scheduler(engine, pool_tokens=152)
     assert sched.pooled and engine.model.pool_rows == 152       # exactly serve.kv_pool_tokens rows
     enc = engine.tokenizer.encode
