@@ -82,6 +82,19 @@ def _remove(ns: str) -> None:
     _ip("netns", "del", ns, check=False)
 
 
+def namespaces_unavailable() -> str:
+    """Why no network namespace can be made here ('' when one can: made and deleted at once)."""
+    why = _why_not()
+    if why:
+        return why
+    name = f"kdtprobe{os.getpid() % 100000}"
+    probe = _ip("netns", "add", name, check=False)
+    if probe.returncode != 0:
+        return f"cannot make a network namespace here: {probe.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return ""
+
+
 @pytest.fixture(scope="session")
 def netns_hosts(tmp_path_factory):
     why = _why_not()

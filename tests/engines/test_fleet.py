@@ -73,7 +73,12 @@ def test_fleet_serve_rolling_restart_under_load_and_stop(kdtree_cache, tmp_path)
 def test_a_replica_killed_under_load_is_crashed_and_the_others_keep_serving(kdtree_cache, tmp_path):
     """SIGKILL one of 3 replicas while 16 clients load the router: the router stops sending to it (its worker
     goes unhealthy within its health checks), every request after that succeeds on the other two, and
-    fleet_status says CRASHED for it with the evidence (its pid gone) and 2 ready, 1 crashed for the fleet."""
+    fleet_status says CRASHED for it with the evidence (its pid gone) and 2 ready, 1 crashed for the fleet.
+    Where network namespaces can be made, tests/engines/test_fleet_netns.py asserts the same on three real hosts,
+    and this local variant (55 s) is skipped to keep CI under its 30 minutes."""
+    from tests.netns_hosts import namespaces_unavailable
+    if not namespaces_unavailable():
+        pytest.skip("covered on three namespace hosts by tests/engines/test_fleet_netns.py")
     import os
     import signal
     import time
