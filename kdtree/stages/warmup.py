@@ -82,11 +82,15 @@ def _serving_tables(ctx, engine, has_tree: bool) -> dict:
     out = {}
     if has_tree and policy_of(ctx.cfg.tree) == "cost" and hasattr(getattr(engine, "model", None), "new_cache"):
         sched = engine.scheduler
+        if ctx.status is not None:
+            ctx.status.update(warmup_shape="cost_curve")
         t0 = time.perf_counter()
         if sched.costs is None:
             sched.costs = ForwardCosts(engine.model)
         if sched.costs.calibrated or sched.costs.calibrate(int(ctx.cfg.tree.budget) + 1):
             out["cost_curve"] = round(time.perf_counter() - t0, 4)
+    if ctx.status is not None:
+        ctx.status.update(warmup_shape="grammar_vocab")
     t0 = time.perf_counter()
     try:
         engine.grammars()
