@@ -1,4 +1,4 @@
-"""A K2-family checkpoint as a GGUF file for llama.cpp's `deepseek2` architecture (F32), for the peer benchmark.
+"""A K2-family checkpoint as a GGUF file for llama.cpp's `deepseek2` architecture (F32 or BF16), for the peer benchmark.
 
     tensors = gguf_tensors(weights, model_cfg)          # [(gguf name, f32 array in llama.cpp's layout)]
     write_gguf(path, weights, model_cfg, tokenizer)     # metadata + vocabulary + tensors
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, List, Mapping, Tuple
 
 import gguf
+import gguf.quants
 import numpy as np
 
 from kdtree.errors import CheckpointError, ConfigError
@@ -151,10 +152,30 @@ def vocabulary(tokenizer, vocab_size: int) -> Tuple[List[str], List[int]]:
     return tokens, types
 
 
-def write_metadata(writer, cfg, tokenizer) -> None:
+DTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ConfigError(f"export_gguf.dtype={dtype} is not a GGUF type this export writes; use f32 or bf16 "
+                          f"(bf16: every matrix BF16, norms and biases F32, as convert_hf_to_gguf.py --outtype bf16)")
+    return dtype
+
+
+def file_dtype(path) -> str:
+    """The weight type a GGUF file says it holds (general.file_type): f32, bf16, or llama.cpp's name of another."""
+    field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    if field is None:
+        return "?"
+    ft = int(field.parts[field.data[0]][0])
+    names = {int(v): k for k, v in DTYPES.items()}
+    return names.get(ft) or gguf.LlamaFileType(ft).name.replace("MOSTLY_", "").lower()
+
+
+def write_metadata(writer, cfg, tokenizer, dtype: str = "f32") -> None:
     """deepseek2 hyper-parameters, as convert_hf_to_gguf.py's DeepseekV2Model writes them, and the vocabulary."""
     writer.add_name(str(cfg.name))
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(DTYPES[check_dtype(dtype)])
     writer.add_block_count(int(cfg.num_hidden_layers))
     writer.add_context_length(int(cfg.max_position_embeddings))
     writer.add_embedding_length(int(cfg.hidden_size))
@@ -201,16 +222,23 @@ def write_metadata(writer, cfg, tokenizer) -> None:
 
 
 def write_gguf(path, weights: Mapping[str, Any], cfg, tokenizer,
-               progress: Callable[[str], None] = lambda name: None) -> dict:
-    """Write the GGUF file at `path` (a temp name renamed in); -> {"path", "tensors", "bytes"}."""
+               progress: Callable[[str], None] = lambda name: None, dtype: str = "f32") -> dict:
+    """Write the GGUF file at `path` (a temp name renamed in); -> {"path", "tensors", "bytes", "dtype"}.
+    dtype bf16: every matrix rounded to BF16 (exact for weights that were BF16: quant=bf16, K2.6's non-experts);
+    1-D tensors (norms, the routing bias) stay F32, as llama.cpp's converter writes them."""
+    check_dtype(dtype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), ARCH)
-    write_metadata(writer, cfg, tokenizer)
+    write_metadata(writer, cfg, tokenizer, dtype)
     n = 0
     for name, array in gguf_tensors(weights, cfg):
-        writer.add_tensor(name, array)
+        if dtype == "bf16" and array.ndim >= 2:
+            q = gguf.GGMLQuantizationType.BF16
+            writer.add_tensor(name, gguf.quants.quantize(array, q), raw_dtype=q)
+        else:
+            writer.add_tensor(name, array)
         progress(name)
         n += 1
     writer.write_header_to_file()
@@ -218,4 +246,4 @@ def write_gguf(path, weights: Mapping[str, Any], cfg, tokenizer,
     writer.write_tensors_to_file()
     writer.close()
     tmp.replace(path)
-    return {"path": str(path), "tensors": n, "bytes": path.stat().st_size}
+    return {"path": str(path), "tensors": n, "bytes": path.stat().st_size, "dtype": dtype}

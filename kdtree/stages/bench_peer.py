@@ -1,5 +1,5 @@
-"""bench_peer: kdtree next to llama.cpp (llama-cpp-python, the model exported as a deepseek2 GGUF, F32) on the
-bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and kdtree's tree alternate for
+"""bench_peer: kdtree next to llama.cpp (llama-cpp-python, the model exported as a deepseek2 GGUF: F32, or BF16 for
+quant=bf16) on the bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and kdtree's tree alternate for
 `rounds` rounds and the fastest round of each is kept.
 
     pip install -e '.[peer]'                                  # llama-cpp-python: compiles llama.cpp, ~15 min
@@ -35,6 +35,7 @@ from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 from kdtree.stages.bench import _run_set, load_prompts, provenance
+from kdtree.checkpoint.to_gguf import file_dtype
 from kdtree.stages.export_gguf import export
 
 SIDE = "host"
@@ -165,6 +166,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
                               f"or leave bench_peer.gguf empty to export into the run dir")
     else:
         path = Path(export(ctx)["path"])
+    dtype = file_dtype(path).upper()
     texts = load_prompts(prompts)
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
@@ -192,7 +194,8 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
                    for n in names}
     lossless = all(lossless_by.values())
     out = {
-        "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 F32 GGUF, greedy",
+        "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 {dtype} GGUF, greedy",
+        "gguf_dtype": dtype,
         "gguf": str(path), "backend": cfg.backend.name, "model": cfg.model.name, "quant": cfg.quant.method,
         "tree": OmegaConf.to_container(shapes[fastest] if has_tree else AR_TREE, resolve=True),
         "threads": threads, "threads_set": set_threads,
@@ -218,7 +221,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "provenance": provenance(ctx),
     }
     (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
-    rows = [("llama.cpp F32 AR", peer["tokens_per_s"], 1.0),
+    rows = [(f"llama.cpp {dtype} AR", peer["tokens_per_s"], 1.0),
             (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"])]
     for i, (n, t) in enumerate(zip(names, out["trees"])):
         rows.append((f"kdtree backend={cfg.backend.name} {n}" + (" (fastest)" if i == fastest and len(names) > 1

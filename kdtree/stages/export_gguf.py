@@ -1,4 +1,5 @@
-"""export_gguf: the composed K2-family model as a GGUF file for llama.cpp's `deepseek2` architecture (F32).
+"""export_gguf: the composed K2-family model as a GGUF file for llama.cpp's `deepseek2` architecture (F32, or BF16
+with export_gguf.dtype=bf16 -- the default for quant=bf16, whose weights it keeps exactly).
 
     python -m kdtree.run pipeline=export_gguf                           # the embedded tiny model
     python -m kdtree.run pipeline=export_gguf export_gguf.path=/tmp/tiny.gguf
@@ -6,7 +7,7 @@
 
 Reads the checkpoint the engine would load (model.path, or the embedded tiny one for quant=...; INT4 experts
 are dequantized: the file is F32) and writes it with kdtree/checkpoint/to_gguf.py. path empty =
-<run_dir>/<model.name>-f32.gguf. The vocabulary's ids are the project tokenizer's ids. The writer holds every
+<run_dir>/<model.name>-<dtype>.gguf. The vocabulary's ids are the project tokenizer's ids. The writer holds every
 tensor until it writes the file, and F32 Kimi K2 would be ~4 TB: this is for the tiny model and small checkpoints
 with K2's layout (the peer benchmark), not for exporting the real K2.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kdtree.checkpoint.loader import load_checkpoint, load_options
-from kdtree.checkpoint.to_gguf import check_exportable, write_gguf
+from kdtree.checkpoint.to_gguf import check_dtype, check_exportable, write_gguf
 from kdtree.engine import resolve_checkpoint
 from kdtree.tokenizer import load_tokenizer
 
@@ -25,27 +26,35 @@ SIDE = "any"
 
 @dataclass
 class ExportGgufConfig:
-    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-f32.gguf
+    path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-<dtype>.gguf
+    dtype: str = ""  # f32 | bf16 (matrices BF16, norms F32); empty = bf16 for quant=bf16, else f32
 
 
 CONFIG = ExportGgufConfig  # cfg.export_gguf: this stage's options (kdtree/pipeline/registry.py)
 
 
-def default_path(ctx) -> Path:
-    return Path(ctx.run_dir) / f"{ctx.cfg.model.name}-f32.gguf"
+def gguf_dtype(cfg) -> str:
+    """export_gguf.dtype, or the weights' own: bf16 for quant=bf16 (exact), f32 otherwise."""
+    conf = cfg.get("export_gguf") or {}
+    return check_dtype(str(conf.get("dtype") or ("bf16" if str(cfg.quant.method) == "bf16" else "f32")))
+
+
+def default_path(ctx, dtype: str = "f32") -> Path:
+    return Path(ctx.run_dir) / f"{ctx.cfg.model.name}-{dtype}.gguf"
 
 
 def export(ctx, path: str = "") -> dict:
-    """Write the GGUF of ctx.cfg's model at `path` (empty = default_path); -> {"path", "tensors", "bytes"}."""
+    """Write the GGUF of ctx.cfg's model at `path` (empty = default_path); -> {"path", "tensors", "bytes", "dtype"}."""
     cfg = ctx.cfg
     check_exportable(cfg.model)
+    dtype = gguf_dtype(cfg)
     ckpt = resolve_checkpoint(cfg)
     weights, _ = load_checkpoint(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
-    out = Path(path).expanduser() if path else default_path(ctx)
-    summary = write_gguf(out, weights, cfg.model, load_tokenizer(cfg.model, ckpt))
+    out = Path(path).expanduser() if path else default_path(ctx, dtype)
+    summary = write_gguf(out, weights, cfg.model, load_tokenizer(cfg.model, ckpt), dtype=dtype)
     ctx.emit("gguf_exported", checkpoint=str(ckpt), path=summary["path"], tensors=summary["tensors"],
              bytes=summary["bytes"])
-    print(f"exported {ckpt} -> {summary['path']} (deepseek2, F32, {summary['tensors']} tensors, "
+    print(f"exported {ckpt} -> {summary['path']} (deepseek2, {dtype.upper()}, {summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB)")
     return {**summary, "checkpoint": str(ckpt)}
 

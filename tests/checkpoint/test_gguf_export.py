@@ -207,3 +207,30 @@ def test_unexportable_config_is_one_error(compose_cfg, tmp_path):
     with pytest.raises(ConfigError, match="moe_layer_freq=2: llama.cpp's deepseek2 runs MoE in every layer"):
         export_gguf.run(StageContext(cfg=cfg, run_dir=tmp_path), export_gguf.ExportGgufConfig())
     assert not list(tmp_path.iterdir())
+
+
+def test_bf16_export_keeps_bf16_weights_exactly(compose_cfg, tmp_path):
+    """quant=bf16 exports BF16 by default (export_gguf.dtype): every matrix BF16, norms and the routing bias F32,
+    the values exactly the BF16 checkpoint's (widened, they equal an F32 export of the same weights)."""
+    from kdtree.checkpoint.to_gguf import file_dtype
+    out, reader = _export(compose_cfg("pipeline=export_gguf", "quant=bf16"), tmp_path / "bf16")
+    assert out["path"].endswith("tiny-bf16.gguf") and out["dtype"] == "bf16" and file_dtype(out["path"]) == "bf16"
+    f32, f32_reader = _export(compose_cfg("pipeline=export_gguf", "quant=bf16", "export_gguf.dtype=f32"),
+                              tmp_path / "f32")
+    assert file_dtype(f32["path"]) == "f32"
+    wide = {t.name: np.array(t.data).reshape(tuple(reversed(t.shape))) for t in f32_reader.tensors}
+    kinds = set()
+    for t in reader.tensors:
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        if t.tensor_type == gguf.GGMLQuantizationType.BF16:
+            bits = np.array(t.data).view(np.uint16).reshape(shape).astype(np.uint32) << 16
+            got = bits.view(np.float32)
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32 and len(shape) == 1, (t.name, t.tensor_type)
+            got = np.array(t.data).reshape(shape)
+        kinds.add(t.tensor_type)
+        assert np.array_equal(got, wide[t.name]), t.name
+    assert kinds == {gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.F32}
+    assert out["bytes"] < 0.6 * f32["bytes"]
+    with pytest.raises(ConfigError, match="export_gguf.dtype=q8 .* use f32 or bf16"):
+        _export(compose_cfg("pipeline=export_gguf", "export_gguf.dtype=q8"), tmp_path / "bad")

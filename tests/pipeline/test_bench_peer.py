@@ -75,3 +75,16 @@ def test_threads_are_limited_for_kdtree_openmp(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="2"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "1", "3", "3"]        # OpenMP's and the library's own (kd_threads)
+
+
+def test_llama_cpp_on_the_bf16_export(tmp_path):
+    """quant=bf16: llama.cpp reads the BF16 GGUF (the same BF16 weights as kdtree). Its CPU BF16 matmul rounds the
+    activations to BF16 too, kdtree keeps them f32 (W16A32): logits close, greedy tokens not promised equal."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+    r = _run(tmp_path, "backend=cpu", "quant=bf16", "tree=chain", "tree.depth=7", "bench.max_new_tokens=16",
+             "bench_peer.rounds=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (out,) = list((tmp_path / "runs").rglob("bench_peer.json"))
+    res = json.loads(out.read_text())
+    assert res["gguf_dtype"] == "BF16" and res["gguf"].endswith("tiny-bf16.gguf") and "| llama.cpp BF16 AR" in r.stdout
+    assert res["outputs_equal_ar"] is True and 0 < res["prompt_logits_max_abs_diff"] < 0.2
