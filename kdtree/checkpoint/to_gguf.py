@@ -152,13 +152,17 @@ def vocabulary(tokenizer, vocab_size: int) -> Tuple[List[str], List[int]]:
     return tokens, types
 
 
-DTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+DTYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+QTYPES = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+          "q4_0": gguf.GGMLQuantizationType.Q4_0}
 
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ConfigError(f"export_gguf.dtype={dtype} is not a GGUF type this export writes; use f32 or bf16 "
-                          f"(bf16: every matrix BF16, norms and biases F32, as convert_hf_to_gguf.py --outtype bf16)")
+                          f"(bf16: every matrix BF16, norms and biases F32, as convert_hf_to_gguf.py --outtype bf16), "
+                          f"or q8_0 / q4_0 (llama.cpp's 8-/4-bit blocks of 32, for the peer's quantized rows)")
     return dtype
 
 
@@ -225,6 +229,7 @@ def write_gguf(path, weights: Mapping[str, Any], cfg, tokenizer,
                progress: Callable[[str], None] = lambda name: None, dtype: str = "f32") -> dict:
     """Write the GGUF file at `path` (a temp name renamed in); -> {"path", "tensors", "bytes", "dtype"}.
     dtype bf16: every matrix rounded to BF16 (exact for weights that were BF16: quant=bf16, K2.6's non-experts);
+    q8_0 / q4_0: every matrix whose rows are whole blocks of 32 in llama.cpp's block format (the others F32).
     1-D tensors (norms, the routing bias) stay F32, as llama.cpp's converter writes them."""
     check_dtype(dtype)
     path = Path(path)
@@ -234,8 +239,8 @@ def write_gguf(path, weights: Mapping[str, Any], cfg, tokenizer,
     write_metadata(writer, cfg, tokenizer, dtype)
     n = 0
     for name, array in gguf_tensors(weights, cfg):
-        if dtype == "bf16" and array.ndim >= 2:
-            q = gguf.GGMLQuantizationType.BF16
+        q = QTYPES.get(dtype)
+        if q is not None and array.ndim >= 2 and array.shape[-1] % gguf.GGML_QUANT_SIZES[q][0] == 0:
             writer.add_tensor(name, gguf.quants.quantize(array, q), raw_dtype=q)
         else:
             writer.add_tensor(name, array)

@@ -50,6 +50,9 @@ class BenchPeerConfig:
     # more tree shapes measured in the same alternating rounds, e.g. [ddtree-w4-d7-b6,chain-d7] (kind, then any of
     # wN dN bN; the rest from `tree`); the fastest shape (with `tree`) is reported as tree_tokens_per_s
     trees: List[str] = field(default_factory=list)
+    # more llama.cpp rows on the same model exported in other GGUF types (q8_0, q4_0, bf16, f32), measured in the
+    # same alternating rounds: the peer's quantized speed beside kdtree's own format (e.g. INT4 experts + BF16)
+    peer_dtypes: List[str] = field(default_factory=list)
 
 
 CONFIG = BenchPeerConfig  # cfg.bench_peer: this stage's options (kdtree/pipeline/registry.py)
@@ -171,6 +174,13 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
     llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32))
+    extra = {}                                                  # peer dtype -> (GGUF summary, llama.cpp)
+    for d in dict.fromkeys(str(x).lower() for x in conf.peer_dtypes):
+        if d == dtype.lower():
+            continue
+        summary = export(ctx, str(Path(ctx.run_dir) / f"{cfg.model.name}-{d}.gguf"), dtype=d)
+        extra[d.upper()] = (summary, open_peer(summary["path"], threads, n_ctx=longest + max_new_tokens + 16,
+                                               n_batch=max(longest, 32)))
     shapes = peer_tree_shapes(OmegaConf.merge(cfg, {"bench_peer": {"trees": list(trees)}}))
     names = [_shape_name(t) for t in shapes]
     best: Dict[str, dict] = {}
@@ -178,6 +188,8 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     for _ in range(max(1, rounds)):                             # alternate: machine drift hits every engine alike
         runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
                 "ar": _run_set(engine, prompts_ids, max_new_tokens, AR_TREE)}
+        for d, (_, other) in extra.items():
+            runs[f"peer {d}"] = _peer_set(other, prompts_ids, max_new_tokens, engine.eos_id)
         for name, t in zip(names, shapes):
             runs[name] = _run_set(engine, prompts_ids, max_new_tokens, t)
         for k, r in runs.items():
@@ -217,11 +229,20 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
                    "vs_ar": best[n]["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
                    "mean_acceptance_length": best[n]["mean_acceptance_length"], "outputs_equal_ar": lossless_by[n]}
                   for n, t in zip(names, shapes)],
+        "peers": [{"dtype": d, "gguf": summary["path"], "bytes": summary["bytes"],
+                   "tokens_per_s": best[f"peer {d}"]["tokens_per_s"],
+                   "ar_vs_it": ar["tokens_per_s"] / max(best[f"peer {d}"]["tokens_per_s"], 1e-9),
+                   "tree_vs_it": tree["tokens_per_s"] / max(best[f"peer {d}"]["tokens_per_s"], 1e-9),
+                   "tokens_equal_ar": [p["tokens"] for p in best[f"peer {d}"]["per_prompt"]]
+                   == [a["tokens"] for a in ar["per_prompt"]]}
+                  for d, (summary, _) in extra.items()],
         "peer_result": peer, "ar": ar, "result": tree,
         "provenance": provenance(ctx),
     }
     (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
     rows = [(f"llama.cpp {dtype} AR", peer["tokens_per_s"], 1.0),
+            *((f"llama.cpp {p['dtype']} AR ({p['bytes'] / 1e6:.0f} MB file)", p["tokens_per_s"],
+               p["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9)) for p in out["peers"]),
             (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"])]
     for i, (n, t) in enumerate(zip(names, out["trees"])):
         rows.append((f"kdtree backend={cfg.backend.name} {n}" + (" (fastest)" if i == fastest and len(names) > 1

@@ -27,7 +27,7 @@ SIDE = "any"
 @dataclass
 class ExportGgufConfig:
     path: str = ""  # the GGUF file to write; empty = <run_dir>/<model.name>-<dtype>.gguf
-    dtype: str = ""  # f32 | bf16 (matrices BF16, norms F32); empty = bf16 for quant=bf16, else f32
+    dtype: str = ""  # f32 | bf16 (matrices BF16, norms F32) | q8_0 | q4_0; empty = bf16 for quant=bf16, else f32
 
 
 CONFIG = ExportGgufConfig  # cfg.export_gguf: this stage's options (kdtree/pipeline/registry.py)
@@ -43,11 +43,12 @@ def default_path(ctx, dtype: str = "f32") -> Path:
     return Path(ctx.run_dir) / f"{ctx.cfg.model.name}-{dtype}.gguf"
 
 
-def export(ctx, path: str = "") -> dict:
-    """Write the GGUF of ctx.cfg's model at `path` (empty = default_path); -> {"path", "tensors", "bytes", "dtype"}."""
+def export(ctx, path: str = "", dtype: str = "") -> dict:
+    """Write the GGUF of ctx.cfg's model at `path` (empty = default_path) in `dtype` (empty = gguf_dtype(cfg));
+    -> {"path", "tensors", "bytes", "dtype"}."""
     cfg = ctx.cfg
     check_exportable(cfg.model)
-    dtype = gguf_dtype(cfg)
+    dtype = check_dtype(dtype) if dtype else gguf_dtype(cfg)
     ckpt = resolve_checkpoint(cfg)
     weights, _ = load_checkpoint(ckpt, cfg.model, cfg.quant, **load_options(cfg.load, throttle=False))
     out = Path(path).expanduser() if path else default_path(ctx, dtype)

@@ -38,7 +38,8 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["def __init__(self, ", "import os\nimport sys\n\n"]}))
     r = _run(tmp_path, "backend=cpu", "tree=chain", "tree.depth=7", f"bench.prompts={prompts}",
-             "bench.max_new_tokens=24", "bench_peer.rounds=1", "bench_peer.trees=[ddtree-w2-d7-b5]")
+             "bench.max_new_tokens=24", "bench_peer.rounds=1", "bench_peer.trees=[ddtree-w2-d7-b5]",
+             "bench_peer.peer_dtypes=[q8_0]")
     assert r.returncode == 0, r.stderr[-2000:]
     (out,) = list((tmp_path / "runs").rglob("bench_peer.json"))
     res = json.loads(out.read_text())
@@ -50,6 +51,9 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
         assert res[key] > 0
     assert res["ar_vs_peer"] == pytest.approx(res["ar_tokens_per_s"] / res["peer_ar_tokens_per_s"])
     assert "| llama.cpp F32 AR" in r.stdout and "tokens_equal=True" in r.stdout
+    (q8,) = res["peers"]                                  # an extra llama.cpp row on a Q8_0 export, same rounds
+    assert q8["dtype"] == "Q8_0" and q8["tokens_per_s"] > 0 and q8["bytes"] < 0.4 * Path(res["gguf"]).stat().st_size
+    assert "| llama.cpp Q8_0 AR" in r.stdout
     # both shapes ran in the same rounds; the fastest is the one reported as the tree
     shapes = [(t["tree"]["kind"], t["tree"]["width"], t["tree"]["budget"]) for t in res["trees"]]
     assert shapes == [("chain", 1, 7), ("ddtree", 2, 5)] and all(t["outputs_equal_ar"] for t in res["trees"])
