@@ -72,6 +72,9 @@ class JsonH11Protocol(H11Protocol):
     max_connections = MAX_CONNECTIONS
     max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
     read_timeout_s = REQUEST_READ_TIMEOUT_S
+    whole_body_bytes = 0              # a body of at most this many bytes (by Content-Length) is read whole before
+                                      # the app starts (see _when_body_whole); 0: the app starts at the head always
+    api_key = ""                      # serve's key: a /v1/ request without it starts the app at once (its 401)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -104,6 +107,8 @@ class JsonH11Protocol(H11Protocol):
         if host is not None:
             per_client[host] = per_client.get(host, 0) + 1
         st.kdtree_reading[self] = None
+        if self.whole_body_bytes > 0:
+            self._app, self.app = self.app, self._when_body_whole
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._h11_error: Optional[h11.RemoteProtocolError] = None
         next_event = self.conn.next_event
@@ -116,6 +121,40 @@ class JsonH11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = remember_error
+
+    async def _when_body_whole(self, scope, receive, send) -> None:
+        """The app, once a small body (Content-Length up to `whole_body_bytes`, within serve.max_body_bytes) has come
+        whole: a request whose body stalls until the read deadline (408) or until it is closed to make room never
+        runs the app's middleware and route for nothing (under a flood of stalled bodies that was most of the event
+        loop's time, ahead of every other client). A request that the Guard answers from its head alone starts the
+        app at once: over the body limit by Content-Length (413), chunked, `Expect: 100-continue`, a /v1/ request
+        without the key (401)."""
+        cycle = getattr(receive, "__self__", None)          # the RequestResponseCycle whose receive this is
+        if cycle is not None and cycle.more_body and self._body_may_wait(scope):
+            event = cycle.message_event
+            while cycle.more_body and not cycle.disconnected:
+                await event.wait()
+                if cycle.more_body and not cycle.disconnected:
+                    event.clear()
+            event.set()                       # the app's first receive() returns the whole body (or the disconnect)
+            if cycle.disconnected:            # closed before its body came (408, made room): nobody to answer
+                return
+        await self._app(scope, receive, send)
+
+    def _body_may_wait(self, scope) -> bool:
+        length = expect = auth = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"expect":
+                expect = value
+            elif name == b"authorization":
+                auth = value
+        if length is None or expect is not None or not length.isdigit() or int(length) > self.whole_body_bytes:
+            return False
+        if self.api_key and scope["path"].startswith("/v1/"):
+            return auth is not None and hmac.compare_digest(auth, b"Bearer " + self.api_key.encode())
+        return True
 
     def _evict_a_slow_reader(self, per_client) -> bool:
         """Over serve.max_connections: close one connection still reading its request (part of a head or of a
