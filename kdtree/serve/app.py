@@ -91,6 +91,7 @@ class ServeApp:
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> "ServeApp":
         import uvicorn
+        from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT   # more is paused until the app reads it
 
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -105,7 +106,9 @@ class ServeApp:
         self.port = sock.getsockname()[1]              # serve.port=0 picks a free port
         protocol = type("_Protocol", (JsonH11Protocol,), {"max_connections": self.max_connections,
                                                      "max_connections_per_client": self.max_connections_per_client,
-                                                     "read_timeout_s": self.request_read_timeout_s})
+                                                     "read_timeout_s": self.request_read_timeout_s,
+                                                     "whole_body_bytes": min(HIGH_WATER_LIMIT, self.max_body_bytes),
+                                                     "api_key": self.api_key})
         from kdtree.serve.routes import build_app      # the routes import this module's ServeApp helpers only
         config = uvicorn.Config(build_app(self), lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=True, http=protocol,

@@ -6,6 +6,7 @@ log (_Access), and ApiError, the one shape of every error: {"error": {"message",
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import sys
@@ -45,8 +46,10 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+@functools.lru_cache(maxsize=64)
 def _error_bytes(status: int, message: str, type_: str, extra_headers: str = "") -> bytes:
-    """A whole HTTP/1.1 error response, for the places below the ASGI app (the HTTP parser, the socket limit)."""
+    """A whole HTTP/1.1 error response, for the places below the ASGI app (the HTTP parser, the socket limit); the
+    few that a flood gets again and again (503 at a cap or to make room, 408) are made once."""
     body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
     reason = _REASONS.get(status, "Error")
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
@@ -58,6 +61,47 @@ _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fie
 
 
 HOARDER = 8          # an address with this many sockets open: its silent ones may be closed to make room
+
+
+class _WholeBody:
+    """JsonH11Protocol's app when whole_body_bytes is set: the app itself, started once a small body came whole."""
+
+    def __init__(self, app, most: int, api_key: str):
+        self.app, self.most, self.api_key = app, most, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        """The app, once a small body (Content-Length up to `whole_body_bytes`, within serve.max_body_bytes) has come
+        whole: a request whose body stalls until the read deadline (408) or until it is closed to make room never
+        runs the app's middleware and route for nothing (under a flood of stalled bodies that was most of the event
+        loop's time, ahead of every other client). A request that the Guard answers from its head alone starts the
+        app at once: over the body limit by Content-Length (413), chunked, `Expect: 100-continue`, a /v1/ request
+        without the key (401)."""
+        cycle = getattr(receive, "__self__", None)          # the RequestResponseCycle whose receive this is
+        if cycle is not None and cycle.more_body and self._body_may_wait(scope):
+            event = cycle.message_event
+            while cycle.more_body and not cycle.disconnected:
+                await event.wait()
+                if cycle.more_body and not cycle.disconnected:
+                    event.clear()
+            event.set()                       # the app's first receive() returns the whole body (or the disconnect)
+            if cycle.disconnected:            # closed before its body came (408, made room): nobody to answer
+                return
+        await self.app(scope, receive, send)
+
+    def _body_may_wait(self, scope) -> bool:
+        length = expect = auth = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                length = value
+            elif name == b"expect":
+                expect = value
+            elif name == b"authorization":
+                auth = value
+        if length is None or expect is not None or not length.isdigit() or int(length) > self.most:
+            return False
+        if self.api_key and scope["path"].startswith("/v1/"):
+            return auth is not None and hmac.compare_digest(auth, b"Bearer " + self.api_key.encode())
+        return True
 
 
 class JsonH11Protocol(H11Protocol):
@@ -72,6 +116,9 @@ class JsonH11Protocol(H11Protocol):
     max_connections = MAX_CONNECTIONS
     max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
     read_timeout_s = REQUEST_READ_TIMEOUT_S
+    whole_body_bytes = 0              # a body of at most this many bytes (by Content-Length) is read whole before
+                                      # the app starts (see _WholeBody); 0: the app starts at the head always
+    api_key = ""                      # serve's key: a /v1/ request without it starts the app at once (its 401)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -104,6 +151,11 @@ class JsonH11Protocol(H11Protocol):
         if host is not None:
             per_client[host] = per_client.get(host, 0) + 1
         st.kdtree_reading[self] = None
+        if self.whole_body_bytes > 0:
+            gate = getattr(st, "kdtree_whole_body", None)
+            if gate is None:                   # one per server: a bound method here would tie the protocol in a cycle
+                gate = st.kdtree_whole_body = _WholeBody(self.app, self.whole_body_bytes, self.api_key)
+            self.app = gate
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._h11_error: Optional[h11.RemoteProtocolError] = None
         next_event = self.conn.next_event
@@ -149,6 +201,7 @@ class JsonH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         getattr(self.server_state, "kdtree_reading", {}).pop(self, None)
+        self.conn.__dict__.pop("next_event", None)   # remember_error (it holds self): no cycle left for the collector
         if getattr(self, "_closing", False):
             self._closing = False
             self.server_state.kdtree_closing -= 1
