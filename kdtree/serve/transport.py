@@ -119,6 +119,11 @@ class JsonH11Protocol(H11Protocol):
     whole_body_bytes = 0              # a body of at most this many bytes (by Content-Length) is read whole before
                                       # the app starts (see _WholeBody); 0: the app starts at the head always
     api_key = ""                      # serve's key: a /v1/ request without it starts the app at once (its 401)
+    closed = None                     # metrics: kdtree_connections_closed{reason} (a prometheus Counter), or None
+
+    def _count_closed(self, reason: str) -> None:
+        if self.closed is not None:
+            self.closed.labels(reason).inc()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -143,6 +148,7 @@ class JsonH11Protocol(H11Protocol):
             over = (f"too many open connections from {host} (serve.max_connections_per_client="
                     f"{self.max_connections_per_client}); close some or retry later")
         if over is not None:
+            self._count_closed("max_connections" if "serve.max_connections=" in over else "max_connections_per_client")
             self._client_host = None           # not counted
             self._mark_closing()
             transport.write(_error_bytes(503, over, "service_unavailable", "retry-after: 1\r\n"))
@@ -186,6 +192,7 @@ class JsonH11Protocol(H11Protocol):
         if victim is None:
             return False
         victim._mark_closing()
+        victim._count_closed("made_room")
         victim._cancel_read_timer()
         self.server_state.kdtree_reading.pop(victim, None)
         victim.transport.write(_error_bytes(503, f"closed to make room: over serve.max_connections="
@@ -254,6 +261,7 @@ class JsonH11Protocol(H11Protocol):
             self._arm_read_timer("body", restart=True)    # pause, so no deadline while reading is paused
             return
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            self._count_closed("read_timeout")
             part = "request line and headers" if what == "head" else "request body"
             self.transport.write(_error_bytes(
                 408, f"the {part} did not arrive in time (serve.request_read_timeout_s={self.read_timeout_s:g}: "

@@ -212,3 +212,8 @@ def test_1100_partial_heads_and_1100_partial_bodies_never_lock_out_health_or_a_c
     assert still_open == 0, f"{still_open} stalled sockets still open after {closed_in:.1f} s"
     assert set(codes) <= {"408", "503", "closed"}, codes
     assert not canary.errors and canary.n >= 6 and canary.worst < bound, (canary.errors[:3], canary.n, canary.worst)
+    with urllib.request.urlopen(loris.url + "/metrics", timeout=5) as r:   # the operator sees the flood as counts
+        closed = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                  for line in r.read().decode().splitlines() if line.startswith("kdtree_connections_closed_total{")}
+    assert closed.get("read_timeout", 0) >= codes.get("408", 0) > 0, (closed, codes)
+    assert sum(v for k, v in closed.items() if k != "read_timeout") >= codes.get("503", 0) > 0, (closed, codes)
