@@ -55,6 +55,8 @@ def stream(url, prompt: str, max_tokens: int, stop: Optional[threading.Event] = 
             "stream_options": {"include_usage": True}}
     if getattr(url, "model", ""):
         body["model"] = url.model
+    if getattr(url, "engine", "") == "llamacpp":   # llama-cpp-python's default repeat_penalty 1.1 applies even at
+        body["repeat_penalty"] = 1.0               # temperature 0: greedy as the OpenAI API means it
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
                                  headers=_headers(url))
     t0 = time.perf_counter()

@@ -129,8 +129,10 @@ def command_line(cfg, api_key: str = "") -> List[str]:
             argv += ["--allowed-origins", json.dumps(list(s.cors_origins))]
     else:
         argv = ["--model", checkpoint_of(cfg), "--host", str(s.host), "--port", str(int(s.port)),
-                "--model_alias", served, "--n_ctx", ctx]
-        if int(cfg.backend.threads):
+                "--model_alias", served, "--n_ctx", ctx,
+                "--interrupt_requests", "False",   # queue concurrent requests (its default cuts the running one short)
+                "--type_k", "0", "--type_v", "0"]  # F32 KV cache (GGML_TYPE_F32), as kdtree's latent cache: the
+        if int(cfg.backend.threads):           # default F16 cache rounds it, and greedy tokens drift from kdtree's
             argv += ["--n_threads", str(int(cfg.backend.threads))]
     return prefix + argv + [str(a) for a in cfg.engine.extra_args]
 

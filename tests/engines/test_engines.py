@@ -56,7 +56,9 @@ def test_llamacpp_command_line(compose_cfg):
     cfg = compose_cfg("engine=llamacpp", "tree=ar", "engine.gguf=/tmp/tiny-f32.gguf", "backend.threads=2",
                       "serve.port=30002")
     assert command_line(cfg)[1:] == ["-m", "llama_cpp.server", "--model", "/tmp/tiny-f32.gguf", "--host", "127.0.0.1",
-                                     "--port", "30002", "--model_alias", "tiny", "--n_ctx", "2048", "--n_threads", "2"]
+                                     "--port", "30002", "--model_alias", "tiny", "--n_ctx", "2048",
+                                     "--interrupt_requests", "False", "--type_k", "0", "--type_v", "0",
+                                     "--n_threads", "2"]
 
 
 @pytest.mark.parametrize("overrides,match", [
