@@ -77,7 +77,8 @@ class _WholeBody:
         app at once: over the body limit by Content-Length (413), chunked, `Expect: 100-continue`, a /v1/ request
         without the key (401)."""
         cycle = getattr(receive, "__self__", None)          # the RequestResponseCycle whose receive this is
-        if cycle is not None and cycle.more_body and self._body_may_wait(scope):
+        # uvicorn's cycle internals (more_body, message_event, disconnected); another uvicorn: the app starts at once
+        if getattr(cycle, "more_body", False) and hasattr(cycle, "message_event") and self._body_may_wait(scope):
             event = cycle.message_event
             while cycle.more_body and not cycle.disconnected:
                 await event.wait()

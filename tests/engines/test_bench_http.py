@@ -65,8 +65,8 @@ def test_bench_serve_one_table_with_a_second_engine(tmp_path, kdtree_cache):
 def test_llamacpp_beside_kdtree(tmp_path, kdtree_cache, pipeline):
     """engine=llamacpp (the tiny model exported to GGUF) with kdtree beside it, greedy on the same weights: one
     table, the tokens-equal column counted."""
-    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] not installed (pip install -e '.[peer]'; it compiles "
-                                            "llama.cpp, ~15 min)")
+    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] not installed (pip install -e "
+                                                       "'.[peer]'; it compiles llama.cpp, ~15 min)")
     from tests.conftest import free_port
     run_dir = tmp_path / "runs" / "peer"
     small = {"bench_http": ["bench_http.max_tokens=48", "bench_http.repeats=1"],

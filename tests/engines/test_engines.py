@@ -114,7 +114,8 @@ def test_sglang_shaped_stand_in_is_launched_watched_and_stopped(kdtree_cache, tm
 def test_llamacpp_serves_the_exported_gguf_and_stops(kdtree_cache, tmp_path):
     """engine=llamacpp (the peer extra): the launch stage exports the tiny model's GGUF into the run dir, starts
     llama.cpp's OpenAI server on it, health_poll watches it to READY, pipeline=stop ends it."""
-    pytest.importorskip("llama_cpp.server.app", reason="llama-cpp-python[server] not installed (pip install -e '.[peer]')")
+    pytest.importorskip("llama_cpp.server.app",
+                        reason="llama-cpp-python[server] not installed (pip install -e '.[peer]')")
     port = free_port()
     run_dir = tmp_path / "serve"
     r = kdtree_run([f"serve.port={port}", "engine=llamacpp", "tree=ar", "serve.detach=true", "health.interval_s=0.5",
