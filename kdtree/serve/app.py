@@ -109,7 +109,7 @@ class ServeApp:
                                                      "read_timeout_s": self.request_read_timeout_s,
                                                      "whole_body_bytes": min(HIGH_WATER_LIMIT, self.max_body_bytes),
                                                      "api_key": self.api_key,
-                                                     "closed": self.metrics.refused})
+                                                     "closed": self.metrics.connections_closed})
         from kdtree.serve.routes import build_app      # the routes import this module's ServeApp helpers only
         config = uvicorn.Config(build_app(self), lifespan="off", log_level="warning", access_log=False,
                                 server_header=False, date_header=True, http=protocol,

@@ -97,7 +97,7 @@ class Metrics:
                              registry=r)
         self.queue = Histogram("kdtree_request_queue_time_seconds", "Submit to the engine worker taking it.",
                                buckets=LATENCY_BUCKETS, registry=r)
-        self.refused = Counter("kdtree_connections_closed", "Connections the server answered and closed before a "
+        self.connections_closed = Counter("kdtree_connections_closed", "Connections the server answered and closed before a "
                                "request was read: 503 at serve.max_connections or max_connections_per_client, "
                                "503 closed to make room, 408 at serve.request_read_timeout_s.", ["reason"], registry=r)
         self.prompt_tok = Counter("kdtree_prompt_tokens", "Prompt tokens of finished generations.", registry=r)

@@ -135,7 +135,7 @@ class JsonH11Protocol(H11Protocol):
         per_client = getattr(self.server_state, "kdtree_per_client", None)
         if per_client is None:
             per_client = self.server_state.kdtree_per_client = {}
-        over = None
+        over = reason = None
         self._closing = False                  # refused or evicted: closed, not yet lost (not an open slot)
         st = self.server_state
         st.kdtree_closing = getattr(st, "kdtree_closing", 0)
@@ -143,13 +143,15 @@ class JsonH11Protocol(H11Protocol):
             st.kdtree_reading = {}             # connections without a whole request yet (ordered: oldest first)
         if len(self.connections) - st.kdtree_closing > self.max_connections and \
                 not self._evict_a_slow_reader(per_client):
-            over = f"too many open connections (serve.max_connections={self.max_connections}); retry later"
+            over, reason = (f"too many open connections (serve.max_connections={self.max_connections}); retry "
+                            f"later"), "max_connections"
         elif host is not None and self.max_connections_per_client > 0 and \
                 per_client.get(host, 0) >= self.max_connections_per_client:
+            reason = "max_connections_per_client"
             over = (f"too many open connections from {host} (serve.max_connections_per_client="
                     f"{self.max_connections_per_client}); close some or retry later")
         if over is not None:
-            self._count_closed("max_connections" if "serve.max_connections=" in over else "max_connections_per_client")
+            self._count_closed(reason)
             self._client_host = None           # not counted
             self._mark_closing()
             transport.write(_error_bytes(503, over, "service_unavailable", "retry-after: 1\r\n"))

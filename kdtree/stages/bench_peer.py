@@ -1,6 +1,6 @@
 """bench_peer: kdtree next to llama.cpp (llama-cpp-python, the model exported as a deepseek2 GGUF: F32, or BF16 for
-quant=bf16) on the bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and kdtree's tree alternate for
-`rounds` rounds and the fastest round of each is kept.
+quant=bf16) on the bench prompts, same new tokens, same threads, greedy; llama.cpp, kdtree AR and kdtree's tree
+alternate for `rounds` rounds and the fastest round of each is kept.
 
     pip install -e '.[peer]'                                  # llama-cpp-python: compiles llama.cpp, ~15 min
     python -m kdtree.run pipeline=bench_peer backend=cpu      # 1 thread; bench_peer.json in the run dir
@@ -35,7 +35,7 @@ from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 from kdtree.stages.bench import _run_set, load_prompts, provenance
-from kdtree.checkpoint.to_gguf import file_dtype
+from kdtree.checkpoint.to_gguf import DTYPES, file_dtype
 from kdtree.stages.export_gguf import export
 
 SIDE = "host"
@@ -153,6 +153,10 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     prompts, max_new_tokens = ctx.cfg.bench.prompts, int(ctx.cfg.bench.max_new_tokens)  # bench's prompt set
     rounds, threads, gguf, trees = conf.rounds, conf.threads, conf.gguf, conf.trees
     _llama_cpp()                                                # before any work: the one-line install hint
+    for d in conf.peer_dtypes:                                  # before any work too: the key that is wrong
+        if str(d).lower() not in DTYPES:
+            raise ConfigError(f"bench_peer.peer_dtypes has {d!r}, not a GGUF type the export writes; use any of "
+                              f"{', '.join(DTYPES)}")
     cfg = ctx.cfg
     if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:
         raise ConfigError(f"pipeline=bench_peer compares CPU engines at tp=1; got backend={cfg.backend.name} "

@@ -83,14 +83,12 @@ def run(ctx) -> dict:
                             f"engine.command) to the {name} installation on this host") from None
     try:
         code = proc.wait()
-    except (EngineTerminated, KeyboardInterrupt):   # SIGTERM (pipeline=stop, a bench's end) or Ctrl-C: as serve does,
-        code = _stop(proc)                          # stop the server and end the stage (the stop was asked for)
+    except BaseException as e:                 # the server never outlives the stage
+        code = _stop(proc)
         seconds = round(time.monotonic() - t0, 3)
         ctx.emit("engine_stopped", engine=name, pid=proc.pid, code=code, seconds=seconds)
-        return {"engine": name, "pid": proc.pid, "code": code, "seconds": seconds, "stopped": True}
-    except BaseException:                      # anything else: the server must not outlive the stage
-        code = _stop(proc)
-        ctx.emit("engine_stopped", engine=name, pid=proc.pid, code=code, seconds=round(time.monotonic() - t0, 3))
+        if isinstance(e, (EngineTerminated, KeyboardInterrupt)):   # SIGTERM (pipeline=stop, a bench's end) or
+            return {"engine": name, "pid": proc.pid, "code": code, "seconds": seconds, "stopped": True}  # Ctrl-C
         raise
     seconds = round(time.monotonic() - t0, 3)
     ctx.emit("engine_exit", engine=name, pid=proc.pid, code=code, seconds=seconds)

@@ -92,3 +92,10 @@ def test_llama_cpp_on_the_bf16_export(tmp_path):
     res = json.loads(out.read_text())
     assert res["gguf_dtype"] == "BF16" and res["gguf"].endswith("tiny-bf16.gguf") and "| llama.cpp BF16 AR" in r.stdout
     assert res["outputs_equal_ar"] is True and 0 < res["prompt_logits_max_abs_diff"] < 0.2
+
+
+def test_an_unknown_peer_dtype_names_the_key(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+    r = _run(tmp_path, "backend=cpu", "tree=ar", "bench_peer.rounds=1", "bench_peer.peer_dtypes=[q3_k]")
+    assert r.returncode != 0 and "bench_peer.peer_dtypes has 'q3_k'" in r.stderr and "q8_0" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not list((tmp_path / "runs").rglob("*.gguf"))
