@@ -49,11 +49,30 @@ def test_linear_row_independent_of_T_and_offset(n_in, n_out):
                                               err_msg=f"T={T} start={start} {type(w).__name__}")
 
 
+def fma32(a, b, c):
+    """float32 fused multiply-add, exactly C's fmaf (one rounding of a * b + c), elementwise over arrays: the product
+    is exact in float64, the sum's float64 rounding error is recovered exactly (TwoSum), and a float64 sum that lands
+    on a float32 tie is rounded the way the exact value lies."""
+    a64, b64, c64 = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a64 * b64
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    toward = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf))).astype(np.float64)
+    tie = (s != r64) & (s - r64 == toward - s) & (err != 0)
+    fix = tie & ((err > 0) == (toward > r64))      # the exact value lies on `toward`'s side of the tie
+    return np.where(fix, toward, r64).astype(np.float32)
+
+
 def _lane_dot(a, b):
-    """kd_dot_f32 restated: element k to lane k % 16 (float32 multiply then add), pairwise lane combine."""
+    """kd_dot_f32 restated: element k to lane k % 16, each lane a chain of fused multiply-adds (one rounding per
+    product-sum, fma32), pairwise lane combine."""
     acc = np.zeros(16, np.float32)
-    for k in range(a.shape[0]):
-        acc[k % 16] = np.float32(acc[k % 16] + np.float32(a[k] * b[k]))
+    for k in range(0, a.shape[0], 16):
+        r = min(16, a.shape[0] - k)
+        acc[:r] = fma32(a[k:k + r], b[k:k + r], acc[:r])
     w = 8
     while w >= 1:
         acc[:w] = acc[:w] + acc[w:2 * w]
@@ -70,30 +89,40 @@ rng = np.random.default_rng(5)
 out = {}
 for n_in, n_out in %r:
     w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+    w16 = (w.view(np.uint32) >> 16).astype(np.uint16)
     x = rng.standard_normal((11, n_in), dtype=np.float32)
     for T in (1, 3, 4, 5, 8, 11):
         out[f"f32_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], w)
-        if n_in %% 8 == 0:
-            packed, scale, shape = int4.quantize_weight(w, 8)
-            out[f"w4_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, 8))
+        out[f"bf16_{n_in}_{n_out}_{T}"] = native.load_library("cpu").linear_bf16(x[:T], w16)
+        for group in (8, 32):   # odd and even words per group (the AVX-512 GEMV takes whole chunks per group)
+            if n_in %% group == 0:
+                packed, scale, shape = int4.quantize_weight(w, group)
+                out[f"w4_{group}_{n_in}_{n_out}_{T}"] = ops.linear(
+                    x[:T], int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, group))
 for H, L, R, P, T in [(8, 32, 8, 20, 9), (3, 16, 1, 5, 6), (5, 9, 8, 0, 4), (4, 64, 0, 7, 3)]:
     q = rng.standard_normal((T, H, L + R), dtype=np.float32)
     kv = rng.standard_normal((P + T, L + R), dtype=np.float32)
     out[f"attn_{H}_{L}_{R}"] = ops.mla_attention(q, kv, P, None, 0.2, L)
 np.savez(sys.argv[1], **out)
-""" % (SIZES,)
+""" % (SIZES + [(1100, 12), (1544, 18), (1040, 1100), (2080, 13)],)   # + in-place panels, split over threads
 
 
-def test_avx2_and_portable_multirow_paths_agree_bitwise(tmp_path):
+# the CPU build's three kernel families: AVX-512 where the host has it (this VM does), AVX2 + FMA, portable C
+ISAS = {"avx512": {}, "avx2": {"KDTREE_CPU_ISA": "avx2"}, "portable": {"KDTREE_CPU_GENERIC": "1"}}
+
+
+def test_avx512_avx2_and_portable_multirow_paths_agree_bitwise(tmp_path):
     files = {}
-    for generic in ("0", "1"):
-        files[generic] = tmp_path / f"k{generic}.npz"
-        subprocess.run([sys.executable, "-c", _SCRIPT, str(files[generic])], check=True,
-                       env={**os.environ, "KDTREE_CPU_GENERIC": generic})
-    a, b = np.load(files["0"]), np.load(files["1"])
-    assert a.files
-    for k in a.files:
-        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    for isa, env in ISAS.items():
+        files[isa] = tmp_path / f"k_{isa}.npz"
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(files[isa])], check=True,
+                       env={**os.environ, "KDTREE_CPU_GENERIC": "0", "KDTREE_CPU_ISA": "", **env})
+    ref = np.load(files["portable"])
+    assert ref.files
+    for isa in ("avx512", "avx2"):
+        got = np.load(files[isa])
+        for k in ref.files:
+            np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{isa} {k}")
 
 
 def test_head_linear_equals_linear_per_head_on_strided_views():
@@ -113,12 +142,12 @@ def test_head_linear_equals_linear_per_head_on_strided_views():
 
 def _lane_dots(x, w):
     """kd_dot_f32 restated for every (row, output) at once: x f32[T, n], w f32[O, n] -> f32[T, O]; element k to
-    lane k % 16 in ascending k (float32 multiply, then add), then the pairwise lane combine."""
+    lane k % 16 in ascending k (a fused multiply-add, fma32), then the pairwise lane combine."""
     T, n = x.shape
     acc = np.zeros((T, w.shape[0], 16), np.float32)
     for k in range(0, n, 16):
         r = min(16, n - k)
-        acc[:, :, :r] += x[:, None, k:k + r] * w[None, :, k:k + r]
+        acc[:, :, :r] = fma32(x[:, None, k:k + r], w[None, :, k:k + r], acc[:, :, :r])
     h = 8
     while h >= 1:
         acc[:, :, :h] = acc[:, :, :h] + acc[:, :, h:2 * h]

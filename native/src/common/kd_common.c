@@ -113,6 +113,25 @@ int kd_host_avx2(void) {
   return use;
 }
 
+/* The CPU build's AVX-512 linear kernels: the CPU has AVX-512 F/BW/VL/DQ, kd_host_avx2() holds, and
+ * KDTREE_CPU_ISA=avx2 is not set (it keeps the AVX2 kernels on an AVX-512 host; the tests compare all three paths,
+ * which give the same bits). */
+int kd_host_avx512(void) {
+  static int use = -1;
+  if (use < 0) {
+    const char *env = getenv("KDTREE_CPU_ISA");
+#if defined(__x86_64__) && defined(__GNUC__)
+    use = kd_host_avx2() && !(env && strcmp(env, "avx2") == 0) && __builtin_cpu_supports("avx512f") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+          __builtin_cpu_supports("avx512dq");
+#else
+    (void)env;
+    use = 0;
+#endif
+  }
+  return use;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KD_TOPK_X86 1
@@ -709,6 +728,19 @@ __attribute__((target("avx2,fma"))) static double kd_roof_fma_avx2(int64_t iters
   for (int j = 0; j < 8; j++) out += lanes[j];
   return out;
 }
+
+/* kd_roof_fma_avx2's FMAs in 16-lane registers: iters / 2 iterations do the same floating-point operations */
+__attribute__((target("avx512f,fma"))) static double kd_roof_fma_avx512(int64_t iters, float seed) {
+  __m512 acc[KD_ROOF_CHAINS];
+  const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(1e-7f);
+  for (int c = 0; c < KD_ROOF_CHAINS; c++) acc[c] = _mm512_set1_ps(seed + (float)c);
+  for (int64_t i = 0; i < iters / 2; i++)
+#pragma GCC unroll 12
+    for (int c = 0; c < KD_ROOF_CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+  __m512 s = acc[0];
+  for (int c = 1; c < KD_ROOF_CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
+  return (double)_mm512_reduce_add_ps(s);
+}
 #endif
 
 static double kd_roof_read_plain(const float *p, int64_t n) {
@@ -759,6 +791,10 @@ double kd_roof_fma(int64_t iters, int threads) {
 #endif
   for (int t = 0; t < nt; t++) {
 #if defined(__x86_64__) && defined(__GNUC__)
+    if (kd_host_avx512()) { /* the FMA peak of the widest registers the kernels use */
+      total += kd_roof_fma_avx512(iters, (float)t);
+      continue;
+    }
     if (kd_host_avx2()) {
       total += kd_roof_fma_avx2(iters, (float)t);
       continue;

@@ -1,7 +1,8 @@
 /* Shared per-element math and helpers of both builds (libkdtree_cpu.so and libkdtree_cuda.so).
  * KD_HD functions compile as host code in the C build and as __host__ __device__ in the CUDA build, so the
  * CPU tests exercise the exact element formulas the GPU kernels use. Build with -ffp-contract=off (C) and
- * --fmad=false (CUDA): a fused multiply-add would change a row's rounding depending on how it was compiled. */
+ * --fmad=false (CUDA): a multiply-add the compiler fused on its own would change a row's rounding depending on how
+ * it was compiled. (The CPU build's linear dots fuse on purpose, written in the source: fmaf / fmadd intrinsics.) */
 #ifndef KD_COMMON_H
 #define KD_COMMON_H
 

@@ -14,6 +14,8 @@
  * +inf past ln(FLT_MAX); below -103.97 (under half the least subnormal) the result is +0. */
 /* 1 when the AVX2 + FMA paths run (the CPU has them and KDTREE_CPU_GENERIC=1 is not set); kd_common.c */
 __attribute__((visibility("hidden"))) int kd_host_avx2(void);
+/* 1 when the CPU build's AVX-512 linear kernels run (kd_common.c: AVX-512 F/BW/VL/DQ, KDTREE_CPU_ISA != avx2) */
+__attribute__((visibility("hidden"))) int kd_host_avx512(void);
 
 #define KD_EXP_HI 88.72283935546875f
 #define KD_EXP_LO -103.97207641601562f

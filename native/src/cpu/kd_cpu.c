@@ -1,8 +1,11 @@
 /* CPU build of the kdtree kernels (libkdtree_cpu.so): host pointers, batch-invariant; large linears split their
  * outputs over OpenMP threads (each output still one thread's fixed-order dot).
  * Every row is a fixed-order computation (kd_common.h: lane k % 16, fixed pairwise combine), so a row's
- * result never depends on T. Hot loops have an AVX2 version (same operations, same order: no FMA, see
- * -ffp-contract=off in the Makefile), picked at run time (KDTREE_CPU_GENERIC=1 forces the portable loops). */
+ * result never depends on T. The dot products of the linears (and the attention's scores) are chains of fused
+ * multiply-adds written in the source (fmaf, fmadd intrinsics); nothing else fuses (-ffp-contract=off in the
+ * Makefile). Hot loops have AVX-512 and AVX2 versions (same operations, same order), picked at run time:
+ * KDTREE_CPU_ISA=avx2 keeps the AVX2 ones on an AVX-512 host, KDTREE_CPU_GENERIC=1 forces the portable loops. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -63,12 +66,25 @@ int kd_synchronize(void *stream) {
 
 
 /* ---- linear ------------------------------------------------------------------------------------------ */
+/* The dot product of every linear (and of the attention's scores): element k to lane k % 16 in ascending k, each
+ * lane a chain of fused multiply-adds acc = fma(w_k, x_k, acc) (one rounding per product-sum), the lanes combined
+ * by kd_lanes_sum. The portable loop; the AVX2 and AVX-512 kernels below run exactly these operations. */
 KD_CLONES static float kd_dot_f32(const float *a, const float *b, int64_t n) {
   float acc[KD_LANES] = {0};
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES)
-    for (int j = 0; j < KD_LANES; j++) acc[j] += a[k + j] * b[k + j];
-  for (int j = 0; k < n; k++, j++) acc[j] += a[k] * b[k];
+    for (int j = 0; j < KD_LANES; j++) acc[j] = fmaf(a[k + j], b[k + j], acc[j]);
+  for (int j = 0; k < n; k++, j++) acc[j] = fmaf(a[k], b[k], acc[j]);
+  return kd_lanes_sum(acc);
+}
+
+/* sum of squares of a row (rms_norm): a plain multiply then add per lane, as numpy's reference */
+KD_CLONES static float kd_sumsq(const float *a, int64_t n) {
+  float acc[KD_LANES] = {0};
+  int64_t k = 0;
+  for (; k + KD_LANES <= n; k += KD_LANES)
+    for (int j = 0; j < KD_LANES; j++) acc[j] += a[k + j] * a[k + j];
+  for (int j = 0; k < n; k++, j++) acc[j] += a[k] * a[k];
   return kd_lanes_sum(acc);
 }
 
@@ -97,7 +113,7 @@ static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float 
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
   for (int64_t wi = 0; wi < n_words; wi++) {
     float *a = acc + ((wi & 1) << 3); /* k = 8 wi + j -> lane k % 16 */
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] += kd_int4_weight(wr[wi], j, sr[g]) * x[8 * wi + j];
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] = fmaf(kd_int4_weight(wr[wi], j, sr[g]), x[8 * wi + j], a[j]);
     if (--left == 0) g++, left = words_per_group;
   }
   return kd_lanes_sum(acc);
@@ -106,7 +122,7 @@ static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 /* 8 dequantized weights of one word: (float)(nibble - 8) * scale, as kd_int4_weight. */
-__attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, float s) {
+__attribute__((target("avx2,fma"))) static inline __m256 kd_w8_avx2(uint32_t u, float s) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   __m256i q = _mm256_sub_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)u), shifts),
                                                 _mm256_set1_epi32(15)),
@@ -115,7 +131,7 @@ __attribute__((target("avx2"))) static inline __m256 kd_w8_avx2(uint32_t u, floa
 }
 
 /* elements [0, n - n % 8) of kd_silu_mul_span; returns how many */
-__attribute__((target("avx2"))) static int64_t kd_silu_mul_avx2(const float *gate, const float *up, float *out,
+__attribute__((target("avx2,fma"))) static int64_t kd_silu_mul_avx2(const float *gate, const float *up, float *out,
                                                                 int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   int64_t i = 0;
@@ -128,7 +144,7 @@ __attribute__((target("avx2"))) static int64_t kd_silu_mul_avx2(const float *gat
 }
 
 /* elements [0, n - n % 8) of kd_exp_inplace; returns how many */
-__attribute__((target("avx2"))) static int64_t kd_exp_avx2(float *p, int64_t n) {
+__attribute__((target("avx2,fma"))) static int64_t kd_exp_avx2(float *p, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(p + i, kd_expf8_avx2(_mm256_loadu_ps(p + i)));
   return i;
@@ -137,7 +153,7 @@ __attribute__((target("avx2"))) static int64_t kd_exp_avx2(float *p, int64_t n) 
 
 /* ---- multi-row dot kernels ------------------------------------------------------------------------------
  * A [rows x outputs] block of dot products, each one EXACTLY kd_dot_f32(w_o, x_t): element k to lane k % 16 in
- * ascending k (plain multiply then add, no FMA), the same tail, the same kd_lanes_sum. Blocking only decides
+ * ascending k (a fused multiply-add per element), the same tail, the same kd_lanes_sum. Blocking only decides
  * which dots run side by side (more independent add chains, one weight load for four rows), never a dot's
  * arithmetic, so a row's result stays independent of T (tests/native compare the AVX2 and portable paths). */
 
@@ -145,11 +161,11 @@ __attribute__((target("avx2"))) static int64_t kd_exp_avx2(float *p, int64_t n) 
 /* lanes 0..7 in lo, 8..15 in hi. The tail (n % 16 elements) goes to lanes 0.. as in kd_dot_f32, through masked
  * loads: a masked-off lane adds 0 * 0 = +0, which leaves it unchanged (an accumulator that starts at +0 is never
  * -0). kd_hsum is kd_lanes_sum's pairwise tree: [i] + [i+8], then [i] + [i+4], [i] + [i+2], [0] + [1]. */
-__attribute__((target("avx2"))) static inline __m256i kd_mask_avx2(int64_t r) { /* lanes < r (0..8) */
+__attribute__((target("avx2,fma"))) static inline __m256i kd_mask_avx2(int64_t r) { /* lanes < r (0..8) */
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-__attribute__((target("avx2"))) static inline float kd_hsum_avx2(__m256 lo, __m256 hi) {
+__attribute__((target("avx2,fma"))) static inline float kd_hsum_avx2(__m256 lo, __m256 hi) {
   __m256 v = _mm256_add_ps(lo, hi);
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -158,7 +174,7 @@ __attribute__((target("avx2"))) static inline float kd_hsum_avx2(__m256 lo, __m2
 
 /* kd_hsum_avx2 of four dots at once -> [r0 r1 r2 r3]: the same pairs added at every level of the tree ([i] + [i+8],
  * [i] + [i+4], [i] + [i+2], [0] + [1]), only four dots side by side in one register instead of one each. */
-__attribute__((target("avx2"))) static inline __m128 kd_hsum4_avx2(__m256 l0, __m256 h0, __m256 l1, __m256 h1,
+__attribute__((target("avx2,fma"))) static inline __m128 kd_hsum4_avx2(__m256 l0, __m256 h0, __m256 l1, __m256 h1,
                                                                    __m256 l2, __m256 h2, __m256 l3, __m256 h3) {
   __m256 v0 = _mm256_add_ps(l0, h0), v1 = _mm256_add_ps(l1, h1), v2 = _mm256_add_ps(l2, h2),
          v3 = _mm256_add_ps(l3, h3);
@@ -179,22 +195,22 @@ __attribute__((target("avx2"))) static inline __m128 kd_hsum4_avx2(__m256 l0, __
   do {                                                                                                \
     int64_t r_ = (n) - (k);                                                                           \
     if (r_ >= 8) {                                                                                    \
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps((w) + (k)), _mm256_loadu_ps((x) + (k))));  \
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps((w) + (k)), _mm256_loadu_ps((x) + (k)), lo);  \
       if (r_ > 8) {                                                                                   \
         __m256i m_ = kd_mask_avx2(r_ - 8);                                                            \
-        hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_maskload_ps((w) + (k) + 8, m_),                   \
-                                             _mm256_maskload_ps((x) + (k) + 8, m_)));                 \
+        hi = _mm256_fmadd_ps(_mm256_maskload_ps((w) + (k) + 8, m_), \
+                                             _mm256_maskload_ps((x) + (k) + 8, m_), hi);                 \
       }                                                                                               \
     } else if (r_ > 0) {                                                                              \
       __m256i m_ = kd_mask_avx2(r_);                                                                  \
-      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_maskload_ps((w) + (k), m_), _mm256_maskload_ps((x) + (k), m_))); \
+      lo = _mm256_fmadd_ps(_mm256_maskload_ps((w) + (k), m_), _mm256_maskload_ps((x) + (k), m_), lo); \
     }                                                                                                 \
   } while (0)
 
 /* The weight-load step the dot kernels are generic over (bf = 0: float32 weights, 1: BF16 bits): 8 weights from
  * element k of row w, as float32. BF16 is widened exactly in the register (zero-extend, << 16), so a kernel
  * instantiated with bf = 1 adds exactly the products the bf = 0 one adds on the widened weights, in the same order. */
-__attribute__((target("avx2"), always_inline)) static inline __m256 kd_wload_avx2(const void *w, int64_t k, const int bf) {
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 kd_wload_avx2(const void *w, int64_t k, const int bf) {
   if (bf)
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k))), 16));
@@ -207,7 +223,7 @@ static inline const void *kd_wrow(const void *w, int64_t o, int64_t ws, const in
 }
 
 /* 8 BF16 -> float32 (exact), eight at a time; the tail one by one */
-__attribute__((target("avx2"))) static void kd_bf16_widen_avx2(const uint16_t *s, float *d, int64_t n) {
+__attribute__((target("avx2,fma"))) static void kd_bf16_widen_avx2(const uint16_t *s, float *d, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(d + i, kd_wload_avx2(s, i, 1));
   kd_bf16_widen_generic(s + i, d + i, n - i);
@@ -229,40 +245,40 @@ __attribute__((target("avx2"))) static void kd_bf16_widen_avx2(const uint16_t *s
     }                                                                                                 \
   } while (0)
 
-__attribute__((target("avx2"), always_inline)) static inline float kd_dot_avx2_t(const void *w, const float *x,
+__attribute__((target("avx2,fma"), always_inline)) static inline float kd_dot_avx2_t(const void *w, const float *x,
                                                                                  int64_t n, const int bf) {
   __m256 lo = _mm256_setzero_ps(), hi = lo;
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(kd_wload_avx2(w, k, bf), _mm256_loadu_ps(x + k)));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(kd_wload_avx2(w, k + 8, bf), _mm256_loadu_ps(x + k + 8)));
+    lo = _mm256_fmadd_ps(kd_wload_avx2(w, k, bf), _mm256_loadu_ps(x + k), lo);
+    hi = _mm256_fmadd_ps(kd_wload_avx2(w, k + 8, bf), _mm256_loadu_ps(x + k + 8), hi);
   }
   KD_WTAIL_AVX2(lo, hi, w, x, k, n, bf);
   return kd_hsum_avx2(lo, hi);
 }
 
-__attribute__((target("avx2"))) static float kd_dot_avx2(const float *w, const float *x, int64_t n) {
+__attribute__((target("avx2,fma"))) static float kd_dot_avx2(const float *w, const float *x, int64_t n) {
   return kd_dot_avx2_t(w, x, n, 0);
 }
-__attribute__((target("avx2"))) static float kd_dot_bf16_avx2(const uint16_t *w, const float *x, int64_t n) {
+__attribute__((target("avx2,fma"))) static float kd_dot_bf16_avx2(const uint16_t *w, const float *x, int64_t n) {
   return kd_dot_avx2_t(w, x, n, 1);
 }
 
 /* one weight row against four x rows */
-__attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, const float *x0, const float *x1,
+__attribute__((target("avx2,fma"))) static void kd_dot_1x4_avx2(const float *w, const float *x0, const float *x1,
                                                              const float *x2, const float *x3, int64_t n, float *r) {
   __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0;
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
     __m256 wl = _mm256_loadu_ps(w + k), wh = _mm256_loadu_ps(w + k + 8);
-    l0 = _mm256_add_ps(l0, _mm256_mul_ps(wl, _mm256_loadu_ps(x0 + k)));
-    h0 = _mm256_add_ps(h0, _mm256_mul_ps(wh, _mm256_loadu_ps(x0 + k + 8)));
-    l1 = _mm256_add_ps(l1, _mm256_mul_ps(wl, _mm256_loadu_ps(x1 + k)));
-    h1 = _mm256_add_ps(h1, _mm256_mul_ps(wh, _mm256_loadu_ps(x1 + k + 8)));
-    l2 = _mm256_add_ps(l2, _mm256_mul_ps(wl, _mm256_loadu_ps(x2 + k)));
-    h2 = _mm256_add_ps(h2, _mm256_mul_ps(wh, _mm256_loadu_ps(x2 + k + 8)));
-    l3 = _mm256_add_ps(l3, _mm256_mul_ps(wl, _mm256_loadu_ps(x3 + k)));
-    h3 = _mm256_add_ps(h3, _mm256_mul_ps(wh, _mm256_loadu_ps(x3 + k + 8)));
+    l0 = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x0 + k), l0);
+    h0 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x0 + k + 8), h0);
+    l1 = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x1 + k), l1);
+    h1 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x1 + k + 8), h1);
+    l2 = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x2 + k), l2);
+    h2 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x2 + k + 8), h2);
+    l3 = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x3 + k), l3);
+    h3 = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x3 + k + 8), h3);
   }
   KD_TAIL_AVX2(l0, h0, w, x0, k, n);
   KD_TAIL_AVX2(l1, h1, w, x1, k, n);
@@ -272,7 +288,7 @@ __attribute__((target("avx2"))) static void kd_dot_1x4_avx2(const float *w, cons
 }
 
 /* four weight rows (stride ws) against one x row; w float32 (bf = 0) or BF16 bits (bf = 1) */
-__attribute__((target("avx2"), always_inline)) static inline void kd_dot_4x1_avx2_t(const void *w, int64_t ws,
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_dot_4x1_avx2_t(const void *w, int64_t ws,
                                                                                     const float *x, int64_t n,
                                                                                     float *r, const int bf) {
   const void *w0 = w, *w1 = kd_wrow(w, 1, ws, bf), *w2 = kd_wrow(w, 2, ws, bf), *w3 = kd_wrow(w, 3, ws, bf);
@@ -280,14 +296,14 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dot_4x1_avx
   int64_t k = 0;
   for (; k + KD_LANES <= n; k += KD_LANES) {
     __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
-    l0 = _mm256_add_ps(l0, _mm256_mul_ps(kd_wload_avx2(w0, k, bf), xl));
-    h0 = _mm256_add_ps(h0, _mm256_mul_ps(kd_wload_avx2(w0, k + 8, bf), xh));
-    l1 = _mm256_add_ps(l1, _mm256_mul_ps(kd_wload_avx2(w1, k, bf), xl));
-    h1 = _mm256_add_ps(h1, _mm256_mul_ps(kd_wload_avx2(w1, k + 8, bf), xh));
-    l2 = _mm256_add_ps(l2, _mm256_mul_ps(kd_wload_avx2(w2, k, bf), xl));
-    h2 = _mm256_add_ps(h2, _mm256_mul_ps(kd_wload_avx2(w2, k + 8, bf), xh));
-    l3 = _mm256_add_ps(l3, _mm256_mul_ps(kd_wload_avx2(w3, k, bf), xl));
-    h3 = _mm256_add_ps(h3, _mm256_mul_ps(kd_wload_avx2(w3, k + 8, bf), xh));
+    l0 = _mm256_fmadd_ps(kd_wload_avx2(w0, k, bf), xl, l0);
+    h0 = _mm256_fmadd_ps(kd_wload_avx2(w0, k + 8, bf), xh, h0);
+    l1 = _mm256_fmadd_ps(kd_wload_avx2(w1, k, bf), xl, l1);
+    h1 = _mm256_fmadd_ps(kd_wload_avx2(w1, k + 8, bf), xh, h1);
+    l2 = _mm256_fmadd_ps(kd_wload_avx2(w2, k, bf), xl, l2);
+    h2 = _mm256_fmadd_ps(kd_wload_avx2(w2, k + 8, bf), xh, h2);
+    l3 = _mm256_fmadd_ps(kd_wload_avx2(w3, k, bf), xl, l3);
+    h3 = _mm256_fmadd_ps(kd_wload_avx2(w3, k + 8, bf), xh, h3);
   }
   KD_WTAIL_AVX2(l0, h0, w0, x, k, n, bf);
   KD_WTAIL_AVX2(l1, h1, w1, x, k, n, bf);
@@ -296,11 +312,11 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dot_4x1_avx
   _mm_storeu_ps(r, kd_hsum4_avx2(l0, h0, l1, h1, l2, h2, l3, h3));
 }
 
-__attribute__((target("avx2"))) static void kd_dot_4x1_avx2(const float *w, int64_t ws, const float *x, int64_t n,
+__attribute__((target("avx2,fma"))) static void kd_dot_4x1_avx2(const float *w, int64_t ws, const float *x, int64_t n,
                                                              float *r) {
   kd_dot_4x1_avx2_t(w, ws, x, n, r, 0);
 }
-__attribute__((target("avx2"))) static void kd_dot_4x1_bf16_avx2(const uint16_t *w, int64_t ws, const float *x,
+__attribute__((target("avx2,fma"))) static void kd_dot_4x1_bf16_avx2(const uint16_t *w, int64_t ws, const float *x,
                                                                   int64_t n, float *r) {
   kd_dot_4x1_avx2_t(w, ws, x, n, r, 1);
 }
@@ -308,7 +324,7 @@ __attribute__((target("avx2"))) static void kd_dot_4x1_bf16_avx2(const uint16_t 
 /* T = 1: out[o] = kd_dot_avx2(w row o, x), four weight rows per x load, the dots written straight to out. Small
  * matrices (the tiny model's, a decode step's dozens of calls) run without entering an OpenMP region: even one
  * with if(0) costs a GOMP_parallel call, about as much as a 64 x 128 GEMV. */
-__attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, const float *w, float *out,
+__attribute__((target("avx2,fma"))) static void kd_gemv_f32_avx2(const float *x, const float *w, float *out,
                                                               int64_t n_in, int64_t n_out, int parallel) {
   int64_t n4 = n_out / 4 * 4;
   if (parallel) {
@@ -321,7 +337,7 @@ __attribute__((target("avx2"))) static void kd_gemv_f32_avx2(const float *x, con
 }
 
 /* kd_gemv_f32_avx2 over BF16 weights: the same dots (kd_dot_4x1_avx2_t / kd_dot_avx2_t with bf = 1), half the bytes */
-__attribute__((target("avx2"))) static void kd_gemv_bf16_avx2(const float *x, const uint16_t *w, float *out,
+__attribute__((target("avx2,fma"))) static void kd_gemv_bf16_avx2(const float *x, const uint16_t *w, float *out,
                                                                int64_t n_in, int64_t n_out, int parallel) {
   int64_t n4 = n_out / 4 * 4;
   if (parallel) {
@@ -384,7 +400,7 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
 /* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
  * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. PF: one
  * prefetch (into L2) per 16 elements, of pf + i * pfs at the i-th (kd_rows_triple's stream of the next rows). */
-__attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_tile_avx2(
     const int R, const int O, const int PF, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n,
     float *P, int64_t ps, const char *pf, int64_t pfs) {
   __m256 lo[2][3], hi[2][3];
@@ -406,8 +422,8 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
       __m256 xl = _mm256_loadu_ps(x + r * xs + k), xh = _mm256_loadu_ps(x + r * xs + k + 8);
 #pragma GCC unroll 3
       for (int o = 0; o < O; o++) {
-        lo[r][o] = _mm256_add_ps(lo[r][o], _mm256_mul_ps(wl[o], xl));
-        hi[r][o] = _mm256_add_ps(hi[r][o], _mm256_mul_ps(wh[o], xh));
+        lo[r][o] = _mm256_fmadd_ps(wl[o], xl, lo[r][o]);
+        hi[r][o] = _mm256_fmadd_ps(wh[o], xh, hi[r][o]);
       }
     }
   }
@@ -426,7 +442,7 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_tile_avx2(
 }
 
 #define KD_TILE(R, O, PF)                                                                                      \
-  __attribute__((target("avx2"))) static void kd_tile_##R##x##O##_##PF(const float *x, int64_t xs, const float *w, \
+  __attribute__((target("avx2,fma"))) static void kd_tile_##R##x##O##_##PF(const float *x, int64_t xs, const float *w, \
                                                                      int64_t ws, int64_t n, float *P, int64_t ps, \
                                                                      const char *pf, int64_t pfs) {               \
     kd_tile_avx2(R, O, PF, x, xs, w, ws, n, P, ps, pf, pfs);                                                    \
@@ -448,7 +464,7 @@ static const kd_tile_fn kd_tiles[2][2][3] = { /* [PF][R - 1][O - 1] */
  * KD_TAIL_AVX2, and combines them by kd_hsum_avx2(lo, hi). One accumulator per dot and pass: a 3 x 3 tile is
  * 9 accumulators + 3 weight vectors + 1 x vector + 1 product (no spill; a 4 x 3 tile spills an accumulator), and
  * 6 loads per 72 multiply-adds. */
-__attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_dtile_avx2(
     const int R, const int O, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n, float *out,
     int64_t os) {
   __m256 a[3][3], lo[3][3];
@@ -467,7 +483,7 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
       for (int r = 0; r < R; r++) {
         __m256 xv = _mm256_loadu_ps(x + r * xs + kb + off);
 #pragma GCC unroll 3
-        for (int o = 0; o < O; o++) a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wv[o], xv));
+        for (int o = 0; o < O; o++) a[r][o] = _mm256_fmadd_ps(wv[o], xv, a[r][o]);
       }
     }
     int64_t rem = n - kb - off; /* this pass's elements of the n % 16 tail */
@@ -480,7 +496,7 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
       for (int r = 0; r < R; r++) {
         __m256 xv = _mm256_maskload_ps(x + r * xs + kb + off, m);
 #pragma GCC unroll 3
-        for (int o = 0; o < O; o++) a[r][o] = _mm256_add_ps(a[r][o], _mm256_mul_ps(wv[o], xv));
+        for (int o = 0; o < O; o++) a[r][o] = _mm256_fmadd_ps(wv[o], xv, a[r][o]);
       }
     }
 #pragma GCC unroll 3
@@ -496,7 +512,7 @@ __attribute__((target("avx2"), always_inline)) static inline void kd_dtile_avx2(
 }
 
 #define KD_DTILE(R, O)                                                                                         \
-  __attribute__((target("avx2"))) static void kd_dtile_##R##x##O(const float *x, int64_t xs, const float *w,   \
+  __attribute__((target("avx2,fma"))) static void kd_dtile_##R##x##O(const float *x, int64_t xs, const float *w,   \
                                                                    int64_t ws, int64_t n, float *out,          \
                                                                    int64_t os) {                               \
     kd_dtile_avx2(R, O, x, xs, w, ws, n, out, os);                                                            \
@@ -520,7 +536,7 @@ int kd_par_worth(int64_t macs, int64_t units) {
 }
 
 /* output triple o3 of kd_linear_direct: every three rows of x against weight rows 3 o3 .. 3 o3 + 2 */
-__attribute__((target("avx2"))) static inline void kd_linear_direct_col(const float *x, int64_t xs, const float *w,
+__attribute__((target("avx2,fma"))) static inline void kd_linear_direct_col(const float *x, int64_t xs, const float *w,
                                                                          int64_t ws, float *out, int64_t os, int64_t T,
                                                                          int64_t n, int64_t n_out, int64_t o) {
   int O = n_out - o < 3 ? (int)(n_out - o) : 3;
@@ -533,7 +549,7 @@ __attribute__((target("avx2"))) static inline void kd_linear_direct_col(const fl
 /* out[t * os + o] = dot(x row t (stride xs), w row o (stride ws)) over n <= KD_KC elements: triples of weight
  * rows (in L1) against every three rows of x. Large calls give each thread whole triples (static schedule): an
  * output is one thread's fixed-order dot either way, so the bits do not depend on the number of threads. */
-__attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int64_t xs, const float *w, int64_t ws,
+__attribute__((target("avx2,fma"))) static void kd_linear_direct(const float *x, int64_t xs, const float *w, int64_t ws,
                                                               float *out, int64_t os, int64_t T, int64_t n,
                                                               int64_t n_out) {
   int64_t n3 = (n_out + 2) / 3;
@@ -546,7 +562,7 @@ __attribute__((target("avx2"))) static void kd_linear_direct(const float *x, int
 }
 
 /* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
-__attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
+__attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
                                                                   int64_t k0, int64_t k1, int64_t wpg) {
   int64_t wi = k0 / 8, g = wi / wpg, left = wpg - wi % wpg; /* k0 is a multiple of 16; one division per slice */
   for (; 8 * wi + 8 <= k1; wi++) {
@@ -566,7 +582,7 @@ __attribute__((target("avx2"))) static void kd_dequant_slice_avx2(const uint32_t
  * triple's iterations (pfs bytes per 16 elements). When that would take more than one line per iteration (float32,
  * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
  * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
-__attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
+__attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
                                                             const uint16_t *w16, const uint32_t *qp, const float *qs, int64_t n_words,
                                                             int64_t n_groups, int64_t wpg, float *out, int64_t T,
                                                             int64_t n_in, int64_t n_out, int64_t o, float *P,
@@ -605,7 +621,7 @@ __attribute__((target("avx2"))) static void kd_rows_triple(const float *xa, int6
  * [n_out, n_words], scales [n_out, n_groups], wpg words per group). Large calls give each thread a contiguous
  * range of output triples (static schedule): an output is one thread's fixed-order dot either way, so the bits do
  * not depend on the number of threads, nor on T. */
-__attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const float *w, const uint16_t *w16,
+__attribute__((target("avx2,fma"))) static int kd_linear_rows(const float *x, const float *w, const uint16_t *w16,
                                                            const uint32_t *qp,
                                                            const float *qs, int64_t n_words, int64_t n_groups,
                                                            int64_t wpg, float *out, int64_t T, int64_t n_in,
@@ -640,7 +656,7 @@ __attribute__((target("avx2"))) static int kd_linear_rows(const float *x, const 
  * (T x KD_KC) stays in L2 across the output tiles while each 3-row weight slice is copied (or dequantized) into L1
  * and applied to every row pair. w float32 [n_out, n_in], w16 BF16 or INT4 rows as kd_linear_rows. */
 #define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
-__attribute__((target("avx2"))) static int kd_linear_blocked(const float *x, const float *w, const uint16_t *w16,
+__attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x, const float *w, const uint16_t *w16,
                                                                const uint32_t *qp,
                                                                const float *qs, int64_t n_words, int64_t n_groups,
                                                                int64_t wpg, float *out, int64_t T, int64_t n_in,
@@ -708,6 +724,253 @@ static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w1
   return kd_linear_blocked(x, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
 }
 
+/* ---- AVX-512 linear: one forward's T rows against each loaded weight block ----------------------------------
+ * One zmm register holds the 16 lanes of a dot (lane k % 16), so each output is exactly kd_dot_f32's operations: a
+ * fused multiply-add per 16-element chunk in ascending k, the row's n % 16 tail through masked loads (a masked-off
+ * lane adds fma(0, 0, acc) = acc), kd_hsum512 = kd_lanes_sum's pairwise tree. The weights are read in panels of
+ * KD_PO output rows, k block by k block (KD_PKC elements: the panel's block stays in L1), and every row tile of x
+ * (KD_PR rows) is applied to a block while it is there: the weight bytes stream from memory once per call whatever
+ * T is, the tiles' multiply-adds run from L1. Between k blocks a dot's 16 partial lanes wait in P. The next block's
+ * weight lines are prefetched evenly over this block's iterations, so the stream keeps going while the tiles
+ * compute. BF16 blocks are widened exactly, INT4 blocks dequantized exactly (kd_int4_weight), once per block for all
+ * rows. T = 1 runs the same path (a 1-row tile against 6 weight-row streams). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KD_A512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
+#define KD_PO 6    /* outputs per panel: 6 weight rows x 4 x rows = 24 accumulators + 6 weight registers + 1 x */
+#define KD_PR 4    /* x rows per register tile */
+#define KD_PKC 512 /* k block (elements): a panel's block is 12 KB of float32 in L1 */
+
+__attribute__((target(KD_A512), always_inline)) static inline float kd_hsum512(__m512 v) {
+  __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+__attribute__((target(KD_A512), always_inline)) static inline __m512 kd_bf16x16_512(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* The next block's weight lines (row r, line j at pf + r * prs + j * 64, 1 << lsh lines per row): lines
+ * [l0, l0 + npf) of them, spread over this tile's nc iterations. */
+typedef struct {
+  const char *pf;
+  int64_t prs, l0, npf;
+  int lsh;
+} kd_pf512;
+
+/* acc[r][o] over one k block: x rows r (stride xs), weight rows o (stride ws), nc whole chunks then a masked tail
+ * (tail: its lanes). FIRST: the partial lanes start at +0 (else from P); LAST: their kd_hsum512 goes to out
+ * (out[r * os + o], the first no outputs; else back to P [R][KD_PO][16]). */
+__attribute__((target(KD_A512), always_inline)) static inline void kd_tile512(
+    const int R, const int FIRST, const int LAST, const int BF, const float *x, int64_t xs, const void *w, int64_t ws,
+    int64_t nc, __mmask16 tail, float *P, float *out, int64_t os, int no, const kd_pf512 *pfp) {
+  const float *wf = (const float *)w;
+  const uint16_t *wh = (const uint16_t *)w;
+  const kd_pf512 pf = *pfp;
+  __m512 acc[KD_PR][KD_PO];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 6
+    for (int o = 0; o < KD_PO; o++) acc[r][o] = FIRST ? _mm512_setzero_ps() : _mm512_load_ps(P + (r * KD_PO + o) * 16);
+  const int64_t lmask = ((int64_t)1 << pf.lsh) - 1;
+  for (int64_t c = 0; c < nc; c++) {
+    for (int64_t l = pf.l0 + c; l < pf.l0 + pf.npf; l += nc)
+      _mm_prefetch(pf.pf + (l >> pf.lsh) * pf.prs + ((l & lmask) << 6), _MM_HINT_T0);
+    __m512 wv[KD_PO];
+#pragma GCC unroll 6
+    for (int o = 0; o < KD_PO; o++)
+      wv[o] = BF ? kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(wh + o * ws + 16 * c)))
+                 : _mm512_loadu_ps(wf + o * ws + 16 * c);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      __m512 xv = _mm512_loadu_ps(x + r * xs + 16 * c);
+#pragma GCC unroll 6
+      for (int o = 0; o < KD_PO; o++) acc[r][o] = _mm512_fmadd_ps(wv[o], xv, acc[r][o]);
+    }
+  }
+  if (tail) {
+    __m512 wv[KD_PO];
+#pragma GCC unroll 6
+    for (int o = 0; o < KD_PO; o++)
+      wv[o] = BF ? kd_bf16x16_512(_mm256_maskz_loadu_epi16(tail, wh + o * ws + 16 * nc))
+                 : _mm512_maskz_loadu_ps(tail, wf + o * ws + 16 * nc);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      __m512 xv = _mm512_maskz_loadu_ps(tail, x + r * xs + 16 * nc);
+#pragma GCC unroll 6
+      for (int o = 0; o < KD_PO; o++) acc[r][o] = _mm512_fmadd_ps(wv[o], xv, acc[r][o]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 6
+    for (int o = 0; o < KD_PO; o++) {
+      if (!LAST)
+        _mm512_store_ps(P + (r * KD_PO + o) * 16, acc[r][o]);
+      else if (o < no)
+        out[r * os + o] = kd_hsum512(acc[r][o]);
+    }
+}
+
+#define KD_TILE512(R, F, L, B)                                                                                   \
+  __attribute__((target(KD_A512))) static void kd_tile512_##R##F##L##B(                                          \
+      const float *x, int64_t xs, const void *w, int64_t ws, int64_t nc, __mmask16 tail, float *P, float *out,     \
+      int64_t os, int no, const kd_pf512 *pf) {                                                                  \
+    kd_tile512(R, F, L, B, x, xs, w, ws, nc, tail, P, out, os, no, pf);                                          \
+  }
+#define KD_TILES512(R)                                                                                           \
+  KD_TILE512(R, 0, 0, 0) KD_TILE512(R, 0, 1, 0) KD_TILE512(R, 1, 0, 0) KD_TILE512(R, 1, 1, 0)                    \
+  KD_TILE512(R, 0, 0, 1) KD_TILE512(R, 0, 1, 1) KD_TILE512(R, 1, 0, 1) KD_TILE512(R, 1, 1, 1)
+KD_TILES512(1) KD_TILES512(2) KD_TILES512(3) KD_TILES512(4)
+typedef void (*kd_tile512_fn)(const float *, int64_t, const void *, int64_t, int64_t, __mmask16, float *, float *,
+                              int64_t, int, const kd_pf512 *);
+#define KD_TILE512_ROW(R)                                                                                         \
+  {{{kd_tile512_##R##000, kd_tile512_##R##001}, {kd_tile512_##R##010, kd_tile512_##R##011}},                      \
+   {{kd_tile512_##R##100, kd_tile512_##R##101}, {kd_tile512_##R##110, kd_tile512_##R##111}}}
+static const kd_tile512_fn kd_tiles512[KD_PR][2][2][2] = { /* [R - 1][FIRST][LAST][BF16 read in place] */
+    KD_TILE512_ROW(1), KD_TILE512_ROW(2), KD_TILE512_ROW(3), KD_TILE512_ROW(4)};
+
+/* A linear's weights as kd_linear_512 reads them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
+ * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
+typedef struct {
+  const float *w;
+  const uint16_t *w16;
+  const uint32_t *qp;
+  const float *qs;
+  int64_t n_words, n_groups, wpg, n_in, n_out;
+} kd_wsrc;
+
+/* bytes per weight row in memory (the prefetch stream) */
+static int64_t kd_wsrc_row_bytes(const kd_wsrc *s) {
+  return s->w ? s->n_in * 4 : s->w16 ? s->n_in * 2 : s->n_words * 4;
+}
+
+static const char *kd_wsrc_at(const kd_wsrc *s, int64_t o, int64_t k) { /* row o from element k (k % 8 == 0) */
+  return s->w ? (const char *)(s->w + o * s->n_in + k)
+         : s->w16 ? (const char *)(s->w16 + o * s->n_in + k)
+                  : (const char *)(s->qp + o * s->n_words + k / 8);
+}
+
+/* The row tiles of a call of T rows, as even as possible (9 = 3 + 3 + 3, 33 = 6 x 4 + 3 x 3), and the share of
+ * the next block's prefetch lines each one issues: computed once per call, read by every panel and block. */
+typedef struct {
+  int R;
+  int64_t t, l0, npf;
+} kd_rowtile;
+
+/* Outputs o0 .. o0 + no - 1 (no <= KD_PO) of out [T, n_out] for all T rows of x (stride ldx). Past the last output
+ * the panel repeats it (its results are not written). wb: this thread's KD_PO x KD_PKC block, P: T x KD_PO x 16;
+ * rt: the G row tiles; lsh: log2 of the prefetch lines per weight row of a block; o_end: this thread's last panel. */
+__attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const float *x, int64_t ldx, float *out,
+                                                         int64_t o0, int64_t o_end, const kd_rowtile *rt, int64_t G,
+                                                         int lsh, float *P, float *wb) {
+  const int64_t n_in = s->n_in, n_out = s->n_out;
+  const int no = n_out - o0 < KD_PO ? (int)(n_out - o0) : KD_PO;
+  int64_t rows[KD_PO];
+  for (int i = 0; i < KD_PO; i++) rows[i] = o0 + (i < no ? i : no - 1);
+  /* float32 rows are read where they are, at stride n_in; so are BF16 rows when one row tile reads them (widened in
+   * the register: no copy to pay for; more tiles widen each block once into wb) */
+  const int in_place = (s->w || (s->w16 && G == 1)) && no == KD_PO, bf = in_place && !s->w;
+  for (int64_t k0 = 0; k0 < n_in; k0 += KD_PKC) {
+    const int64_t n = n_in - k0 < KD_PKC ? n_in - k0 : KD_PKC, nc = n / 16;
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
+    const void *wk = wb;
+    int64_t ws = KD_PKC;
+    if (in_place) {
+      wk = bf ? (const void *)(s->w16 + o0 * n_in + k0) : (const void *)(s->w + o0 * n_in + k0), ws = n_in;
+    } else {
+      for (int i = 0; i < KD_PO; i++) {
+        float *d = wb + i * KD_PKC;
+        if (s->w) {
+          memcpy(d, s->w + rows[i] * n_in + k0, sizeof(float) * (size_t)n);
+        } else if (s->w16) {
+          const uint16_t *r = s->w16 + rows[i] * n_in + k0;
+          int64_t j = 0;
+          for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
+          kd_bf16_widen_generic(r + j, d + j, n - j);
+        } else {
+          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, s->qs + rows[i] * s->n_groups, d, k0, k0 + n, s->wpg);
+        }
+      }
+    }
+    /* the next block: this panel's next k block, else the next panel's first (none past this thread's range) */
+    int64_t nk = k0 + KD_PKC, np = o0;
+    if (nk >= n_in) nk = 0, np = o0 + KD_PO;
+    const char *pf = np < o_end ? kd_wsrc_at(s, np, nk) : NULL;
+    const int F = k0 == 0, L = k0 + n == n_in;
+    for (int64_t g = 0; g < G; g++) {
+      kd_pf512 pg = {pf, kd_wsrc_row_bytes(s), rt[g].l0, pf ? rt[g].npf : 0, lsh};
+      kd_tiles512[rt[g].R - 1][F][L][bf](x + rt[g].t * ldx + k0, ldx, wk, ws, nc, tail, P + rt[g].t * KD_PO * 16,
+                                     out + rt[g].t * n_out + o0, n_out, no, &pg);
+    }
+  }
+}
+
+/* out [T, n_out] = x [T, n_in] . w^T for every T >= 1 (s: the weights). Long rows (more than one k block: K2-sized
+ * matrices) copy x once to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would share L1
+ * sets); short rows are read in place. Large calls give each thread a contiguous range of panels: an output is one
+ * thread's fixed-order dot either way, so the bits depend neither on T nor on the number of threads. */
+/* panels [p0, p1) of kd_linear_512 on this thread: its own P (k-blocked rows) and weight block; 1 = out of memory */
+__attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const float *x, int64_t ldx, float *out,
+                                                         int64_t T, int64_t p0, int64_t p1, const kd_rowtile *rt,
+                                                         int64_t G, int lsh) {
+  float wb[KD_PO * KD_PKC] __attribute__((aligned(64)));
+  float *P = NULL;
+  if (s->n_in > KD_PKC && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16)))) return 1;
+  for (int64_t p = p0; p < p1; p++) kd_panel512(s, x, ldx, out, p * KD_PO, p1 * KD_PO, rt, G, lsh, P, wb);
+  free(P);
+  return 0;
+}
+
+__attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *s, const float *x, float *out, int64_t T,
+                                                          int parallel) {
+  const int64_t n_in = s->n_in, n_out = s->n_out, panels = (n_out + KD_PO - 1) / KD_PO;
+  int64_t ldx = n_in;
+  float *xa = NULL;
+  if (n_in > KD_PKC) {
+    ldx = (n_in + 15) / 16 * 16 + 16;
+    xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
+    if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+    for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+  }
+  const float *xr = xa ? xa : x;
+  /* prefetch: the next block's KD_PO rows of 2^lsh lines each (a row's block bytes, rounded up), split over tiles */
+  int lsh = 0;
+  const int64_t block_lines = ((n_in < KD_PKC ? n_in : KD_PKC) * kd_wsrc_row_bytes(s) / n_in + 63) / 64;
+  while (((int64_t)1 << lsh) < block_lines) lsh++;
+  const int64_t G = (T + KD_PR - 1) / KD_PR, lines = (int64_t)KD_PO << lsh;
+  kd_rowtile rts[64], *rt = G <= 64 ? rts : (kd_rowtile *)malloc(sizeof(kd_rowtile) * (size_t)G);
+  if (!rt) {
+    free(xa);
+    return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T);
+  }
+  for (int64_t g = 0, t = 0; g < G; g++) {
+    rt[g].R = (int)((T - t + (G - g) - 1) / (G - g)), rt[g].t = t;
+    rt[g].l0 = lines * g / G, rt[g].npf = lines * (g + 1) / G - rt[g].l0;
+    t += rt[g].R;
+  }
+  int nomem = 0;
+  /* threads: K2-sized matrices always; smaller ones for multi-row calls worth a region (a one-row call of a small
+   * matrix enters no OpenMP region at all: even an if(0) region costs a GOMP_parallel call) */
+  if (parallel || (T >= 2 && kd_par_worth(T * n_in * n_out, panels))) {
+#pragma omp parallel num_threads(kd_threads())
+    {
+      int nt = omp_get_num_threads(), me = omp_get_thread_num();
+      if (kd_panels512(s, xr, ldx, out, T, panels * me / nt, panels * (me + 1) / nt, rt, G, lsh)) { /* contiguous */
+#pragma omp atomic write
+        nomem = 1;
+      }
+    }
+  } else {
+    nomem = kd_panels512(s, xr, ldx, out, T, 0, panels, rt, G, lsh);
+  }
+  if (rt != rts) free(rt);
+  free(xa);
+  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
+}
+#endif
+
 /* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
  * loads, so more rows gain nothing: 4 rows with the scales held in registers spilled an accumulator, and out of
  * cache 2 rows (4 accumulators + each row's scale and -8 * scale broadcasts) ran 5-10 % faster than 3. */
@@ -716,8 +979,8 @@ static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w1
 
 /* chunks [c0, c1) of the KD_W4_ROWS rows, all in one group: row r's weight (q - 8) * s formed as fma(q, sc[r], ns[r])
  * with ns = -8 s: the fused product-sum is exact before its one rounding, and q s - 8 s = (q - 8) s (-8 s is exact,
- * a power-of-two scaling), so the bits are kd_int4_weight's (finite scales). The products with x stay a plain
- * multiply then add, as kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk
+ * a power-of-two scaling), so the bits are kd_int4_weight's (finite scales). The products with x are a second
+ * fused multiply-add into the lane, as kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk
  * reads per row). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chunks_avx2(
     const uint32_t *const *wr, const float *xp, const char *next, int64_t c0, int64_t c1, const __m256 *sc,
@@ -732,8 +995,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
       __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc[r], ns[r]);
       __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc[r], ns[r]);
-      ev[r] = _mm256_add_ps(ev[r], _mm256_mul_ps(we, xe));
-      od[r] = _mm256_add_ps(od[r], _mm256_mul_ps(wo, xo));
+      ev[r] = _mm256_fmadd_ps(we, xe, ev[r]);
+      od[r] = _mm256_fmadd_ps(wo, xo, od[r]);
     }
   }
 }
@@ -770,7 +1033,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
  * of `ev` is logical lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as
  * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
  * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
-__attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
+__attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
                                                                const float *sr, const float *x, int64_t n_in,
                                                                int64_t wpg) {
   float a[KD_LANES];
@@ -779,7 +1042,7 @@ __attribute__((target("avx2"))) static float kd_w4_finish_avx2(__m256 ev, __m256
   float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
                        a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
   for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
-    b[k % KD_LANES] += kd_int4_weight(wr[k / 8], (int)(k % 8), sr[k / 8 / wpg]) * x[k];
+    b[k % KD_LANES] = fmaf(kd_int4_weight(wr[k / 8], (int)(k % 8), sr[k / 8 / wpg]), x[k], b[k % KD_LANES]);
   return kd_lanes_sum(b);
 }
 
@@ -848,6 +1111,85 @@ __attribute__((target("avx2,fma"))) static int kd_gemv_w4_avx2(const uint32_t *q
 }
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+/* ---- AVX-512 W4A16 GEMV (T = 1) ---------------------------------------------------------------------------
+ * A 16-element chunk of a row is 8 bytes (two words). Broadcast as a qword to the eight qword lanes, dword lane 2m
+ * holds word 0 (elements 0..7) and lane 2m + 1 word 1 (elements 8..15); shifting lane 2m and 2m + 1 right by 4m
+ * puts element m resp. 8 + m in the low nibble, and vpermps -- which reads only an index's low 4 bits -- looks the
+ * nibble q up in the group's table T[q] = (float)(q - 8) * scale, exactly kd_int4_weight's one rounding. So a
+ * chunk is a broadcast load, a shift, a lookup and one fused multiply-add into the row's accumulator, whose register
+ * lane 2m is logical lane m and lane 2m + 1 logical lane 8 + m (x is permuted the same way once per call): every
+ * logical lane still adds its elements in ascending k, as kd_dot_f32 on the dequantized row. A group (even wpg)
+ * is a whole number of chunks: one table per group and row. */
+#define KD_W4R512 4 /* rows per pass: 4 accumulators + 4 tables + x + the shifts and the (q - 8) ramp */
+
+__attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *qp, const float *qs, int64_t n_words,
+                                                                int64_t n_groups, int64_t wpg, const float *xp,
+                                                                const float *x, float *out, int64_t n_in,
+                                                                int64_t n_out, int64_t o) {
+  const int64_t nc = n_in / KD_LANES, cpg = wpg / 2;
+  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const uint32_t *wr[KD_W4R512];
+  const float *sr[KD_W4R512];
+  for (int r = 0; r < KD_W4R512; r++) { /* past the last output: repeat it, result discarded */
+    int64_t oo = o + r < n_out ? o + r : n_out - 1;
+    wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
+  }
+  /* the next rows' words, 8 bytes per row per chunk: KD_W4R512 x 8 bytes = half a line a chunk */
+  const char *next = (const char *)(qp + (o + KD_W4R512 < n_out ? o + KD_W4R512 : o) * n_words);
+  __m512 acc[KD_W4R512];
+#pragma GCC unroll 4
+  for (int r = 0; r < KD_W4R512; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < nc; c0 += cpg) {
+    const int64_t c1 = c0 + cpg < nc ? c0 + cpg : nc, g = c0 / cpg;
+    __m512 tab[KD_W4R512];
+#pragma GCC unroll 4
+    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(sr[r][g]));
+    for (int64_t c = c0; c < c1; c++) {
+      const __m512 xv = _mm512_load_ps(xp + 16 * c);
+      if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int r = 0; r < KD_W4R512; r++) {
+        __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(*(const int64_t *)(wr[r] + 2 * c)), sh);
+        acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, tab[r]), xv, acc[r]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < KD_W4R512; r++) {
+    if (o + r >= n_out) break;
+    float a[KD_LANES], b[KD_LANES];
+    _mm512_storeu_ps(a, acc[r]);
+    for (int m = 0; m < 8; m++) b[m] = a[2 * m], b[8 + m] = a[2 * m + 1];
+    for (int64_t k = nc * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
+      b[k % KD_LANES] = fmaf(kd_int4_weight(wr[r][k / 8], (int)(k % 8), sr[r][k / 8 / wpg]), x[k], b[k % KD_LANES]);
+    out[o + r] = kd_lanes_sum(b);
+  }
+}
+
+/* the AVX-512 W4A16 GEMV for an even number of words per group (whole chunks per group: K2's group 32) */
+__attribute__((target(KD_A512))) static int kd_gemv_w4_512(const uint32_t *qp, const float *qs, int64_t n_words,
+                                                           int64_t n_groups, int64_t wpg, const float *x, float *out,
+                                                           int64_t n_in, int64_t n_out, int parallel) {
+  const int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nc * KD_LANES + 16));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
+  for (int64_t c = 0; c < nc; c++) /* register lane 2m = logical lane m, 2m + 1 = lane 8 + m */
+    for (int m = 0; m < 8; m++) xp[16 * c + 2 * m] = x[16 * c + m], xp[16 * c + 2 * m + 1] = x[16 * c + 8 + m];
+  if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n_out; o += KD_W4R512)
+      kd_gemv_w4_rows512(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += KD_W4R512)
+      kd_gemv_w4_rows512(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+  }
+  free(xp);
+  return KD_OK;
+}
+#endif
+
 /* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
  * load, then the leftover rows four weight rows at a time. */
 static void kd_linear_block(const float *x, const float *w, int no, float *out, int64_t T, int64_t n_in,
@@ -869,11 +1211,6 @@ static void kd_linear_block(const float *x, const float *w, int no, float *out, 
   }
 }
 
-/* Weights (out x in) from which a linear is worth threads even for one row: K2-sized matrices (>= 4 M) use every
- * core. Smaller ones split only multi-row calls (kd_par_worth: the direct tiles). Each output element is computed by
- * one thread in the same order either way. (Processes are started by exec, never by a bare fork, so a started
- * OpenMP runtime is no hazard: kdtree.parallel.launch and the engine process both exec a new interpreter.) */
-#define KD_PARALLEL_MIN_WEIGHTS (1 << 20)
 
 int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                   void *stream) {
@@ -886,6 +1223,10 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   KD_CHECK_PTR("kd_linear_f32", out);
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_host_avx512()) {
+    kd_wsrc src = {w, NULL, NULL, NULL, 0, 0, 1, n_in, n_out};
+    return kd_linear_512(&src, x, out, T, parallel);
+  }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
     kd_linear_direct(x, n_in, w, n_in, out, n_out, T, n_in, n_out);
     return KD_OK;
@@ -913,7 +1254,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
 #if defined(__x86_64__) && defined(__GNUC__)
 /* output triple o of the short-row BF16 path: its three rows widened into L1 (this thread's stack), then the direct
  * tiles over every row of x -- kd_linear_f32's short-row path on the widened rows */
-__attribute__((target("avx2"))) static void kd_bf16_direct_col(const uint16_t *w, const float *x, float *out,
+__attribute__((target("avx2,fma"))) static void kd_bf16_direct_col(const uint16_t *w, const float *x, float *out,
                                                                 int64_t T, int64_t n_in, int64_t n_out, int64_t o) {
   float wb[3 * KD_KC] __attribute__((aligned(64)));
   int O = n_out - o < 3 ? (int)(n_out - o) : 3;
@@ -937,6 +1278,10 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
   KD_CHECK_PTR("kd_linear_bf16", out);
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_host_avx512()) {
+    kd_wsrc src = {NULL, w, NULL, NULL, 0, 0, 1, n_in, n_out};
+    return kd_linear_512(&src, x, out, T, parallel);
+  }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* as kd_linear_direct: whole triples per thread */
     int64_t n3 = (n_out + 2) / 3;
     if (kd_par_worth(T * n_in * n_out, n3)) {
@@ -969,7 +1314,7 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
 #if defined(__x86_64__) && defined(__GNUC__)
 /* output triple o of the short-row W4A16 path: its three rows dequantized into L1 (this thread's stack), then the
  * direct tiles over every row of x */
-__attribute__((target("avx2"))) static void kd_w4_direct_col(const uint32_t *qp, const float *scales, int64_t n_words,
+__attribute__((target("avx2,fma"))) static void kd_w4_direct_col(const uint32_t *qp, const float *scales, int64_t n_words,
                                                               int64_t n_groups, int64_t wpg, const float *x, float *out,
                                                               int64_t T, int64_t n_in, int64_t n_out, int64_t o) {
   float wb[3 * KD_KC] __attribute__((aligned(64)));
@@ -997,7 +1342,13 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx2()) {
+    if (T == 1 && kd_host_avx512() && wpg % 2 == 0)
+      return kd_gemv_w4_512(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    if (kd_host_avx512()) {
+      kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out};
+      return kd_linear_512(&src, x, out, T, parallel);
+    }
     if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
       int64_t n3 = (n_out + 2) / 3;
       if (kd_par_worth(T * n_in * n_out, n3)) { /* whole triples per thread, as kd_linear_direct */
@@ -1055,7 +1406,7 @@ KD_CLONES int kd_rms_norm(const float *x, const float *w, float *out, int64_t T,
   KD_CHECK_PTR("kd_rms_norm", out);
   for (int64_t t = 0; t < T; t++) {
     const float *r = x + t * D;
-    float inv = kd_rms_inv(kd_dot_f32(r, r, D), D, eps);
+    float inv = kd_rms_inv(kd_sumsq(r, D), D, eps);
     for (int64_t d = 0; d < D; d++) out[t * D + d] = r[d] * inv * w[d];
   }
   return KD_OK;
@@ -1119,7 +1470,7 @@ static void kd_softmax_rows(float *p, int64_t H, int64_t n) {
  * direct register tiles (H query heads x 2 keys), the visible block keys one by one, each dot exactly kd_dot's;
  * softmax as the portable loop; then out[h] = sum_i p[h, i] kv_i[:L] with every element's adds in key order
  * (a multiply, then an add, as kd_axpy), eight lanes of one head's output at a time. */
-__attribute__((target("avx2"))) static void kd_mla_row_avx2(const float *qt, const float *kv, const int64_t *keys,
+__attribute__((target("avx2,fma"))) static void kd_mla_row_avx2(const float *qt, const float *kv, const int64_t *keys,
                                                              int64_t n, int64_t n_prefix, float *p, float *ot,
                                                              int64_t H, int64_t L, int64_t E, float scale) {
   int64_t np = n_prefix < n ? n_prefix : n;

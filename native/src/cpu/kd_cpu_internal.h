@@ -9,6 +9,12 @@
 /* kdtree.h's kd_threads(): every parallel region asks for this many threads (num_threads clause). */
 int kd_threads(void);
 
+/* Weights (out x in) from which a linear is worth threads even for one row: K2-sized matrices (>= 1 M) use every
+ * core. Smaller ones split only multi-row calls (kd_par_worth: the direct tiles). Each output element is computed by
+ * one thread in the same order either way. (Processes are started by exec, never by a bare fork, so a started
+ * OpenMP runtime is no hazard: kdtree.parallel.launch and the engine process both exec a new interpreter.) */
+#define KD_PARALLEL_MIN_WEIGHTS (1 << 20)
+
 /* Whether `macs` multiply-adds over `units` independent pieces are worth a parallel region: enough work (several
  * times a warm region's fork/join), at least two pieces, more than one thread, and not inside a region already. */
 int kd_par_worth(int64_t macs, int64_t units);
