@@ -278,8 +278,10 @@ int kd_model_graph_stats(kd_model *m, int64_t *stats, double *capture_seconds);
 int kd_model_moe_stats(kd_model *m, int64_t *stats, int reset);
 
 /* Roofs of this host, for the forward-cost curve (pipeline=bench_forward): kd_roof_read sums n floats from p
- * (a streaming read: its bytes / its time is the read roof); kd_roof_fma runs iters x KD_ROOF_CHAINS independent
- * 8-lane multiply-adds on registers per thread (2 x 8 x KD_ROOF_CHAINS flops per iteration per thread). Both use
+ * (a streaming read: its bytes / its time is the read roof); kd_roof_fma runs independent fused multiply-adds on
+ * registers per thread, in the widest registers the CPU build's kernels use (AVX-512 where they run it: 16 lanes,
+ * iters / 2 x KD_ROOF_CHAINS of them; else 8 lanes, iters x KD_ROOF_CHAINS): 2 x 8 x KD_ROOF_CHAINS flops per
+ * iteration per thread either way. Both use
  * `threads` threads (<= 0: kd_threads()) and return a value that keeps the work alive. Host code in both builds. */
 #define KD_ROOF_CHAINS 12
 double kd_roof_read(const float *p, int64_t n, int threads);
