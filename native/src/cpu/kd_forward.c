@@ -492,7 +492,10 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   int64_t *st = m->moe_stats + (ly - m->layers) * 3; /* the union of this forward's experts: bytes it streams */
   st[0] += 1, st[1] += busy, st[2] += N;
   if (ly->has_shared) busy++;
-  if (kd_par_worth((S + (ly->has_shared ? N : 0)) * 3 * D * I, busy)) {
+  /* K2-sized experts (each linear >= KD_PARALLEL_MIN_WEIGHTS) run one after another, each linear split over every
+   * thread: an AR step's three experts would leave a thread idle for a third of the layer, and a verify's shared
+   * expert (all rows) is several routed ones' work. Small experts run side by side, one per thread. */
+  if (I * D < KD_PARALLEL_MIN_WEIGHTS && kd_par_worth((S + (ly->has_shared ? N : 0)) * 3 * D * I, busy)) {
     int nt = kd_threads();
     float *tg = (float *)kd_reserve(&m->tg, sizeof(float) * (size_t)(nt * 2 * rows * I));
     if (!tg) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE thread scratch, %lld rows)", (long long)N);
