@@ -198,6 +198,8 @@ def validate_bench_peer(cfg: DictConfig) -> None:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
     if cfg.get("pipeline") == "bench_peer" or b.get("trees"):
         peer_tree_shapes(cfg)
+    if cfg.get("bench") is not None and cfg.bench.get("trees"):
+        tree_shapes(cfg, "bench")
 
 
 def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
@@ -222,12 +224,12 @@ def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
     return OmegaConf.create(t)
 
 
-def peer_tree_shapes(cfg: DictConfig) -> List[DictConfig]:
-    """bench_peer's tree shapes: `tree` (unless ar), then bench_peer.trees, duplicates dropped; each one checked
-    as tree.* would be, the error naming the item."""
-    specs = list(cfg.bench_peer.get("trees") or [])
+def tree_shapes(cfg: DictConfig, stage: str = "bench_peer") -> List[DictConfig]:
+    """The tree shapes a bench stage measures in the same alternating rounds: `tree` (unless ar), then <stage>.trees,
+    duplicates dropped; each one checked as tree.* would be, the error naming the item."""
+    specs = list(cfg[stage].get("trees") or [])
     if cfg.tree.kind == "ar" and specs:
-        raise ConfigError(f"bench_peer.trees={specs} with tree=ar: the drafter is loaded for a drafting tree only; "
+        raise ConfigError(f"{stage}.trees={specs} with tree=ar: the drafter is loaded for a drafting tree only; "
                           f"set tree=ddtree (or tree=chain) as well")
     shapes = [] if cfg.tree.kind == "ar" else [OmegaConf.create(OmegaConf.to_container(cfg.tree, resolve=True))]
     for spec in specs:
@@ -236,11 +238,16 @@ def peer_tree_shapes(cfg: DictConfig) -> List[DictConfig]:
             validate_tree(OmegaConf.create({"tree": t, "model": {"drafter": {
                 "block_size": cfg.model.drafter.block_size}}}))
         except (ValueError, ConfigError) as e:
-            raise ConfigError(f"bench_peer.trees item {spec!r}: {e}; write a shape as e.g. ddtree-w4-d7-b6 or "
+            raise ConfigError(f"{stage}.trees item {spec!r}: {e}; write a shape as e.g. ddtree-w4-d7-b6 or "
                               f"chain-d7") from None
         if all(OmegaConf.to_container(t) != {k: s[k] for k in ("kind", "width", "depth", "budget")} for s in shapes):
             shapes.append(t)
     return shapes
+
+
+def peer_tree_shapes(cfg: DictConfig) -> List[DictConfig]:
+    """bench_peer's tree shapes (tree_shapes of bench_peer.trees)."""
+    return tree_shapes(cfg, "bench_peer")
 
 
 def check_url(key: str, url: str) -> None:

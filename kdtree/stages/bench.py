@@ -16,13 +16,15 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import List
 
 from omegaconf import OmegaConf
 
 from kdtree.backends import native
+from kdtree.config.validate import tree_shapes
 from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.decode.result import STAGES
 from kdtree.engine import AR_TREE, Engine, EngineState
@@ -40,6 +42,9 @@ class BenchConfig:
     repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
     # structured output on every prompt: "" none | json (any JSON object) | a .json schema file | a .lark grammar file
     grammar: str = ""
+    # more tree shapes measured in the same alternating rounds, e.g. [chain-d7,ddtree-w4-d7-b8] (kind, then any of
+    # wN/dN/bN; the rest from tree.*): each row's tokens/s, speedup, acceptance and MoE columns in bench.json "trees"
+    trees: List[str] = field(default_factory=list)
 
 
 CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
@@ -227,6 +232,8 @@ def run(ctx, conf: BenchConfig) -> dict:
     if fixed_tree is not None:                     # tree.policy=cost measures its forward costs once, untimed
         engine.generate(prompts_ids[0], 2, tree=cfg.tree)
     fixed = None
+    extra = [OmegaConf.merge(cfg.tree, t) for t in tree_shapes(cfg, "bench")[1:]]    # bench.trees, tree itself dropped
+    best_extra = [None] * len(extra)
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
     for _ in range(max(1, repeats)):
@@ -237,9 +244,11 @@ def run(ctx, conf: BenchConfig) -> dict:
         if fixed_tree is not None:                 # the same tree with the whole budget every round
             f = _run_set(engine, prompts_ids, max_new_tokens, fixed_tree, sampling, grammar)
             fixed = f if fixed is None or f["seconds"] < fixed["seconds"] else fixed
-    lossless = all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], tree["per_prompt"]))
-    if fixed is not None:
-        lossless = lossless and all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], fixed["per_prompt"]))
+        for i, shape in enumerate(extra):
+            e = _run_set(engine, prompts_ids, max_new_tokens, shape, sampling, grammar)
+            best_extra[i] = e if best_extra[i] is None or e["seconds"] < best_extra[i]["seconds"] else best_extra[i]
+    runs = [tree] + ([fixed] if fixed is not None else []) + best_extra
+    lossless = all(p["tokens"] == q["tokens"] for r in runs for p, q in zip(ar["per_prompt"], r["per_prompt"]))
     greedy_acc = tree["mean_acceptance_length"]
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
@@ -268,6 +277,12 @@ def run(ctx, conf: BenchConfig) -> dict:
             "tokens_per_s": fixed["tokens_per_s"], "mean_acceptance_length": fixed["mean_acceptance_length"],
             "target_forwards_per_token": fixed["target_forwards_per_token"], "moe": fixed["moe"],
             "policy_speedup": tree["tokens_per_s"] / max(fixed["tokens_per_s"], 1e-9)},
+        "trees": [{"tree": OmegaConf.to_container(shape, resolve=True), "tokens_per_s": r["tokens_per_s"],
+                   "speedup_vs_ar": r["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+                   "mean_acceptance_length": r["mean_acceptance_length"],
+                   "target_forwards_per_token": r["target_forwards_per_token"], "moe": r["moe"],
+                   "outputs_equal_ar": all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], r["per_prompt"]))}
+                  for shape, r in zip(extra, best_extra)],
         "grammar": conf.grammar,
         "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
         "ar": ar, "result": tree,
@@ -288,6 +303,11 @@ def run(ctx, conf: BenchConfig) -> dict:
         print(f"bench tree.policy=cost: {out['tokens_per_s']:.1f} tok/s vs the whole budget every round "
               f"{fixed['tokens_per_s']:.1f} tok/s -> {out['fixed_policy']['policy_speedup']:.2f}x (acceptance "
               f"{out['mean_acceptance_length']:.2f} vs {fixed['mean_acceptance_length']:.2f})")
+    for row in out["trees"]:
+        t2 = row["tree"]
+        print(f"bench {t2['kind']} w={t2['width']} d={t2['depth']} b={t2['budget']} policy={t2.get('policy', 'fixed')}: "
+              f"{row['tokens_per_s']:.1f} tok/s -> speedup {row['speedup_vs_ar']:.2f}x, acceptance "
+              f"{row['mean_acceptance_length']:.2f}, lossless={row['outputs_equal_ar']}")
     if tree["moe"].get("bytes_per_token") and ar["moe"].get("bytes_per_token"):
         print(f"bench MoE tax: {tree['moe']['mean_experts_per_forward']:.2f} experts per MoE layer per forward vs AR "
               f"{ar['moe']['mean_experts_per_forward']:.2f}; {tree['moe']['bytes_per_token'] / 1e6:.1f} MB streamed "
