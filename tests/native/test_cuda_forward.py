@@ -134,12 +134,12 @@ def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     cc.truncate(4), rc.truncate(4)
     assert cc.length == 4
     np.testing.assert_allclose(cu.draft(cc, 9), ref.draft(rc, 9), **TOL)
-    # a freed context's device allocation is reused by the next smaller one (rows at the old stride)
-    slot = cc.slot
+    # a freed context's pages are taken by the next one; the device arena does not grow
+    pages, total = list(cc.pages), cu.pages.total
     del cc
     gc.collect()
     c2, r2 = cu.new_cache(16), ref.new_cache(16)
-    assert c2.slot == slot and c2.length == 0
+    assert list(c2.pages) == pages[:1] and c2.length == 0 and cu.pages.total == total
     cu.extend(c2, chunks[0]), ref.extend(r2, chunks[0])
     np.testing.assert_allclose(cu.draft(c2, 5), ref.draft(r2, 5), **TOL)
 
