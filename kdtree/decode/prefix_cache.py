@@ -164,6 +164,8 @@ class PrefixCache:
 
     def _evict_lru(self, enough) -> int:
         """Drop least recently used leaves nobody else holds until enough() (a drop may make its parent a leaf)."""
+        if enough():
+            return 0
         heap = [(pg.used, id(pg), pg) for pg in self._walk() if not pg.children and not self._in_use(pg)]
         heapq.heapify(heap)
         dropped = 0

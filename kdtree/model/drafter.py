@@ -74,18 +74,18 @@ class DFlashDrafter:
         self.w = dict(weights)
         self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
         self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
-        # context K/V arenas f32[n_pages, n_layers, page_rows, Hkv, hd], indexed by the target's page ids
-        self.k = self.v = np.zeros((0, self.num_layers, DEFAULT_PAGE_ROWS, self.hkv, self.hd), np.float32)
+        # context K/V arenas f32[n_layers, n_pages, page_rows, Hkv, hd], indexed by the target's page ids
+        self.k = self.v = np.zeros((self.num_layers, 0, DEFAULT_PAGE_ROWS, self.hkv, self.hd), np.float32)
         self.pages = pages if pages is not None else PagePool(DEFAULT_PAGE_ROWS)
         self.pages.add_arena(self._resize_arena)
 
     def _resize_arena(self, n_pages: int, page_rows: int) -> None:
         """Its target's pool changed size: the first pages keep their rows (same page size), new ones are zeros."""
-        shape = (n_pages, self.num_layers, page_rows, self.hkv, self.hd)
+        shape = (self.num_layers, n_pages, page_rows, self.hkv, self.hd)
         k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
         if page_rows == self.k.shape[2]:
-            n = min(n_pages, self.k.shape[0])
-            k[:n], v[:n] = self.k[:n], self.v[:n]
+            n = min(n_pages, self.k.shape[1])
+            k[:, :n], v[:, :n] = self.k[:, :n], self.v[:, :n]
         self.k, self.v = k, v
 
     # ---- construction -------------------------------------------------------------------------------
@@ -142,8 +142,8 @@ class DFlashDrafter:
         pg, off = page_rows_of(cache.pages, self.pages.page_rows, n, T)   # rows n.. through the page table
         for i in range(self.num_layers):
             k, v = self._kv(i, ctx, pos, cos_sin)
-            self.k[pg, i, off] = k
-            self.v[pg, i, off] = v
+            self.k[i, pg, off] = k
+            self.v[i, pg, off] = v
         cache.length = n + T
 
     def draft(self, cache: DrafterCache, bonus: int) -> np.ndarray:
@@ -164,8 +164,8 @@ class DFlashDrafter:
             q = self.ops.rms_norm(q.reshape(B * self.hq, self.hd), self.w[f"{a}.q_norm.weight"], self.eps)
             q = apply_rope_half(q.reshape(B, self.hq, self.hd), cos, sin)   # [B, Hq, hd]
             kb, vb = self._kv(i, h, pos, (cos, sin))                        # [B, Hkv, hd]
-            k = np.concatenate([self.k[pg, i, off], kb], axis=0)            # [n+B, Hkv, hd]
-            v = np.concatenate([self.v[pg, i, off], vb], axis=0)
+            k = np.concatenate([self.k[i, pg, off], kb], axis=0)            # [n+B, Hkv, hd]
+            v = np.concatenate([self.v[i, pg, off], vb], axis=0)
             # q head j = kv * group + g reads kv head j // group: one batched matmul per kv head over its
             # group's queries (no repeated k/v), non-causal
             qg = q.reshape(B, self.hkv, group, self.hd).transpose(1, 2, 0, 3).reshape(self.hkv, group * B, self.hd)

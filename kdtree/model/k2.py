@@ -153,8 +153,8 @@ class K2Model:
         self._head_linear = ops.head_linear if getattr(ops, "has_head_linear", False) else None
         self._route_cfg = route_params(cfg)
         self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
-        # the paged latent arena f32[n_pages, n_layers, page_rows, L+R]: every cache's rows (kdtree/model/pages.py)
-        self.arena = np.zeros((0, cfg.num_hidden_layers, DEFAULT_PAGE_ROWS, self.kv_lora + self.rope_dim), np.float32)
+        # the paged latent arena f32[n_layers, n_pages, page_rows, L+R]: every cache's rows (kdtree/model/pages.py)
+        self.arena = np.zeros((cfg.num_hidden_layers, 0, DEFAULT_PAGE_ROWS, self.kv_lora + self.rope_dim), np.float32)
         self.pages = PagePool(DEFAULT_PAGE_ROWS)
         self.pages.add_arena(self._resize_arena)
 
@@ -187,22 +187,22 @@ class K2Model:
     def _resize_arena(self, n_pages: int, page_rows: int) -> None:
         """The pool's size changed: the first pages keep their rows (same page size), new ones are zeros."""
         old = self.arena
-        self.arena = np.zeros((n_pages, old.shape[1], page_rows, old.shape[3]), np.float32)
+        self.arena = np.zeros((old.shape[0], n_pages, page_rows, old.shape[3]), np.float32)
         if page_rows == old.shape[2]:
-            k = min(n_pages, old.shape[0])
-            self.arena[:k] = old[:k]
+            k = min(n_pages, old.shape[1])
+            self.arena[:, :k] = old[:, :k]
 
     def move_rows(self, pages: np.ndarray, start: int, rows: np.ndarray) -> None:
         """Tree compaction: rows `rows` of the sequence whose table is `pages` moved to start.. (every layer)."""
         P = self.pages.page_rows
         dst, dst_off = page_rows_of(pages, P, start, len(rows))
         src, src_off = np.asarray(pages, np.int64)[rows // P], rows % P
-        self.arena[dst, :, dst_off] = self.arena[src, :, src_off]   # fancy indexing copies first: overlaps are safe
+        self.arena[:, dst, dst_off] = self.arena[:, src, src_off]   # fancy indexing copies first: overlaps are safe
 
     def gather_rows(self, pages: np.ndarray, start: int, n: int) -> np.ndarray:
         """Rows [start, start + n) of a sequence, every layer: f32[n_layers, n, L+R] (a copy)."""
         pg, off = page_rows_of(pages, self.pages.page_rows, start, n)
-        return np.ascontiguousarray(self.arena[pg, :, off].transpose(1, 0, 2))
+        return np.ascontiguousarray(self.arena[:, pg, off])
 
     def graph_rows(self, rows: Iterable[int]) -> bool:
         """False: no CUDA graphs on this path."""
@@ -226,7 +226,7 @@ class K2Model:
             cache[start:start + rows.shape[0]] = rows
             return
         pg, off = page_rows_of(cache.pages, self.pages.page_rows, start, rows.shape[0])
-        self.arena[pg, layer, off] = rows
+        self.arena[layer, pg, off] = rows
 
     def _latent_rows(self, cache, layer: int, n: int) -> np.ndarray:
         """A sequence's first n latent rows of `layer`, gathered in order through its page table: f32[n, L+R]
@@ -234,7 +234,7 @@ class K2Model:
         if isinstance(cache, np.ndarray):
             return cache[:n]
         pg, off = page_rows_of(cache.pages, self.pages.page_rows, 0, n)
-        return self.arena[pg, layer, off]
+        return self.arena[layer, pg, off]
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: LatentCache,

@@ -8,9 +8,9 @@ of one sequence as a page table into it.
     cache.pages                                # i32[ceil(max_len / 16)] its page table; row j = pages[j // 16], j % 16
     cache.release()                            # its holds dropped: a page nobody else holds is free again
 
-Every target's arena (numpy K2Model, NativeTarget on cpu / cuda, each tensor-parallel rank) is f32 [n_pages][n_layers]
-[page_rows][L+R] -- a page holds every layer of its tokens -- and the drafter's context K/V live in pages with the
-same ids (kdtree/model/drafter.py, native_drafter.py), so one page table serves a request's target and drafter rows.
+Every target's arena (numpy K2Model, NativeTarget on cpu / cuda, each tensor-parallel rank) is layer-major f32
+[n_layers][n_pages][page_rows][L+R] -- page p is the rows of its tokens in every layer's block, so a sequence whose
+pages were taken together reads long runs of rows -- and the drafter's context K/V live in pages with the same ids (kdtree/model/drafter.py, native_drafter.py), so one page table serves a request's target and drafter rows.
 The pool is plain Python on rank 0: page ids travel with each forward (kd_forward_args.pages), the library keeps no
 per-sequence state.
 

@@ -158,10 +158,11 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
  * weights). The library owns ONE paged latent-cache arena (kd_model_pages) and grow-only scratch sized by the
  * largest forward so far: nothing is allocated per token once warm.
  *
- * Paged latent cache: the arena is n_pages pages of page_rows rows, page-major f32 [n_pages][n_layers][page_rows]
- * [L+R] (a page holds every layer of its tokens). A sequence's cache is a PAGE TABLE (int32 page ids, chosen by the
- * caller: kdtree/model/pages.py owns which page is free and who holds it) and a length: its row j of layer l is
- * row j % page_rows of layer l of page pages[j / page_rows] (kd_page_row). The library keeps no per-sequence state.
+ * Paged latent cache: the arena is n_pages pages of page_rows rows of every layer, layer-major f32 [n_layers]
+ * [n_pages * page_rows][L+R] (page p is rows p * page_rows .. of each layer's block, so consecutive pages are
+ * consecutive rows). A sequence's cache is a PAGE TABLE (int32 page ids, chosen by the caller: kdtree/model/pages.py
+ * owns which page is free and who holds it) and a length: its row j of layer l is row pages[j / page_rows] *
+ * page_rows + j % page_rows of layer l's block (kd_page_row). The library keeps no per-sequence state.
  * Pages may appear in several tables (a prefix cache hit maps the cached pages, zero-copy): a forward writes only
  * rows [length, length + T) of each sequence, so a page shared read-only lies wholly below every sharer's length.
  *
@@ -250,8 +251,8 @@ int kd_model_destroy(kd_model *m);
 /* Write each sequence's new latent rows through its page table and run every layer; outputs as asked in args. */
 int kd_model_forward(kd_model *m, const kd_forward_args *args);
 /* The arena: n_pages pages of page_rows rows (0 pages = none). With page_rows unchanged the pages below
- * min(old, new) n_pages keep their rows (the caller grows the arena without moving a sequence); a new page_rows
- * drops every row. Between forwards only. */
+ * min(old, new) n_pages keep their rows (copied into the resized layer blocks: the caller grows the arena without
+ * moving a sequence); a new page_rows drops every row. Between forwards only. */
 int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows);
 /* Tree compaction within one sequence's pages: its rows `rows` (ascending, >= start, inside its table) moved to
  * start, start + 1, .. in every layer (the accepted path's rows; the caller sets length = start + n). */
@@ -324,7 +325,7 @@ typedef struct kd_drafter kd_drafter;
 
 int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out);
 int kd_drafter_destroy(kd_drafter *d);
-/* The drafter's context K/V in a paged arena of its own, f32 [n_pages][n_layers][page_rows][Hkv*hd] for K and for V,
+/* The drafter's context K/V in a paged arena of its own, f32 [n_layers][n_pages * page_rows][Hkv*hd] for K and V,
  * indexed by the SAME page ids as its target's latent arena: a sequence's drafter context rows live in the pages of
  * its target cache (row j = position j's context), so a prefix cache hit maps both with one page table. Sizing as
  * kd_model_pages. Sequences: page tables (pages + page_start, as kd_forward_args) and context lengths. */

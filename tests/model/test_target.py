@@ -21,7 +21,7 @@ def test_numpy_backend_builds_the_reference_peers(tiny_cfg, tiny_weights):
     assert drafter.embed is target.embed_tokens and drafter.lm_head is target.lm_head_w   # shared, not copied
     # the engine's hooks answer "nothing native here" instead of being probed for; the paged arena is numpy's own
     assert not target.graph_rows([1, 9]) and not target.attach_device_collective()
-    assert target.reserve_cache_pool(64) and target.pages.total == 4 and target.arena.shape[:3] == (4, 4, 16)
+    assert target.reserve_cache_pool(64) and target.pages.total == 4 and target.arena.shape[:3] == (4, 4, 16)   # [L, p, P]
     assert target.graph_stats() == {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
     logits, hid = target.forward(np.array([1, 2, 3], np.int32), np.arange(3), target.new_cache(8), hidden_layers=(1,))
     assert logits.shape == (3, tiny_cfg.vocab_size) and hid[1].shape == (3, tiny_cfg.hidden_size)

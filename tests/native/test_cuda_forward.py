@@ -19,7 +19,7 @@ import pytest
 
 from kdtree.backends import native
 from kdtree.tree import ancestor_visibility
-from tests.native.test_native_forward import PROMPT, TOL, _steps
+from tests.native.test_native_forward import PROMPT, TOL, _steps, check_paged_bits
 from tests.weights import int4_experts
 
 pytestmark = [pytest.mark.gpu,
@@ -49,6 +49,12 @@ def test_cuda_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, qua
     assert c_cache.length == r_cache.length
     for layer in range(tiny_cfg.num_hidden_layers):   # the device cache, copied back, after keep()
         np.testing.assert_allclose(c_cache.kv[layer][:c_cache.length], r_cache.kv[layer][:r_cache.length], **TOL)
+
+
+def test_cuda_paged_caches_scattered_pages_same_bits(tiny_cfg, tiny_weights):
+    """The device arena through page tables: a forward over scattered 4-row pages (rows across a hole in the table,
+    a tree block compacted across pages by the keep kernel) gives the bits of one over contiguous 16-row pages."""
+    check_paged_bits(_cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights))
 
 
 @pytest.mark.parametrize("quant", ["fp32", "int4"])

@@ -359,16 +359,11 @@ def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
         np.testing.assert_allclose(nl, rl, **TOL, err_msg=f"logits of step {step}")
 
 
-@pytest.mark.parametrize("backend", ["numpy", "cpu"])
-def test_paged_caches_share_one_arena_with_the_same_bits(tiny_cfg, tiny_weights, backend):
-    """reserve_cache_pool: every cache is a page table into ONE arena of rows // page_rows pages; a full pool is
-    CachePoolBusy naming the pages, not a crash; any free pages will do (no contiguous range needed); and a forward
-    over scattered 4-row pages (prompt rows across pages 0 -> 1, the AR row, a tree block across the hole 1 -> 4,
-    its compaction) gives the bits of one over contiguous 16-row pages (the numpy reference and the native build)."""
+def check_paged_bits(plain, pooled) -> None:
+    """pooled's pool reserved at 24 pages of 4 rows, three caches taken, the first and third dropped (a hole at pages
+    2, 3); then _steps over the scattered table vs plain's contiguous 16-row pages: the same bits. CachePoolBusy for
+    more pages than are free, and nothing taken by a refused cache."""
     from kdtree.errors import CachePoolBusy
-    pick = 0 if backend == "numpy" else 1
-    plain = _models(tiny_cfg, tiny_weights)[pick]
-    pooled = _models(tiny_cfg, tiny_weights)[pick]
     assert pooled.reserve_cache_pool(96, 4) and pooled.pages.total == 24 and pooled.pages.reserved
     a, b, c = pooled.new_cache(8), pooled.new_cache(8), pooled.new_cache(8)
     assert [list(x.pages) for x in (a, b, c)] == [[0, 1], [2, 3], [4, 5]]
@@ -383,6 +378,17 @@ def test_paged_caches_share_one_arena_with_the_same_bits(tiny_cfg, tiny_weights,
     n = u_cache.length
     assert p_cache.length == n and all(np.array_equal(p, u) for p, u in zip(p_cache.kv, u_cache.kv))
     b.release()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_paged_caches_share_one_arena_with_the_same_bits(tiny_cfg, tiny_weights, backend):
+    """reserve_cache_pool: every cache is a page table into ONE arena of rows // page_rows pages; a full pool is
+    CachePoolBusy naming the pages, not a crash; any free pages will do (no contiguous range needed); and a forward
+    over scattered 4-row pages (prompt rows across pages 0 -> 1, the AR row, a tree block across the hole 1 -> 4,
+    its compaction) gives the bits of one over contiguous 16-row pages (the numpy reference and the native build;
+    backend=cuda: tests/native/test_cuda_forward.py)."""
+    pick = 0 if backend == "numpy" else 1
+    check_paged_bits(_models(tiny_cfg, tiny_weights)[pick], _models(tiny_cfg, tiny_weights)[pick])
 
 
 _THREADS_SCRIPT = r"""

@@ -41,16 +41,17 @@ KD_HD int kd_visible(const uint64_t *row, int64_t k) { return (int)((row[k >> 6]
 
 KD_HD float kd_rms_inv(float sum_sq, int64_t D, float eps) { return 1.0f / sqrtf(sum_sq / (float)D + eps); }
 
-/* Paged arenas [n_pages][n_layers][page_rows][width] (kdtree.h, kd_model_pages): row j of a sequence whose page table
- * is `pages`, counted in rows from its layer's base (arena + layer * page_rows * width). One table lookup per
- * page_rows rows; keys of one page are contiguous rows. */
-KD_HD int64_t kd_page_key(const int32_t *pages, int64_t page_rows, int64_t n_layers, int64_t j) {
-  return (int64_t)pages[j / page_rows] * n_layers * page_rows + j % page_rows;
+/* Paged arenas, layer-major [n_layers][n_pages * page_rows][width] (kdtree.h, kd_model_pages): row j of a sequence
+ * whose page table is `pages`, counted in rows from its layer's base (arena + layer * n_pages * page_rows * width).
+ * One table lookup per page_rows rows; a page's rows are contiguous, and so are consecutive pages' (a sequence
+ * whose pages were taken together reads its keys in long runs). */
+KD_HD int64_t kd_page_key(const int32_t *pages, int64_t page_rows, int64_t j) {
+  return (int64_t)pages[j / page_rows] * page_rows + j % page_rows;
 }
-/* ... and as a float offset from the arena itself, for layer l */
-KD_HD int64_t kd_page_row(const int32_t *pages, int64_t page_rows, int64_t n_layers, int64_t width, int64_t l,
+/* ... and as a float offset from the arena itself, for layer l (layer_rows = n_pages * page_rows) */
+KD_HD int64_t kd_page_row(const int32_t *pages, int64_t page_rows, int64_t layer_rows, int64_t width, int64_t l,
                           int64_t j) {
-  return (l * page_rows + kd_page_key(pages, page_rows, n_layers, j)) * width;
+  return (l * layer_rows + kd_page_key(pages, page_rows, j)) * width;
 }
 
 /* The MoE combine of T tokens, the reference's order: out[t] = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared[t];

@@ -1163,17 +1163,17 @@ __attribute__((target("avx2"))) static void kd_mla_row_avx2(const float *qt, con
  * computation of its own, so rows may be split between threads (kd_model_forward) with the same bits. keys[] holds
  * the visible rows' places in kv (through the page table when there is one): which page holds a row never changes
  * its bits. */
-void kd_mla_attention_rows(const float *q, const float *kv, const int32_t *pages, int64_t page_rows, int64_t n_layers,
+void kd_mla_attention_rows(const float *q, const float *kv, const int32_t *pages, int64_t page_rows,
                            const uint64_t *visibility, float *out, int64_t t0, int64_t t1, int64_t T, int64_t H,
                            int64_t L, int64_t R, int64_t n_prefix, float scale, int64_t *keys, float *p) {
   int64_t E = L + R, words = (T + 63) / 64;
   for (int64_t t = t0; t < t1; t++) {
     /* this query's visible keys, ascending position: the whole cache, then its visible block rows */
     int64_t n = 0;
-    for (int64_t j = 0; j < n_prefix; j++) keys[n++] = pages ? kd_page_key(pages, page_rows, n_layers, j) : j;
+    for (int64_t j = 0; j < n_prefix; j++) keys[n++] = pages ? kd_page_key(pages, page_rows, j) : j;
     for (int64_t k = 0; k < T; k++)
       if (visibility ? kd_visible(visibility + t * words, k) : k <= t)
-        keys[n++] = pages ? kd_page_key(pages, page_rows, n_layers, n_prefix + k) : n_prefix + k;
+        keys[n++] = pages ? kd_page_key(pages, page_rows, n_prefix + k) : n_prefix + k;
     const float *qt = q + t * H * E;
     float *ot = out + t * H * L;
     memset(ot, 0, sizeof(float) * (size_t)(H * L));
@@ -1219,7 +1219,7 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     free(p);
     return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld, H=%lld)", (long long)S, (long long)H);
   }
-  kd_mla_attention_rows(q, kv, NULL, 0, 0, visibility, out, 0, T, T, H, L, R, n_prefix, scale, keys, p);
+  kd_mla_attention_rows(q, kv, NULL, 0, visibility, out, 0, T, T, H, L, R, n_prefix, scale, keys, p);
   free(keys);
   free(p);
   return KD_OK;

@@ -181,21 +181,22 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   return KD_OK;
 }
 
-/* grow or shrink an arena of pages [n_pages][page_floats] (kd_model_pages, kd_drafter_pages): the first
- * min(old, new) pages keep their rows when the page size is unchanged, new pages start zeroed */
+/* grow or shrink a layer-major arena [n_layers][n_pages * page_rows][width] (kd_model_pages, kd_drafter_pages): the
+ * first min(old, new) pages of every layer keep their rows when the page size is unchanged, new pages start zeroed */
 static int kd_arena_resize(float **arena, int64_t *n_pages, int64_t *page_rows, int64_t want_pages, int64_t want_rows,
-                           int64_t floats_per_row, const char *fn) {
+                           int64_t n_layers, int64_t width, const char *fn) {
   if (want_pages < 0 || want_rows <= 0)
     return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
                    (long long)want_pages, (long long)want_rows);
-  size_t page = (size_t)(want_rows * floats_per_row), keep = want_rows == *page_rows ? (size_t)*n_pages : 0;
-  if (keep > (size_t)want_pages) keep = (size_t)want_pages;
-  float *a = want_pages ? (float *)realloc(keep ? *arena : NULL, sizeof(float) * page * (size_t)want_pages) : NULL;
+  size_t page = (size_t)(want_rows * width), layer = page * (size_t)want_pages;
+  int64_t keep = want_rows == *page_rows ? (*n_pages < want_pages ? *n_pages : want_pages) : 0;
+  float *a = want_pages ? (float *)calloc(layer * (size_t)n_layers, sizeof(float)) : NULL;
   if (want_pages && !a)
     return kd_fail(KD_ENOMEM, "%s: out of memory for %lld pages of %lld rows (%zu bytes); lower serve.kv_pool_tokens",
-                   fn, (long long)want_pages, (long long)want_rows, sizeof(float) * page * (size_t)want_pages);
-  if (!keep || !want_pages) free(*arena); /* realloc took over the old block when it kept pages */
-  if (a) memset(a + keep * page, 0, sizeof(float) * page * ((size_t)want_pages - keep));
+                   fn, (long long)want_pages, (long long)want_rows, sizeof(float) * layer * (size_t)n_layers);
+  for (int64_t l = 0; l < n_layers && keep; l++) /* each layer's first pages, into the resized layer block */
+    memcpy(a + (size_t)l * layer, *arena + (size_t)l * page * (size_t)*n_pages, sizeof(float) * page * (size_t)keep);
+  free(*arena);
   *arena = a, *n_pages = want_pages, *page_rows = want_rows;
   return KD_OK;
 }
@@ -203,7 +204,7 @@ static int kd_arena_resize(float **arena, int64_t *n_pages, int64_t *page_rows, 
 int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows) {
   kd_clear_error();
   KD_CHECK_PTR("kd_model_pages", m);
-  return kd_arena_resize(&m->arena, &m->n_pages, &m->page_rows, n_pages, page_rows, m->d.n_layers * m->E,
+  return kd_arena_resize(&m->arena, &m->n_pages, &m->page_rows, n_pages, page_rows, m->d.n_layers, m->E,
                          "kd_model_pages");
 }
 
@@ -225,11 +226,12 @@ int kd_cache_keep(kd_model *m, const int32_t *pages, int64_t n_table, int64_t st
     if (rows[i] < start || (i && rows[i] <= rows[i - 1]))
       return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend from start=%lld", (long long)start);
   /* ascending rows >= start: row i moves down to start + i <= rows[i], never over a row still to move */
+  int64_t lr = m->n_pages * m->page_rows;
   for (int64_t l = 0; l < m->d.n_layers; l++)
     for (int64_t i = 0; i < n; i++)
       if (rows[i] != start + i)
-        memcpy(m->arena + kd_page_row(pages, m->page_rows, m->d.n_layers, m->E, l, start + i),
-               m->arena + kd_page_row(pages, m->page_rows, m->d.n_layers, m->E, l, rows[i]), sizeof(float) * (size_t)m->E);
+        memcpy(m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, start + i),
+               m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, rows[i]), sizeof(float) * (size_t)m->E);
   return KD_OK;
 }
 
@@ -238,9 +240,10 @@ int kd_cache_gather(kd_model *m, const int32_t *pages, int64_t n_table, int64_t 
   KD_CHECK_PTR("kd_cache_gather", m);
   if (n && !out) return kd_fail(KD_EINVAL, "kd_cache_gather: out is NULL");
   KD_TRY(kd_table_check("kd_cache_gather", pages, n_table, start, n, m->n_pages, m->page_rows));
+  int64_t lr = m->n_pages * m->page_rows;
   for (int64_t l = 0; l < m->d.n_layers; l++)
     for (int64_t i = 0; i < n; i++)
-      memcpy(out + (l * n + i) * m->E, m->arena + kd_page_row(pages, m->page_rows, m->d.n_layers, m->E, l, start + i),
+      memcpy(out + (l * n + i) * m->E, m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, start + i),
              sizeof(float) * (size_t)m->E);
   return KD_OK;
 }
@@ -410,9 +413,10 @@ static void kd_attention_row(kd_model *m, const kd_forward_args *a, int64_t li, 
                              float *olat, const int64_t *voff, int64_t *keys, int64_t S, int64_t r) {
   const kd_model_desc *d = &m->d;
   int64_t L = d->kv_lora, E = m->E, s = voff[2 * r], r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
-  kd_mla_attention_rows(qf + r0 * H * E, m->arena + li * m->page_rows * E, a->pages + a->page_start[s], m->page_rows,
-                        d->n_layers, a->visibility ? a->visibility + voff[2 * r + 1] : NULL, olat + r0 * H * L, r - r0,
-                        r - r0 + 1, T, H, L, d->rope_dim, a->lengths[s], d->attn_scale, keys, (float *)(keys + S));
+  kd_mla_attention_rows(qf + r0 * H * E, m->arena + li * m->n_pages * m->page_rows * E, a->pages + a->page_start[s],
+                        m->page_rows, a->visibility ? a->visibility + voff[2 * r + 1] : NULL, olat + r0 * H * L,
+                        r - r0, r - r0 + 1, T, H, L, d->rope_dim, a->lengths[s], d->attn_scale, keys,
+                        (float *)(keys + S));
 }
 
 /* Layer li's absorbed MLA attention of every row, each sequence over its own cache (block-diagonal visibility):
@@ -496,7 +500,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
     for (int64_t s = 0; s < a->n_seqs; s++) { /* new latent rows [norm(c), rope(k_pe)] after the cache's rows */
       const int32_t *pages = a->pages + a->page_start[s];
       for (int64_t r = a->row_start[s], j = a->lengths[s]; r < a->row_start[s + 1]; r++, j++) {
-        float *kv = m->arena + kd_page_row(pages, m->page_rows, d->n_layers, E, li, j); /* row j, through the table */
+        float *kv = m->arena + kd_page_row(pages, m->page_rows, m->n_pages * m->page_rows, E, li, j); /* its row j */
         KD_TRY(kd_rms_norm(kva + r * E, ly->kv_a_norm, kv, 1, L, d->eps, NULL));
         memcpy(kv + L, kva + r * E + L, sizeof(float) * (size_t)R);
         kd_rope_interleaved(kv + L, cs + r * R, half);
@@ -561,7 +565,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
 struct kd_drafter {
   kd_drafter_desc d;
   kd_drafter_layer *layers;
-  float *k, *v;         /* kd_drafter_pages: [n_pages][n_layers][page_rows][Hkv*hd] each, the target's page ids */
+  float *k, *v;         /* kd_drafter_pages: [n_layers][n_pages * page_rows][Hkv*hd] each, the target's page ids */
   int64_t n_pages, page_rows, kvw; /* kvw = Hkv * hd */
   kd_buf ctx, x, hbuf, q, kb, vb, o, t, g, u, p, cs, fo;
 };
@@ -601,10 +605,10 @@ int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
 int kd_drafter_pages(kd_drafter *dr, int64_t n_pages, int64_t page_rows) {
   kd_clear_error();
   KD_CHECK_PTR("kd_drafter_pages", dr);
-  int64_t np = dr->n_pages, pr = dr->page_rows, fl = dr->d.n_layers * dr->kvw;
-  KD_TRY(kd_arena_resize(&dr->k, &np, &pr, n_pages, page_rows, fl, "kd_drafter_pages"));
+  int64_t np = dr->n_pages, pr = dr->page_rows, nl = dr->d.n_layers;
+  KD_TRY(kd_arena_resize(&dr->k, &np, &pr, n_pages, page_rows, nl, dr->kvw, "kd_drafter_pages"));
   np = dr->n_pages, pr = dr->page_rows;
-  int rc = kd_arena_resize(&dr->v, &np, &pr, n_pages, page_rows, fl, "kd_drafter_pages");
+  int rc = kd_arena_resize(&dr->v, &np, &pr, n_pages, page_rows, nl, dr->kvw, "kd_drafter_pages");
   if (rc) { /* K resized, V not: drop both (no sequence may use a half-sized arena) */
     free(dr->k), dr->k = NULL, dr->n_pages = 0;
     return rc;
@@ -615,7 +619,7 @@ int kd_drafter_pages(kd_drafter *dr, int64_t n_pages, int64_t page_rows) {
 
 /* K or V row j of layer li of the sequence whose page table is pages (its drafter context) */
 static inline float *kd_dctx_row(const kd_drafter *dr, float *base, const int32_t *pages, int64_t li, int64_t j) {
-  return base + kd_page_row(pages, dr->page_rows, dr->d.n_layers, dr->kvw, li, j);
+  return base + kd_page_row(pages, dr->page_rows, dr->n_pages * dr->page_rows, dr->kvw, li, j);
 }
 
 /* x [T, H, hd] rotated in place: x*cos + rotate_half(x)*sin (drafter.apply_rope_half) */

@@ -73,9 +73,9 @@ typedef struct {
 } fw_layer;
 
 typedef struct {
-  float *arena;         /* the paged latent arena [n_pages][n_layers][page_rows][L+R] (device) */
+  float *arena;         /* the paged latent arena [n_layers][n_pages * page_rows][L+R] (device) */
   const int32_t *pages; /* device: its sequence's page table (staged with the forward; data, not a launch argument) */
-  int64_t page_rows, n_layers;
+  int64_t page_rows, layer_rows;  /* layer_rows = n_pages * page_rows: one layer's block */
   int64_t dst;          /* this row's cache row (prefix + index in its block), through the page table */
   int64_t prefix;       /* the sequence's cached rows before this forward */
   int64_t t, T;         /* index in its block, block rows */
@@ -98,7 +98,7 @@ struct kd_model {
   fw_w lm_head;
   char *arena;                          /* every weight, one allocation */
   size_t arena_bytes;
-  float *kv;            /* kd_model_pages: the paged latent arena [n_pages][n_layers][page_rows][L+R] */
+  float *kv;            /* kd_model_pages: the paged latent arena [n_layers][n_pages * page_rows][L+R] */
   int64_t n_pages, page_rows;
   int64_t E, q_lora, Hmax, Emax, inter_max, kmax;
   int64_t gu_cols;                      /* g/u scratch floats per row: max(dense I, top_k * expert I + shared I) */
@@ -245,7 +245,7 @@ __global__ void fw_cache_write_kernel(const float *__restrict__ kva, const float
   const int64_t r = blockIdx.x, E = L + R;
   const fw_row m = rows[r];
   const float *src = kva + r * E;
-  float *dst = m.arena + kd_page_row(m.pages, m.page_rows, m.n_layers, E, layer, m.dst);
+  float *dst = m.arena + kd_page_row(m.pages, m.page_rows, m.layer_rows, E, layer, m.dst);
   float acc = 0.0f;
   for (int64_t d = threadIdx.x; d < L; d += FW_NORM_THREADS) acc += src[d] * src[d];
   part[threadIdx.x] = acc;
@@ -287,7 +287,7 @@ __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *_
   const int64_t r = blockIdx.x / H, h = blockIdx.x % H, E = L + R;
   const fw_row m = rows[r];
   const int64_t T = m.T, t = m.t, P = m.prefix, words = (T + 63) / 64;
-  const float *kv = m.arena + layer * m.page_rows * E; /* key k's row: kv + kd_page_key(...) * E */
+  const float *kv = m.arena + layer * m.layer_rows * E; /* key k's row: kv + kd_page_key(...) * E */
   const uint64_t *vis = m.vis ? m.vis + t * words : NULL;
   const float *qh = q + (r * H + h) * E;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
@@ -321,7 +321,7 @@ __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *_
           j = P + cur_word * 64 + __ffsll((long long)cur_bits) - 1;
           cur_bits &= cur_bits - 1;
         }
-        keypos[i] = kd_page_key(m.pages, m.page_rows, m.n_layers, j);
+        keypos[i] = kd_page_key(m.pages, m.page_rows, j);
       }
     }
     __syncthreads();
@@ -530,13 +530,13 @@ __global__ void fw_argmax_kernel(const float *__restrict__ lg, int32_t *__restri
 /* kd_cache_keep on the device: per layer (block), rows[i] -> start + i in ascending order (never over a row to
  * move), both through the sequence's page table */
 __global__ void fw_keep_kernel(float *__restrict__ kv, const int32_t *__restrict__ pages, int64_t page_rows,
-                               int64_t n_layers, int64_t E, const int64_t *__restrict__ rows, int64_t start,
+                               int64_t layer_rows, int64_t E, const int64_t *__restrict__ rows, int64_t start,
                                int64_t n) {
   const int64_t l = blockIdx.x;
   for (int64_t i = 0; i < n; i++) {
     if (rows[i] != start + i) {
-      float *to = kv + kd_page_row(pages, page_rows, n_layers, E, l, start + i);
-      const float *from = kv + kd_page_row(pages, page_rows, n_layers, E, l, rows[i]);
+      float *to = kv + kd_page_row(pages, page_rows, layer_rows, E, l, start + i);
+      const float *from = kv + kd_page_row(pages, page_rows, layer_rows, E, l, rows[i]);
       for (int64_t d = threadIdx.x; d < E; d += blockDim.x) to[d] = from[d];
     }
     __syncthreads();
@@ -545,10 +545,10 @@ __global__ void fw_keep_kernel(float *__restrict__ kv, const int32_t *__restrict
 
 /* rows [T, W] -> context rows start.. of one sequence's drafter arena (layer li, through its page table); grid T */
 __global__ void fw_page_scatter_kernel(const float *__restrict__ src, float *__restrict__ arena,
-                                       const int32_t *__restrict__ pages, int64_t page_rows, int64_t n_layers,
+                                       const int32_t *__restrict__ pages, int64_t page_rows, int64_t layer_rows,
                                        int64_t W, int64_t li, int64_t start) {
   const int64_t r = blockIdx.x;
-  float *dst = arena + kd_page_row(pages, page_rows, n_layers, W, li, start + r);
+  float *dst = arena + kd_page_row(pages, page_rows, layer_rows, W, li, start + r);
   for (int64_t d = threadIdx.x; d < W; d += blockDim.x) dst[d] = src[r * W + d];
 }
 
@@ -1136,24 +1136,27 @@ static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, in
 }
 
 /* ---- the paged latent arena --------------------------------------------------------------------------- */
-/* grow or shrink a device arena of pages (page_bytes each): the first min(old, new) pages are copied when keep is set
- * (the page size is unchanged), new pages are zeroed; waits for `st` (a queued kernel may read the old arena) */
-static int fw_arena_resize(float **arena, int64_t old_pages, int64_t want_pages, size_t page_bytes, int keep,
-                           cudaStream_t st, const char *fn) {
+/* grow or shrink a layer-major device arena [n_layers][n_pages][page_bytes]: the first min(old, new) pages of every
+ * layer are copied into the resized layer blocks when keep is set (the page size is unchanged), new pages are
+ * zeroed; waits for `st` (a queued kernel may read the old arena) */
+static int fw_arena_resize(float **arena, int64_t old_pages, int64_t want_pages, int64_t n_layers, size_t page_bytes,
+                           int keep, cudaStream_t st, const char *fn) {
   FW_TRY(fw_err_in(fn, cudaStreamSynchronize(st), "synchronize"));
   float *a = NULL;
   if (want_pages) {
-    cudaError_t e = cudaMalloc((void **)&a, page_bytes * (size_t)want_pages);
+    size_t layer = page_bytes * (size_t)want_pages;
+    cudaError_t e = cudaMalloc((void **)&a, layer * (size_t)n_layers);
     if (e != cudaSuccess) {
       cudaGetLastError(); /* else the next forward's first launch check reports this OOM */
       return kd_fail(KD_ENOMEM, "%s: %zu bytes of device memory for %lld pages: %s; lower serve.kv_pool_tokens "
-                                "(pipeline=plan backend=cuda prints what fits)", fn, page_bytes * (size_t)want_pages,
+                                "(pipeline=plan backend=cuda prints what fits)", fn, layer * (size_t)n_layers,
                      (long long)want_pages, cudaGetErrorString(e));
     }
     int64_t kept = keep ? (old_pages < want_pages ? old_pages : want_pages) : 0;
-    e = kept ? cudaMemcpy(a, *arena, page_bytes * (size_t)kept, cudaMemcpyDeviceToDevice) : cudaSuccess;
-    if (e == cudaSuccess)
-      e = cudaMemset((char *)a + page_bytes * (size_t)kept, 0, page_bytes * (size_t)(want_pages - kept));
+    e = cudaMemset(a, 0, layer * (size_t)n_layers);
+    if (e == cudaSuccess && kept) /* every layer's first pages: one strided copy */
+      e = cudaMemcpy2D(a, layer, *arena, page_bytes * (size_t)old_pages, page_bytes * (size_t)kept, (size_t)n_layers,
+                       cudaMemcpyDeviceToDevice);
     if (e != cudaSuccess) {
       cudaFree(a);
       return fw_err_in(fn, e, "arena copy");
@@ -1171,8 +1174,8 @@ extern "C" int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows) {
   if (n_pages < 0 || page_rows <= 0)
     return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
                    (long long)n_pages, (long long)page_rows);
-  size_t page = sizeof(float) * (size_t)(page_rows * m->d.n_layers * m->E);
-  FW_TRY(fw_arena_resize(&m->kv, m->n_pages, n_pages, page, page_rows == m->page_rows, m->stream, fn));
+  size_t page = sizeof(float) * (size_t)(page_rows * m->E);   /* one layer's rows of a page */
+  FW_TRY(fw_arena_resize(&m->kv, m->n_pages, n_pages, m->d.n_layers, page, page_rows == m->page_rows, m->stream, fn));
   m->n_pages = n_pages, m->page_rows = page_rows;
   return KD_OK;
 }
@@ -1207,7 +1210,7 @@ extern "C" int kd_cache_keep(kd_model *m, const int32_t *pages, int64_t n_table,
   cudaError_t e = cudaMemcpyAsync(m->meta_d, m->meta_h, rb + pb, cudaMemcpyHostToDevice, m->stream);
   FW_TRY(fw_err_in(fn, e, "rows upload"));
   fw_keep_kernel<<<(unsigned)m->d.n_layers, 256, 0, m->stream>>>(m->kv, (const int32_t *)(m->meta_d + rb),
-                                                                 m->page_rows, m->d.n_layers, m->E,
+                                                                 m->page_rows, m->n_pages * m->page_rows, m->E,
                                                                  (const int64_t *)m->meta_d, start, n);
   FW_TRY(fw_err_in(fn, cudaGetLastError(), "row move kernel"));
   return fw_err_in(fn, cudaStreamSynchronize(m->stream), "synchronize"); /* the staging is reused by the next call */
@@ -1227,7 +1230,7 @@ extern "C" int kd_cache_gather(kd_model *m, const int32_t *pages, int64_t n_tabl
     for (int64_t i = 0, k; i < n; i = k) {
       k = (start + i) / P * P + P - start; /* the end of row start + i's page */
       if (k > n) k = n;
-      cudaError_t e = cudaMemcpy(out + (l * n + i) * E, m->kv + kd_page_row(pages, P, m->d.n_layers, E, l, start + i),
+      cudaError_t e = cudaMemcpy(out + (l * n + i) * E, m->kv + kd_page_row(pages, P, m->n_pages * P, E, l, start + i),
                                  sizeof(float) * (size_t)((k - i) * E), cudaMemcpyDeviceToHost);
       FW_TRY(fw_err_in(fn, e, "rows download"));
     }
@@ -1356,7 +1359,7 @@ static void fw_stage(kd_model *m, const kd_forward_args *a, fw_bufs *hb) {
     for (int64_t t = 0; t < T; t++) {
       fw_row *row = &hb->rows[r0 + t];
       row->arena = m->kv, row->pages = m->pages_d + a->page_start[s], row->page_rows = m->page_rows;
-      row->n_layers = d->n_layers, row->dst = len + t, row->prefix = len;
+      row->layer_rows = m->n_pages * m->page_rows, row->dst = len + t, row->prefix = len;
       row->t = t, row->T = T, row->vis = vis ? m->vis_d + vis_off : NULL;
     }
     if (vis) {
@@ -1525,7 +1528,7 @@ struct kd_drafter {
   const __nv_bfloat16 *embed_bf16;
   char *arena;
   size_t arena_bytes;
-  float *k, *v;   /* kd_drafter_pages: device [n_pages][n_layers][page_rows][Hkv*hd] each */
+  float *k, *v;   /* kd_drafter_pages: device [n_layers][n_pages * page_rows][Hkv*hd] each */
   int64_t n_pages, page_rows, kvw, inter;
   cudaStream_t stream;
   char *scratch; /* device, grow-only */
@@ -1549,7 +1552,7 @@ __global__ void fw_rope_half_kernel(float *__restrict__ x, const float *__restri
 /* the drafter's non-causal GQA: block u = (query t, head hh) over n cached (layer li of the arenas ka / va, through
  * the page table pt) + B block keys; p: ps floats per block */
 __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__restrict__ ka, const float *__restrict__ va,
-                                const int32_t *__restrict__ pt, int64_t page_rows, int64_t n_layers, int64_t li,
+                                const int32_t *__restrict__ pt, int64_t page_rows, int64_t layer_rows, int64_t li,
                                 const float *__restrict__ kb, const float *__restrict__ vb, int64_t n, int64_t B,
                                 int64_t hq, int64_t hkv, int64_t hd, float scale, float *__restrict__ p, int64_t ps,
                                 float *__restrict__ o) {
@@ -1559,7 +1562,7 @@ __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__rest
   float *pr = p + u * ps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
   for (int64_t j = warp; j < S; j += nwarps) {
-    const float *kr = (j < n ? ka + kd_page_row(pt, page_rows, n_layers, W, li, j) : kb + (j - n) * W) + kvh * hd;
+    const float *kr = (j < n ? ka + kd_page_row(pt, page_rows, layer_rows, W, li, j) : kb + (j - n) * W) + kvh * hd;
     float s = 0.0f;
     for (int64_t d = lane; d < hd; d += 32) s += qr[d] * kr[d];
     s = fw_warp_sum(s);
@@ -1593,7 +1596,7 @@ __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__rest
   for (int64_t d = tid; d < hd; d += FW_ATT_THREADS) {
     float acc = 0.0f;
     for (int64_t j = 0; j < S; j++) {
-      const float *vr = (j < n ? va + kd_page_row(pt, page_rows, n_layers, W, li, j) : vb + (j - n) * W) + kvh * hd;
+      const float *vr = (j < n ? va + kd_page_row(pt, page_rows, layer_rows, W, li, j) : vb + (j - n) * W) + kvh * hd;
       acc += (pr[j] / sum) * vr[d];
     }
     orow[d] = acc;
@@ -1711,10 +1714,10 @@ extern "C" int kd_drafter_pages(kd_drafter *dr, int64_t n_pages, int64_t page_ro
   if (n_pages < 0 || page_rows <= 0)
     return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
                    (long long)n_pages, (long long)page_rows);
-  size_t page = sizeof(float) * (size_t)(page_rows * dr->d.n_layers * dr->kvw);
+  size_t page = sizeof(float) * (size_t)(page_rows * dr->kvw);   /* one layer's rows of a page */
   int keep = page_rows == dr->page_rows;
-  FW_TRY(fw_arena_resize(&dr->k, dr->n_pages, n_pages, page, keep, dr->stream, fn));
-  int rc = fw_arena_resize(&dr->v, dr->n_pages, n_pages, page, keep, dr->stream, fn);
+  FW_TRY(fw_arena_resize(&dr->k, dr->n_pages, n_pages, dr->d.n_layers, page, keep, dr->stream, fn));
+  int rc = fw_arena_resize(&dr->v, dr->n_pages, n_pages, dr->d.n_layers, page, keep, dr->stream, fn);
   if (rc) { /* K resized, V not: drop both (no sequence may use a half-sized arena) */
     if (dr->k) cudaFree(dr->k);
     dr->k = NULL, dr->n_pages = 0;
@@ -1798,10 +1801,11 @@ extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int32_t *
       int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
       for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* grid.x rows per launch: a long prompt's context too */
         unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
+        int64_t lr = dr->n_pages * dr->page_rows;
         fw_page_scatter_kernel<<<rows, 128, 0, st>>>(kb + (r0 + t0) * W, dr->k, pt + page_start[s], dr->page_rows,
-                                                     d->n_layers, W, li, lengths[s] + t0);
+                                                     lr, W, li, lengths[s] + t0);
         fw_page_scatter_kernel<<<rows, 128, 0, st>>>(vb + (r0 + t0) * W, dr->v, pt + page_start[s], dr->page_rows,
-                                                     d->n_layers, W, li, lengths[s] + t0);
+                                                     lr, W, li, lengths[s] + t0);
         FW_TRY(fw_err_in(fn, cudaGetLastError(), "cache write"));
       }
     }
@@ -1874,8 +1878,9 @@ extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int32_t *p
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "rope"));
       FW_TRY(fw_dkv(dr, fn, ly, hb, kb, vb, B, css));
       fw_dattn_kernel<<<(unsigned)(B * d->hq), FW_ATT_THREADS, 0, st>>>(q, dr->k, dr->v, pt + page_start[s],
-                                                                         dr->page_rows, d->n_layers, li, kb, vb, n,
-                                                                         B, d->hq, d->hkv, hd, scale, p, ps, ob);
+                                                                         dr->page_rows, dr->n_pages * dr->page_rows,
+                                                                         li, kb, vb, n, B, d->hq, d->hkv, hd, scale,
+                                                                         p, ps, ob);
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "attention"));
       FW_TRY(fw_lin_on(st, fn, &ly->o, ob, t, B));
       fw_add_kernel<<<fw_blocks(B * D), 256, 0, st>>>(x, t, B * D);
