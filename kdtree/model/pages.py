@@ -25,6 +25,7 @@ and those it handed to it), so a page holds the same bits for as long as anybody
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -53,6 +54,8 @@ class PagePool:
         self.reserved = False                    # True: a fixed size (reserve); False: grows on demand
         self._arenas: List[weakref.WeakMethod] = []
         self._evictors: List[weakref.WeakMethod] = []
+        # the engine thread takes and drops pages; a cache collected elsewhere drops its own (its finalizer)
+        self._lock = threading.RLock()
 
     # -- sizes ---------------------------------------------------------------------------------------------------
     @property
@@ -74,14 +77,16 @@ class PagePool:
     def add_arena(self, resize: Callable[[int, int], None]) -> None:
         """An array indexed by these page ids (a bound method resize(n_pages, page_rows), held weakly): sized now
         and on every later change."""
-        self._arenas.append(weakref.WeakMethod(resize))
-        resize(self.total, self.page_rows)
+        with self._lock:
+            self._arenas.append(weakref.WeakMethod(resize))
+            resize(self.total, self.page_rows)
 
     def add_evictor(self, evict: Callable[[int], int]) -> None:
         """evict(n) -> pages it freed (a bound method, held weakly): asked when take() falls short."""
         self._evictors.append(weakref.WeakMethod(evict))
 
     def _resize(self, n_pages: int, page_rows: int) -> None:
+        """Every arena to n_pages pages of page_rows rows; the holds of the pages kept are kept."""
         live = []
         for ref in self._arenas:
             resize = ref()
@@ -108,6 +113,10 @@ class PagePool:
         if n_pages < 1:
             raise ConfigError(f"serve.kv_pool_tokens gives {n_pages} pages of {page_rows} tokens; give at least one "
                               f"page (serve.kv_pool_tokens >= serve.prefix_cache_page)")
+        with self._lock:
+            self._reserve(n_pages, page_rows)
+
+    def _reserve(self, n_pages: int, page_rows: int) -> None:
         if (page_rows != self.page_rows and self.held) or np.any(self.refs[n_pages:]):
             self._evict(self.total)                   # a prefix cache's pages go before the pool is resized
         if page_rows != self.page_rows and self.held:
@@ -124,7 +133,10 @@ class PagePool:
     def take(self, n: int) -> np.ndarray:
         """n free pages, one hold each, i32[n]. Short: the evictors free unused cached pages; then a pool that is
         not reserved grows (x2), a reserved one raises CachePoolBusy (the caller waits for running requests)."""
-        n = int(n)
+        with self._lock:
+            return self._take(int(n))
+
+    def _take(self, n: int) -> np.ndarray:
         if n > self.free:
             self._evict(n - self.free)
         if n > self.free:
@@ -150,27 +162,27 @@ class PagePool:
     def hold(self, ids: Iterable[int], cached: bool = False) -> None:
         """One more holder of each page (a cache mapping it; cached: a prefix cache's tree)."""
         ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.total or np.any(self.refs[ids] <= 0)):
-            raise ValueError(f"hold({ids.tolist()}): only pages already held may be shared (pool of {self.total})")
-        np.add.at(self.refs, ids, 1)
-        if cached:
-            np.add.at(self.cached, ids, 1)
+        with self._lock:
+            if ids.size and (ids.min() < 0 or ids.max() >= self.total or np.any(self.refs[ids] <= 0)):
+                raise ValueError(f"hold({ids.tolist()}): only pages already held may be shared (pool of {self.total})")
+            np.add.at(self.refs, ids, 1)
+            if cached:
+                np.add.at(self.cached, ids, 1)
 
     def drop(self, ids: Iterable[int], cached: bool = False) -> None:
         """One holder less (the last one frees the page)."""
         ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, np.int64)
-        if not ids.size or ids.max() >= self.total:   # a pool resized to fewer pages since (tests, a new page size)
-            ids = ids[ids < self.total]
-        np.add.at(self.refs, ids, -1)
-        if cached:
-            np.add.at(self.cached, ids, -1)
-        if np.any(self.refs[ids] < self.cached[ids]) or np.any(self.cached[ids] < 0):
-            raise AssertionError(f"drop({ids.tolist()}): a page dropped more often than held")
-        freed = [int(p) for p in np.unique(ids) if self.refs[p] == 0]
-        if freed:
-            self._free.extend(freed)
-            self._free.sort(reverse=True)
-
+        with self._lock:
+            ids = ids[ids < self.total]               # a pool whose page size changed since holds none of them
+            np.add.at(self.refs, ids, -1)
+            if cached:
+                np.add.at(self.cached, ids, -1)
+            if np.any(self.refs[ids] < self.cached[ids]) or np.any(self.cached[ids] < 0):
+                raise AssertionError(f"drop({ids.tolist()}): a page dropped more often than held")
+            freed = [int(p) for p in np.unique(ids) if self.refs[p] == 0]
+            if freed:
+                self._free.extend(freed)
+                self._free.sort(reverse=True)
 
     def in_use(self, page: int) -> bool:
         """A cache (a request) holds the page, not only prefix caches."""
@@ -179,8 +191,9 @@ class PagePool:
     def counts(self) -> Dict[str, int]:
         """Pages by state: used (a cache holds it: a running request's own pages and the cached ones it mapped),
         cached (only prefix caches hold it: evictable), free, total. They add up."""
-        used = int(np.count_nonzero(self.refs > self.cached))
-        return {"used": used, "cached": self.held - used, "free": self.free, "total": self.total}
+        with self._lock:
+            used = int(np.count_nonzero(self.refs > self.cached))
+            return {"used": used, "cached": self.held - used, "free": self.free, "total": self.total}
 
 
 def _drop_pages(pool_ref: "weakref.ref[PagePool]", ids: np.ndarray) -> None:
