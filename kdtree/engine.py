@@ -170,19 +170,21 @@ class Engine:
 
     @property
     def scheduler(self) -> Scheduler:
-        """The one scheduler of this engine (built on first use: it reserves the latent-cache pool,
-        serve.kv_pool_tokens rows, with the continuous-batching knobs serve.max_batch_tokens / request_timeout_s /
-        speculate_max_batch, and the prefix cache: serve.prefix_cache / prefix_cache_tokens / prefix_cache_page)."""
+        """The one scheduler of this engine (built on first use: it reserves the paged latent-cache pool,
+        serve.kv_pool_tokens rows in pages of serve.prefix_cache_page, with the continuous-batching knobs
+        serve.max_batch_tokens / request_timeout_s / speculate_max_batch, and the prefix cache over the pool's pages:
+        serve.prefix_cache / prefix_cache_tokens)."""
         if self._scheduler is None:
             s = self.cfg.serve
+            page = int(s.get("prefix_cache_page", 16))
             prefix = None
             if bool(s.get("prefix_cache", True)) and int(s.get("prefix_cache_tokens", 8192)) > 0:
-                prefix = PrefixCache(page_tokens=int(s.get("prefix_cache_page", 16)),
-                                     max_tokens=int(s.get("prefix_cache_tokens", 8192)))
+                prefix = PrefixCache(page_tokens=page, max_tokens=int(s.get("prefix_cache_tokens", 8192)))
             self._scheduler = Scheduler(self.model, self.drafter, self.cfg.tree, self.eos_id, self.max_context,
                                         max_batch_tokens=int(s.max_batch_tokens), pool_tokens=int(s.kv_pool_tokens),
                                         request_timeout_s=float(s.request_timeout_s),
-                                        speculate_max_batch=int(s.speculate_max_batch), prefix_cache=prefix)
+                                        speculate_max_batch=int(s.speculate_max_batch), prefix_cache=prefix,
+                                        page_tokens=page)
         return self._scheduler
 
     def submit(self, req: Request) -> Request:

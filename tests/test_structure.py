@@ -210,8 +210,6 @@ LONG_FILE_LINES = 520
 LONG_FILES = {
     "kdtree/backends/native.py": "the whole cffi binding of native/include/kdtree.h: one checked wrapper per kernel "
                                  "of the ABI, so a kernel's Python side sits next to the others it must agree with",
-    "kdtree/backends/native_forward.py": "NativeTarget: the one kd_model_desc built from the weights and the forwards, "
-                                         "caches and counters over it (the drafter's twin is native_drafter.py)",
     "kdtree/checkpoint/loader.py": "one read plan (validate against names.py, choose mmap / parallel reads / TP "
                                    "slices, widen or keep dtypes) whose stages share the plan's state",
 }

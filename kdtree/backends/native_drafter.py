@@ -1,8 +1,8 @@
 """The DFlash drafter's extend and draft in one library call each (kd_drafter_*: native/src/cpu/kd_forward.c,
 native/src/cuda/kd_forward.cu), with DFlashDrafter's interface (kdtree/model/drafter.py is the numpy spec).
 
-    drafter = NativeDrafter(cfg, weights, ops, target.embed_tokens, target.lm_head_w, target)
-    cache = drafter.new_cache(max_len)
+    drafter = NativeDrafter(cfg, weights, ops, target.embed_tokens, target.lm_head_w, target, pages=target.pages)
+    cache = drafter.new_cache(max_len, share=target_cache)   # context rows in the target cache's pages
     drafter.extend(cache, hiddens)          # {layer_id: f32[T, D]} of the next T committed tokens
     logits = drafter.draft(cache, bonus)    # f32[B-1, V]
 """
@@ -13,32 +13,14 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from kdtree.backends.native_forward import NativeTarget, _free_slot, _Registry, _timed
-from kdtree.model.drafter import check_drafter_weights, context_features, drafter_shape
+from kdtree.backends.native_forward import NativeTarget, _Registry, _timed
+from kdtree.model.drafter import DrafterCache, check_drafter_weights, context_features, drafter_shape
+from kdtree.model.pages import DEFAULT_PAGE_ROWS, PagePool
 
 
-class NativeDrafterCache:
-    """A slot of the drafter's native context cache (DrafterCache's length / max_len / truncate)."""
-
-    def __init__(self, drafter: "NativeDrafter", max_len: int):
-        self.drafter, self.max_len = drafter, int(max_len)
-        lib = drafter.lib
-        p = lib.ffi.new("int64_t *")
-        lib.check(lib.c.kd_drafter_cache_alloc(drafter.handle, self.max_len, p), "kd_drafter_cache_alloc")
-        self.slot = int(p[0])
-        self._len = lib.ffi.new("int64_t *")
-        self._slot_arr = np.array([self.slot], np.int64)
-        weakref.finalize(self, _free_slot, drafter, lib.c.kd_drafter_cache_free, self.slot)
-
-    @property
-    def length(self) -> int:
-        lib = self.drafter.lib
-        lib.check(lib.c.kd_drafter_cache_length(self.drafter.handle, self.slot, self._len), "kd_drafter_cache_length")
-        return int(self._len[0])
-
-    def truncate(self, n: int) -> None:
-        lib = self.drafter.lib
-        lib.check(lib.c.kd_drafter_cache_truncate(self.drafter.handle, self.slot, int(n)), "kd_drafter_cache_truncate")
+class NativeDrafterCache(DrafterCache):
+    """The drafter's context in pages of the library's drafter arena (kd_drafter_pages), ids of its target's pool:
+    DrafterCache's length / max_len / truncate."""
 
 
 class NativeDrafter:
@@ -53,7 +35,7 @@ class NativeDrafter:
     """
 
     def __init__(self, cfg, weights: Mapping[str, Any], ops: Any, embed: np.ndarray, lm_head: Any,
-                 target: Optional[NativeTarget] = None):
+                 target: Optional[NativeTarget] = None, pages: Optional[PagePool] = None):
         lib = ops.lib
         self.cfg, self.lib = cfg, lib
         self._target = target
@@ -90,13 +72,32 @@ class NativeDrafter:
         lib.check(lib.c.kd_drafter_create(d, h), "kd_drafter_create")
         self.handle = h[0]
         weakref.finalize(self, lib.c.kd_drafter_destroy, self.handle)
+        self._seq = np.zeros(4, np.int64)            # [page_start 0, page_start 1, length, T] of one sequence
         self._rows = np.zeros(2, np.int64)
         self._bonus = np.zeros(1, np.int32)
         self._fb = ffi._backend.from_buffer
         self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t")}
+        # the context arena, indexed by the target's page ids (its pool; a pool of its own when standalone)
+        self.pages = pages if pages is not None else PagePool(DEFAULT_PAGE_ROWS)
+        self.pages.add_arena(self._resize_arena)
 
-    def new_cache(self, max_len: int) -> NativeDrafterCache:
-        return NativeDrafterCache(self, max_len)
+    def _resize_arena(self, n_pages: int, page_rows: int) -> None:
+        self.lib.check(self.lib.c.kd_drafter_pages(self.handle, int(n_pages), int(page_rows)), "kd_drafter_pages")
+
+    def new_cache(self, max_len: int, share=None) -> NativeDrafterCache:
+        """A context of max_len rows in fresh pages, or in the pages of `share` (the request's target cache)."""
+        return NativeDrafterCache(self, max_len, share=share)
+
+    def _table(self, cache: NativeDrafterCache):
+        """cache's page table and the (page_start, lengths) block of one sequence, as C pointers."""
+        if cache.pool is not self.pages:
+            raise ValueError("drafter: the context cache was not made by this drafter's new_cache (its pages index "
+                             "another arena); use drafter.new_cache(max_len)")
+        fb, ty = self._fb, self._types
+        pages = np.ascontiguousarray(cache.pages, np.int32)
+        self._seq[1], self._seq[2] = pages.size, cache.length
+        c = fb(ty["int64_t"], self._seq, False)
+        return pages, fb(ty["int32_t"], pages, False), c, c + 2
 
     def extend(self, cache: NativeDrafterCache, hiddens: Mapping[int, np.ndarray]) -> None:
         """Append context rows: hiddens {layer_id: f32[T, D]} of the next T committed positions."""
@@ -106,17 +107,20 @@ class NativeDrafter:
             return
         fb, ty = self._fb, self._types
         self._rows[1] = T
-        rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+        keep, pages, page_start, lengths = self._table(cache)
+        rc = _timed(self.lib.c.kd_drafter_extend, self.handle, 1, pages, page_start, lengths,
                     fb(ty["int64_t"], self._rows, False), fb(ty["float"], feats, False))
         if rc:
             self.lib.check(rc, "kd_drafter_extend")
+        cache.length += T
 
     def draft(self, cache: NativeDrafterCache, bonus: int) -> np.ndarray:
         """One block forward after the cached context -> logits f32[B-1, V] of the tokens after `bonus`."""
         out = np.empty((self.block_size - 1, self.vocab), np.float32)
         self._bonus[0] = int(bonus)
         fb, ty = self._fb, self._types
-        rc = _timed(self.lib.c.kd_drafter_draft, self.handle, 1, fb(ty["int64_t"], cache._slot_arr, False),
+        keep, pages, page_start, lengths = self._table(cache)
+        rc = _timed(self.lib.c.kd_drafter_draft, self.handle, 1, pages, page_start, lengths,
                     fb(ty["int32_t"], self._bonus, False), fb(ty["float"], out, False))
         if rc:
             self.lib.check(rc, "kd_drafter_draft")

@@ -1,16 +1,18 @@
 """The K2 target's whole forward in one library call (native/src/cpu/kd_forward.c, native/src/cuda/kd_forward.cu).
 
 backend=cpu|cuda: NativeTarget hands the checkpoint's tensors to the library once (pointers into the loaded arrays,
-kept alive by the target; INT4 stays packed), and each forward is then ONE C call. The library owns the latent
-caches (a pool of slots, one per sequence) and grow-only scratch. Python keeps the decode loop. The drafter's twin
-is kdtree/backends/native_drafter.py; build_target / build_drafter (kdtree/model/target.py) choose them.
+kept alive by the target; INT4 stays packed), and each forward is then ONE C call. The library owns the paged
+latent arena (kd_model_pages, sized by the target's PagePool: kdtree/model/pages.py) and grow-only scratch; which
+page holds which sequence's rows is the caller's page table, passed with every forward. Python keeps the decode
+loop. The drafter's twin is kdtree/backends/native_drafter.py; build_target / build_drafter (kdtree/model/target.py)
+choose them.
 
     target = NativeTarget(cfg, weights, ops)             # registers the weights
-    cache = target.new_cache(max_len)                    # a slot of the native pool (LatentCache interface)
+    cache = target.new_cache(max_len)                    # pages of the target's pool (PagedCache)
     logits, hiddens = target.forward(tokens, positions, cache, visibility, hidden_layers)
 
-The ABI takes rows of several sequences per forward (kd_forward_args: slots + row_start, block-diagonal
-visibility). LIBRARY_CLOCK.seconds accumulates the wall time spent inside these calls (and the tree ops) so the
+The ABI takes rows of several sequences per forward (kd_forward_args: page tables + lengths + row_start,
+block-diagonal visibility). LIBRARY_CLOCK.seconds accumulates the wall time spent inside these calls (and the tree ops) so the
 bench can report the share of decode time spent outside the library.
 """
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import numpy as np
 
-from kdtree.errors import CachePoolBusy, ConfigError, NativeError
+from kdtree.errors import ConfigError, NativeError
 from kdtree.model.derived import (as_f32, check_context, embed_weight, is_bf16, lm_head_weight, rope_mscale,
                                   route_params,
                                   router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter,
                                   yarn_inv_freq)
 from kdtree.model.names import is_moe_layer
+from kdtree.model.pages import DEFAULT_PAGE_ROWS, PagedCache, PagePool
 from kdtree.tree import causal_visibility
 
 _F32 = np.dtype(np.float32)
@@ -182,13 +185,6 @@ def attach_nccl(lib, handle, world: int, rank: int, strict: bool) -> bool:
     return False
 
 
-KD_ENOMEM = -4   # kdtree.h: allocation failed (here: the reserved pool has no free range now)
-
-
-def _free_slot(owner, free, slot: int) -> None:
-    free(owner.handle, slot)
-
-
 def _timed(fn, *args) -> int:
     t0 = time.perf_counter()
     rc = fn(*args)
@@ -196,90 +192,22 @@ def _timed(fn, *args) -> int:
     return rc
 
 
-class NativeLatentCache:
-    """A slot of the target's native latent-cache pool, with LatentCache's interface (length, max_len, kv,
-    truncate, keep). Freed with the object."""
-
-    def __init__(self, target: "NativeTarget", max_len: int):
-        self.target, self.max_len = target, int(max_len)
-        lib = target.lib
-        p = lib.ffi.new("int64_t *")
-        rc = lib.c.kd_cache_alloc(target.handle, self.max_len, p)
-        if rc == KD_ENOMEM and target.pool_rows:          # the reserved pool is full for now, not the machine
-            raise CachePoolBusy(f"kd_cache_alloc ({lib.kind}): {lib.last_error()}")
-        lib.check(rc, "kd_cache_alloc")
-        self.slot = int(p[0])
-        self._len = lib.ffi.new("int64_t *")
-        self._kv: Optional[List[np.ndarray]] = None
-        target.__dict__.setdefault("_live_caches", weakref.WeakSet()).add(self)    # compact_pool drops their views
-        # the finalizer holds the target, so the model is never destroyed before its cache slots are freed
-        self._finalizer = weakref.finalize(self, _free_slot, target, lib.c.kd_cache_free, self.slot)
-
-    def release(self) -> None:
-        """Give the slot's rows back now (a finished request), not when the object is collected. Idempotent;
-        the cache is unusable afterwards."""
-        self._kv = None
-        self._finalizer()
+class NativeLatentCache(PagedCache):
+    """A sequence's latent rows in pages of its NativeTarget's arena (the library's; kd_model_pages): length,
+    max_len, pages, truncate, keep (kd_cache_keep), read_rows / kv (kd_cache_gather). Made by NativeTarget.new_cache."""
 
     @property
-    def length(self) -> int:
-        lib = self.target.lib
-        lib.check(lib.c.kd_cache_length(self.target.handle, self.slot, self._len), "kd_cache_length")
-        return int(self._len[0])
+    def target(self) -> "NativeTarget":
+        return self.owner
 
-    @property
-    def kv(self) -> List[np.ndarray]:
-        """Per layer f32[max_len, kv_lora + rope] views of the native rows (valid while this cache lives)."""
-        if self._kv is None:
-            lib, t = self.target.lib, self.target
-            p = lib.ffi.new("float **")
-            views = []
-            for layer in range(t.n_layers):
-                lib.check(lib.c.kd_cache_rows(t.handle, self.slot, layer, p), "kd_cache_rows")
-                if lib.kind == "cuda":   # device rows: a host copy, taken now (not a live view)
-                    rows = np.empty((self.max_len, t.width), np.float32)
-                    lib.check(lib.c.kd_memcpy_d2h(lib.ffi.from_buffer(rows), p[0], rows.nbytes, lib.ffi.NULL),
-                              "kd_memcpy_d2h")
-                    views.append(rows)
-                    continue
-                buf = lib.ffi.buffer(p[0], self.max_len * t.width * 4)
-                views.append(np.frombuffer(buf, np.float32).reshape(self.max_len, t.width))
-            if lib.kind == "cuda":
-                return views
-            self._kv = views
-        return self._kv
 
-    def truncate(self, n: int) -> None:
-        """Drop rows [n, length) (a rejected verify block)."""
-        length = self.length
-        if not 0 <= n <= length:
-            raise ValueError(f"truncate({n}) outside [0, {length}]")
-        lib = self.target.lib
-        lib.check(lib.c.kd_cache_truncate(self.target.handle, self.slot, int(n)), "kd_cache_truncate")
-
-    def keep(self, start: int, rows: Iterable[int]) -> None:
-        """Keep block rows `rows` (absolute, ascending, >= start) moved contiguously to start..; drop the rest."""
-        rows = np.ascontiguousarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
-        lib = self.target.lib
-        rc = lib.c.kd_cache_keep(self.target.handle, self.slot, int(start), lib.ffi.from_buffer("int64_t[]", rows),
-                                 rows.size)
-        if rc:   # the library names what is wrong (bad rows, a freed slot, ...); do not guess
-            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): {lib.last_error()}")
-
-    def read_rows(self, start: int, n: int) -> np.ndarray:
-        """Rows [start, start + n) of every layer, a host copy f32[n_layers, n, width] (kd_cache_rows)."""
-        if not 0 <= start <= start + n <= self.length:
-            raise ValueError(f"read_rows({start}, {n}) outside [0, {self.length})")
-        return np.stack([kv[start:start + n] for kv in self.kv])
-
-    def write_rows(self, start: int, rows: np.ndarray) -> None:
-        """Write host rows f32[n_layers, n, width] at start (<= length); length = start + n (kd_cache_write_rows)."""
-        rows = np.ascontiguousarray(rows, np.float32)
-        lib = self.target.lib
-        rc = lib.c.kd_cache_write_rows(self.target.handle, self.slot, int(start), lib.ffi.from_buffer("float[]", rows),
-                                       int(rows.shape[1]))
-        if rc:
-            raise ValueError(f"write_rows(start={start}, {rows.shape[1]} rows): {lib.last_error()}")
+def page_args(caches: Sequence[Any]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """kd_forward_args' page tables of these caches: (pages i32[sum n_s], page_start i64[S + 1], lengths i64[S])."""
+    tables = [np.asarray(c.pages, np.int32) for c in caches]
+    start = np.zeros(len(tables) + 1, np.int64)
+    np.cumsum([t.size for t in tables], out=start[1:])
+    return (np.concatenate(tables) if tables else np.zeros(0, np.int32), start,
+            np.asarray([c.length for c in caches], np.int64))
 
 
 class NativeTarget:
@@ -289,7 +217,7 @@ class NativeTarget:
     (kdtree/model/target.py); build_target picks it for backend=cpu, and backend=cuda on a device.
 
     target = NativeTarget(cfg, weights, ops)             # ops: the NativeOps (decode's tree ops, the drafter's)
-    cache = target.new_cache(max_len)                    # a slot of the native pool (LatentCache interface)
+    cache = target.new_cache(max_len)                    # pages of its pool (PagedCache)
     logits, hiddens = target.forward(tokens, positions, cache, visibility, hidden_layers)
     """
 
@@ -377,16 +305,17 @@ class NativeTarget:
         ar = all_reduce
         self._nccl = ((ar.world, ar.rank, ar.strict) if lib.kind == "cuda" and ar is not None
                       and getattr(ar, "collective", "host") == "nccl" else None)
-        # reused per call: one argument block, one slot, one row range (one sequence per forward today)
+        # reused per call of forward (one sequence): one argument block and its page_start / lengths / row_start
         self._args = ffi.new("kd_forward_args *")
-        self._seq = np.zeros(3, np.int64)                               # [slot, row_start 0, row_start 1]
+        self._seq = np.zeros(5, np.int64)                  # [page_start 0, page_start 1, length, row_start 0, 1]
         self._seq_c = ffi.from_buffer("int64_t[]", self._seq)
         self._args.n_seqs = 1
-        self._args.slots = self._seq_c
-        self._args.row_start = self._seq_c + 1
+        self._args.page_start, self._args.lengths, self._args.row_start = self._seq_c, self._seq_c + 2, self._seq_c + 3
         self._fb = ffi._backend.from_buffer
         self._types = {k: ffi.typeof(f"{k}[]") for k in ("float", "int32_t", "int64_t", "uint64_t")}
         self._fwd = lib.c.kd_model_forward
+        self.pages = PagePool(DEFAULT_PAGE_ROWS)           # the ids of the library's paged arena
+        self.pages.add_arena(self._resize_arena)
 
     def attach_device_collective(self) -> bool:
         """backend=cuda, tp.collective=auto|nccl: move the all-reduce onto the forward's stream (attach_nccl); True
@@ -400,46 +329,40 @@ class NativeTarget:
             self.device_collective = attach_nccl(self.lib, self.handle, world, rank, strict)
         return self.device_collective
 
-    def new_cache(self, max_len: int) -> NativeLatentCache:
+    def new_cache(self, max_len: int, prefix=()) -> NativeLatentCache:
+        """A cache of max_len rows: the pages `prefix` mapped first (a prefix cache hit), fresh pages for the rest."""
         check_context(self.cfg, max_len)
-        return NativeLatentCache(self, max_len)
+        return NativeLatentCache(self, max_len, prefix)
 
-    pool_rows = 0   # rows of the reserved latent-cache pool (0: one allocation per cache)
-
-    def reserve(self, rows: int) -> None:
-        """One latent-cache arena of `rows` rows that every later cache is a row range of (kd_model_reserve);
-        new_cache raises CachePoolBusy when no range is free. 0 = one allocation per cache again."""
-        self.lib.check(self.lib.c.kd_model_reserve(self.handle, int(rows)), "kd_model_reserve")
-        self.pool_rows = int(rows)
-
-    def compact_pool(self) -> int:
-        """Pack the arena's caches to its front (kd_model_compact: rows moved, caches unchanged otherwise), so its
-        free rows are one range; returns their count. Between forwards only (the scheduler's admission)."""
-        free = self.lib.ffi.new("int64_t *")
-        self.lib.check(self.lib.c.kd_model_compact(self.handle, free), "kd_model_compact")
-        for cache in list(getattr(self, "_live_caches", ())):
-            cache._kv = None                              # views into the old rows
-        return int(free[0])
-
-    def reserve_cache_pool(self, rows: int) -> bool:
-        """One latent-cache arena of `rows` rows that every later new_cache is carved from (a full pool raises
-        CachePoolBusy); True. An arena still holding caches cannot be replaced: dropped caches are collected first;
-        if some are alive, a larger arena is kept (the scheduler's accounting is exact either way) and a smaller
-        one is an error naming the fix."""
-        rows = int(rows)
-        if self.pool_rows == rows:
-            return True
-        try:
-            self.reserve(rows)
-        except NativeError:
-            import gc
-            gc.collect()                                  # caches of finished generations not yet collected
-            try:
-                self.reserve(rows)
-            except NativeError:
-                if self.pool_rows < rows:
-                    raise
+    def reserve_cache_pool(self, rows: int, page_rows: int = DEFAULT_PAGE_ROWS) -> bool:
+        """A fixed arena of rows // page_rows pages from now on (PagePool.reserve: a full pool raises CachePoolBusy,
+        the scheduler's cue to wait); True."""
+        self.pages.reserve(int(rows) // int(page_rows), page_rows)
         return True
+
+    def _resize_arena(self, n_pages: int, page_rows: int) -> None:
+        """The pool's size changed (kd_model_pages: the first pages keep their rows at the same page size)."""
+        self.lib.check(self.lib.c.kd_model_pages(self.handle, int(n_pages), int(page_rows)), "kd_model_pages")
+
+    def move_rows(self, pages: np.ndarray, start: int, rows: np.ndarray) -> None:
+        """Tree compaction: rows `rows` of the sequence whose table is `pages` moved to start.. (kd_cache_keep)."""
+        pages = np.ascontiguousarray(pages, np.int32)
+        rows = np.ascontiguousarray(rows, np.int64)
+        ffi = self.lib.ffi
+        rc = self.lib.c.kd_cache_keep(self.handle, ffi.from_buffer("int32_t[]", pages), pages.size, int(start),
+                                      ffi.from_buffer("int64_t[]", rows), rows.size)
+        if rc:   # the library names what is wrong (bad rows, a page outside the arena, ...); do not guess
+            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): {self.lib.last_error()}")
+
+    def gather_rows(self, pages: np.ndarray, start: int, n: int) -> np.ndarray:
+        """Rows [start, start + n) of a sequence, every layer: host f32[n_layers, n, L+R] (kd_cache_gather)."""
+        pages = np.ascontiguousarray(pages, np.int32)
+        out = np.empty((self.n_layers, int(n), self.width), np.float32)
+        ffi = self.lib.ffi
+        self.lib.check(self.lib.c.kd_cache_gather(self.handle, ffi.from_buffer("int32_t[]", pages), pages.size,
+                                                  int(start), int(n), ffi.from_buffer("float[]", out)),
+                       "kd_cache_gather")
+        return out
 
     def set_graph_rows(self, rows: Iterable[int]) -> None:
         """backend=cuda: forwards of exactly these row counts are captured once as CUDA graphs and replayed
@@ -487,9 +410,9 @@ class NativeTarget:
         """K2Model.forward of one sequence in one library call: logits f32[T, V] (f32[T, 0] on tp ranks 1..N-1,
         return_logits False) and {layer: f32[T, D]} for the hidden_layers."""
         logits = self.return_logits
-        if getattr(cache, "target", None) is not self:
-            raise ValueError(f"forward: the cache ({type(cache).__name__}) was not made by this model's new_cache; "
-                             f"use model.new_cache(max_len)")
+        if getattr(cache, "pool", self.pages) is not self.pages:
+            raise ValueError(f"forward: the cache ({type(cache).__name__}) was not made by this model's new_cache (its "
+                             f"pages index another arena); use model.new_cache(max_len)")
         tokens = np.ascontiguousarray(tokens, np.int32)
         positions = np.ascontiguousarray(positions, np.int32)
         T = tokens.shape[0]
@@ -515,7 +438,9 @@ class NativeTarget:
         hid = np.empty((T, len(want) * D), np.float32) if want else None
         out = np.empty((T, self.vocab if logits else 0), np.float32)
         hl = np.asarray(want, np.int64)
-        self._seq[0], self._seq[2] = cache.slot, T
+        pages = np.ascontiguousarray(cache.pages, np.int32)
+        self._seq[1], self._seq[2], self._seq[4] = pages.size, length, T
+        a.pages = fb(ty["int32_t"], pages, False)
         a.n_rows, a.tokens, a.positions = T, fb(ty["int32_t"], tokens, False), fb(ty["int32_t"], positions, False)
         a.n_out = T if logits else 0
         a.logits = fb(ty["float"], out, False) if logits else self.lib.ffi.NULL
@@ -525,6 +450,7 @@ class NativeTarget:
         rc = _timed(self._fwd, self.handle, a)
         if rc:
             self.lib.check(rc, "kd_model_forward")
+        cache.length = length + T
         return out, {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
 
 
@@ -536,15 +462,15 @@ class NativeTarget:
         Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
-        toks, poss, vis, row_start, slots = [], [], [], [0], []
+        toks, poss, vis, row_start, caches = [], [], [], [0], []
         for tokens, positions, cache, visibility in seqs:
-            if getattr(cache, "target", None) is not self:
-                raise ValueError(f"forward_batch: sequence {len(slots)}'s cache was not made by this model's "
-                                 f"new_cache; use model.new_cache(max_len)")
+            if getattr(cache, "pool", self.pages) is not self.pages:
+                raise ValueError(f"forward_batch: sequence {len(caches)}'s cache was not made by this model's "
+                                 f"new_cache (its pages index another arena); use model.new_cache(max_len)")
             t = np.ascontiguousarray(tokens, np.int32)
             T = t.shape[0]
             if T == 0 or np.shape(positions) != (T,):
-                raise ValueError(f"forward_batch: sequence {len(slots)} has tokens {t.shape}, positions "
+                raise ValueError(f"forward_batch: sequence {len(caches)} has tokens {t.shape}, positions "
                                  f"{np.shape(positions)}; expected [T] and [T] with T >= 1")
             if cache.length + T > cache.max_len:
                 raise ConfigError(f"latent cache of {cache.max_len} rows cannot hold {cache.length} + {T} tokens; "
@@ -553,11 +479,14 @@ class NativeTarget:
             if v.shape != (T, (T + 63) // 64):
                 raise ValueError(f"visibility shape {v.shape} != ({T}, {(T + 63) // 64})")
             toks.append(t), poss.append(np.asarray(positions, np.int32)), vis.append(v.reshape(-1))
-            row_start.append(row_start[-1] + T), slots.append(cache.slot)
+            row_start.append(row_start[-1] + T), caches.append(cache)
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
         N, D = row_start[-1], self.hidden
         want = list(dict.fromkeys(int(i) for i in hidden_layers))
-        arrays = {"tokens": np.concatenate(toks), "positions": np.concatenate(poss),
-                  "slots": np.asarray(slots, np.int64), "row_start": np.asarray(row_start, np.int64),
+        pages, page_start, lengths = page_args(caches)
+        arrays = {"tokens": np.concatenate(toks), "positions": np.concatenate(poss), "pages": pages,
+                  "page_start": page_start, "lengths": lengths, "row_start": np.asarray(row_start, np.int64),
                   "visibility": np.concatenate(vis), "hidden_layers": np.asarray(want or [0], np.int64),
                   "logits": np.empty((N, self.vocab), np.float32), "argmax": np.empty(N, np.int32),
                   "hidden": np.empty((N, max(len(want), 1) * D), np.float32)}
@@ -565,13 +494,16 @@ class NativeTarget:
                  _F32: "float[]"}
         c = {k: self.lib.ffi.from_buffer(ctype[v.dtype], v) for k, v in arrays.items()}
         a = self.lib.ffi.new("kd_forward_args *")
-        a.n_rows, a.tokens, a.positions, a.n_seqs = N, c["tokens"], c["positions"], len(slots)
-        a.slots, a.row_start, a.visibility = c["slots"], c["row_start"], c["visibility"]
+        a.n_rows, a.tokens, a.positions, a.n_seqs = N, c["tokens"], c["positions"], len(caches)
+        a.pages, a.page_start, a.lengths = c["pages"], c["page_start"], c["lengths"]
+        a.row_start, a.visibility = c["row_start"], c["visibility"]
         a.n_out, a.logits, a.argmax = N, c["logits"], c["argmax"]
         a.n_hidden, a.hidden_layers, a.hidden = len(want), c["hidden_layers"], c["hidden"]
         self.lib.check(_timed(self._fwd, self.handle, a), "kd_model_forward")
+        for cache, T in zip(caches, np.diff(row_start)):
+            cache.length += int(T)
         hid = arrays["hidden"]
         return arrays["logits"], arrays["argmax"], {layer: hid[:, j * D:(j + 1) * D] for j, layer in enumerate(want)}
 
 
-__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "keeps_bf16", "supports"]
+__all__ = ["LIBRARY_CLOCK", "NativeTarget", "NativeLatentCache", "keeps_bf16", "page_args", "supports"]

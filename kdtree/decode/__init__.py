@@ -26,7 +26,8 @@ def run_request(scheduler: Scheduler, req: Request) -> GenerationResult:
 
 
 def solo_scheduler(model, drafter, tree_cfg, eos_id: Optional[int], prompt_len: int) -> Scheduler:
-    """A scheduler for one caller's requests on `model` (no arena of its own: it never replaces an engine's)."""
+    """A scheduler for one caller's requests on `model`: it takes pages of the model's pool without reserving it (a
+    pool nobody reserved grows on demand; an engine's reserved one is left as it is)."""
     ctx = int(model.cfg.max_position_embeddings)
     return Scheduler(model, drafter, tree_cfg, eos_id, ctx, max_batch_tokens=max(512, int(prompt_len)),
                      pool_tokens=ctx, reserve_pool=False)

@@ -2,7 +2,7 @@
 
 The first sample's DecodeState computes the prefill and keeps its latent cache (and the drafter's context) here;
 every later sample rewinds both to the prompt's rows and starts from the kept last logits row, so the prompt is
-never recomputed and no cache row is copied (truncate keeps rows [0, P) in place, on every TP rank).
+never recomputed and no cache row is copied (truncate keeps rows [0, P) in their pages, on every TP rank).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class SharedPrefill:
             self.dcache.truncate(self.prompt_len)
 
     def close(self) -> None:
-        """Give the latent rows back (every sample is done)."""
-        if self.cache is not None and hasattr(self.cache, "release"):
-            self.cache.release()
+        """Give the pages back (every sample is done)."""
+        for c in (self.cache, self.dcache):
+            if c is not None and hasattr(c, "release"):
+                c.release()
         self.cache = self.dcache = None

@@ -7,13 +7,15 @@
 
 One step (`step()`):
   reap     cancelled and timed-out requests leave (their latent rows go back to the pool)
-  admit    waiting requests join, oldest first, while the pool has room for their reservation
-           (prompt + max_new_tokens + tree budget rows); the rest wait. backend=cpu|cuda: the rows are a range of
-           ONE latent-cache arena reserved at start (pool_tokens rows); a request whose range is not free yet
-           waits for running ones to finish
-           prefix cache (prefix_cache=PrefixCache): an admitted request copies the latent rows of its longest cached
-           prefix (whole pages, at most prompt - 1 tokens) into its cache and prefills only the rest; a request
-           that finishes inserts its committed rows (prompt + generated tokens). Exact: the same tokens hit or miss
+  admit    waiting requests join, oldest first, while the pool has free pages for their reservation
+           (prompt + max_new_tokens + tree budget rows, in pages of page_tokens rows); the rest wait. Every backend's
+           latent rows are pages of ONE paged arena reserved at start (pool_tokens // page_tokens pages,
+           kdtree/model/pages.py): any free pages will do, so a request waits only when free pages run out (after
+           the prefix cache gave back the least recently used pages only it held)
+           prefix cache (prefix_cache=PrefixCache): an admitted request maps the pages of its longest cached prefix
+           (whole pages, at most prompt - 1 tokens) into its page table -- zero-copy, shared with every other
+           request that maps them -- and prefills only the rest; a request that finishes hands its whole pages of
+           committed rows (prompt + generated tokens) to the cache. Exact: the same tokens hit or miss
   plan     every decoding request's block (DecodeState.plan: its tree, drafted now, or its AR row), then prefill
            chunks fill the step up to max_batch_tokens rows (the oldest prefilling request always moves)
   forward  ONE Target.forward_batch over all blocks: each sees its own cache and its own block's visibility
@@ -38,8 +40,10 @@ import numpy as np
 
 from kdtree.decode.request import Request, RequestCancelled, RequestTimeout
 from kdtree.decode.cost import ForwardCosts
+from kdtree.decode.prefix_cache import pool_page_counts
 from kdtree.decode.state import DecodeState
 from kdtree.errors import CachePoolBusy, ConfigError, KdtreeError
+from kdtree.model.pages import DEFAULT_PAGE_ROWS
 
 
 def forward_batch(model, seqs, hidden_layers=()):
@@ -56,7 +60,8 @@ def forward_batch(model, seqs, hidden_layers=()):
 class Scheduler:
     def __init__(self, model, drafter, tree, eos_id: Optional[int], max_context: int,
                  max_batch_tokens: int = 512, pool_tokens: int = 16384, request_timeout_s: float = 0.0,
-                 speculate_max_batch: int = 0, reserve_pool: bool = True, prefix_cache=None):
+                 speculate_max_batch: int = 0, reserve_pool: bool = True, prefix_cache=None,
+                 page_tokens: int = DEFAULT_PAGE_ROWS):
         if int(max_batch_tokens) < 1:
             raise ConfigError(f"serve.max_batch_tokens={max_batch_tokens} must be >= 1 row; e.g. 512")
         if int(pool_tokens) < 1:
@@ -78,18 +83,28 @@ class Scheduler:
         self._running: List[Request] = []
         self._state: Dict[int, DecodeState] = {}       # id(request) -> its state until it finishes
         self._deadline: Dict[int, float] = {}
-        self.pool_used = 0                              # latent rows reserved by running requests
         self.costs: Optional[ForwardCosts] = None       # tree.policy=cost: forward seconds by rows, measured
-        self.compactions = 0                            # times the arena was packed to admit a request
-        self.compaction_seconds = 0.0
         self.steps = 0
         self.last_batch_size = 0                        # sequences in the last step's forward
         self.last_batch_rows = 0                        # rows in the last step's forward
         self.finished = 0
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
-        reserve = getattr(model, "reserve_cache_pool", None) if reserve_pool else None
-        self.pooled = bool(reserve(self.pool_tokens)) if reserve is not None else False   # one arena for all
+        page = prefix_cache.page if prefix_cache is not None else int(page_tokens)
+        self.pages = model.pages                        # the model's page pool: every request's rows are its pages
+        # reserved: a fixed arena of pool_tokens rows (a full pool makes arrivals wait); else it grows on demand
+        self.pooled = self._reserve(page) if reserve_pool else False
+        if self.pooled:                                 # whole pages: a request never needs more than the pool has
+            self.pool_tokens = min(self.pool_tokens, self.pages.total * self.pages.page_rows)
+        if prefix_cache is not None:
+            prefix_cache.attach(self.pages)
+
+    def _reserve(self, page: int) -> bool:
+        """The model's pool reserved at pool_tokens rows; its page count is remembered, so that admission can
+        restore it after another scheduler of the same model (tests, benches) resized the shared pool."""
+        ok = bool(self.model.reserve_cache_pool(self.pool_tokens, page))
+        self._pool_pages = self.pages.total
+        return ok
 
     # -- any thread -----------------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
@@ -123,13 +138,25 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def page_counts(self) -> Dict[str, int]:
+        """The pool's pages: used (held by running requests), cached (held by prefix caches alone), free, total."""
+        return pool_page_counts(self.pages)
+
+    @property
+    def pool_used(self) -> int:
+        """Latent rows in the pages running requests hold (their reservations and the cached pages they mapped)."""
+        return self.page_counts()["used"] * self.pages.page_rows
+
     def snapshot(self) -> Dict[str, int]:
-        """What /status and /metrics show."""
+        """What /status and /metrics show: kv_pool_* in tokens (pages x page tokens), prefix_cache_pages_* the
+        pool's pages by state (they add up to its total), and the prefix cache's counters."""
         with self._lock:
+            pages, P = self.page_counts(), self.pages.page_rows
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "batch_size": self.last_batch_size, "batch_rows": self.last_batch_rows,
-                    "kv_pool_used": self.pool_used, "kv_pool_tokens": self.pool_tokens, "steps": self.steps,
-                    "speculating": self.speculating, "kv_pool_compactions": self.compactions,
+                    "kv_pool_used": pages["used"] * P, "kv_pool_tokens": pages["total"] * P, "steps": self.steps,
+                    "speculating": self.speculating, "kv_pool_page_tokens": P,
+                    **{f"prefix_cache_pages_{k}": v for k, v in pages.items()},
                     **({"prefix_cache_enabled": self.prefix_enabled, **self.prefix_cache.stats()}
                        if self.prefix_cache is not None else {})}
 
@@ -175,10 +202,12 @@ class Scheduler:
             if not self.step() and not req.done.is_set():
                 with self._lock:
                     stuck = req in self._waiting and not self._running
-                if stuck:                              # nothing runs that could free room for it
+                if stuck:                              # nothing runs that could free pages for it
+                    need, P = self._state[id(req)].need, self.pages.page_rows
                     self._finish(req, KdtreeError(
-                        f"request of {self._state[id(req)].need} latent rows cannot be admitted: the cache pool "
-                        f"has no free range of that size (serve.kv_pool_tokens={self.pool_tokens})"))
+                        f"request of {need} latent rows ({-(-need // P)} pages of {P}) cannot be admitted: the "
+                        f"cache pool has {self.pages.free} free pages of {self.pages.total} and nothing running "
+                        f"holds the rest (serve.kv_pool_tokens={self.pool_tokens})"))
         return req
 
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
@@ -272,41 +301,23 @@ class Scheduler:
         with self._lock:
             for req in list(self._waiting) + list(self._running):
                 self._reap(req, now)
+            if self.pooled and self._waiting and self.pages.total != self._pool_pages:
+                self._reserve(self.pages.page_rows)        # another scheduler of this model resized the pool
             while self._waiting:
                 req = self._waiting[0]
                 st = self._state[id(req)]
-                if self.pool_used + st.need > self.pool_tokens:
-                    break
                 try:
-                    over = self._allocate(st)              # its rows of the arena (or its own arrays)
-                except CachePoolBusy:                      # no room even packed: wait for rows to free up
+                    over = st.allocate()                   # its pages (a prefix cache hit's mapped first)
+                except CachePoolBusy:                      # too few free pages: wait for running requests
                     break
                 except Exception as e:                     # this request fails alone; the rest go on
                     self._finish(req, e, locked=True)
                     continue
                 self._waiting.pop(0)
-                self.pool_used += st.need
                 req.admitted_at = now
                 self._running.append(req)
                 if over:
                     self._finish(req, None, locked=True)
-
-    def _allocate(self, st: DecodeState) -> bool:
-        """st.allocate(); when the arena has the rows but not in one range (fragmented by requests that finished
-        out of order), pack it (Target.compact_pool: live rows moved, between forwards) and try once more."""
-        try:
-            return st.allocate()
-        except CachePoolBusy:
-            compact = getattr(self.model, "compact_pool", None)
-            if compact is None:
-                raise
-            t0 = time.perf_counter()
-            free = compact()
-            self.compactions += 1
-            self.compaction_seconds += time.perf_counter() - t0
-            if free < st.need:
-                raise
-            return st.allocate()
 
     def _reap(self, req: Request, now: float) -> None:
         if req.cancelled.is_set():
@@ -327,15 +338,16 @@ class Scheduler:
         self._deadline.pop(id(req), None)
         if any(r is req for r in self._running):
             self._running.remove(req)
-            self.pool_used -= st.need
         elif any(r is req for r in self._waiting):
             self._waiting.remove(req)
         if error is None:
             try:
-                st.insert_prefix()                # its committed rows into the prefix cache (copied)
+                st.insert_prefix()                # its whole pages of committed rows to the prefix cache (held)
             except Exception as e:                # never fails a finished request; the cache just misses later
                 print(f"[scheduler] prefix cache insert failed: {type(e).__name__}: {e}", file=sys.stderr)
-        st.release()                              # its rows of the arena are free for the next admission now
+        st.release()                              # its pages go back (those the prefix cache holds stay cached)
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict()             # back under serve.prefix_cache_tokens (its pages are free now)
         req.error = error
         req.finished_at = time.monotonic()
         req.result.seconds = req.finished_at - req.submitted_at

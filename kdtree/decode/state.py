@@ -120,12 +120,13 @@ class DecodeState:
         self.eos_id = eos_id
         self.max_new = int(req.max_new_tokens)
         self.stops = frozenset(int(s) for s in req.stop_ids)
-        self.cache: Any = None                 # the target's latent cache (need rows), from allocate()
-        self.dcache: Any = None                # the drafter's context cache (speculative kinds)
+        self.cache: Any = None                 # the target's latent cache (need rows: a page table), from allocate()
+        self.dcache: Any = None                # the drafter's context cache (speculative kinds; the same pages)
         self.owns_cache = True                 # False: a SharedPrefill's (generate_n) cache, kept after finish
         self.prefilled = 0                     # prompt rows already in the cache
         self.prompt_hid: List[Dict[int, np.ndarray]] = []    # prefill chunks' hidden states (the drafter's context)
-        self.pending_hid: List[Dict[int, np.ndarray]] = []   # rows stepped as AR that the drafter has not seen
+        self.pending_hid: List[Dict[int, np.ndarray]] = []   # committed rows the drafter has not seen yet (rows
+        # stepped as AR; with the prefix cache also the last round's, so that its pages carry drafter rows)
         self.bonus = -1                        # speculative: the root of the next tree
         sp = req.sampling
         # sampled, or greedy with penalties (the penalised argmax): drawn row by row; plain greedy: the argmax
@@ -141,7 +142,6 @@ class DecodeState:
                 req.result.prompt_logprobs = [None]
         # the prefix cache (kdtree/decode/prefix_cache.py); not with echo (it needs every prompt row's logits)
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
-        self.hid_log: List[Dict[int, np.ndarray]] = []       # hidden rows of every cache row (speculative + prefix)
         self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
         self.policy = policy_of(tree_cfg) if self.budget else "fixed"
         self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
@@ -149,7 +149,6 @@ class DecodeState:
         self.plain_steps = 0                   # tree.policy=cost: AR steps taken since plain steps were faster
         self.round_draft_s = 0.0
         self.round_expected = 0.0              # the drafted tokens the chosen prefix expects to accept
-        self.prefix_path: list = []            # the prefix cache pages this request mapped (released at finish)
 
     # -- life cycle (the scheduler) ---------------------------------------------------------------------------
     @property
@@ -162,8 +161,11 @@ class DecodeState:
         return self.prefilled < len(self.prompt)
 
     def allocate(self) -> bool:
-        """Take the request's caches (CachePoolBusy: wait). With a SharedPrefill already computed, reuse its
-        caches rewound to the prompt and commit the first token from its last row; True when that finished it."""
+        """Take the request's caches (CachePoolBusy: wait, nothing taken). With the prefix cache, the pages of the
+        longest cached prefix (whole pages, at most P - 1 tokens: the last prompt row is computed for its logits) are
+        mapped first -- zero-copy, the drafter's context rows with them -- and the prefill starts after them. With a
+        SharedPrefill already computed, reuse its caches rewound to the prompt and commit the first token from its
+        last row; True when that finished it."""
         shared = self.req.prefill
         if shared is not None and shared.done:
             if shared.cache.max_len < self.need:
@@ -174,55 +176,46 @@ class DecodeState:
             if self.echo:
                 self.req.result.prompt_logprobs = shared.prompt_logprobs
             return self._first_token(shared.last_logits[None, :], None, 0)
-        self.cache = self.model.new_cache(self.need)
-        if self.budget:
-            self.dcache = self.drafter.new_cache(len(self.prompt) + self.max_new)
-        if self.prefix is not None and hasattr(self.cache, "write_rows"):
-            self._map_prefix()
+        path = []
+        if self.prefix is not None:
+            path = self.prefix.lookup(self.prompt, len(self.prompt) - 1, need_drafter=bool(self.budget))
+        self.cache = self.model.new_cache(self.need, prefix=[pg.page for pg in path])
+        m = self.cache.length                  # the mapped rows: len(path) whole pages
+        if self.budget:                        # its context rows in the same pages, those of the hit included
+            self.dcache = self.drafter.new_cache(self.need, share=self.cache)
+            self.dcache.length = self.dcache.frozen = m
+        if self.prefix is not None:
+            self.prefix.count(len(self.prompt), m)
+            self.req.result.prefix_queried_tokens = len(self.prompt)
+            self.req.result.cached_tokens = m
+        self.prefilled = m
         return False
 
-    def _map_prefix(self) -> None:
-        """Copy the longest cached prefix's rows (whole pages, at most P - 1 tokens: the last prompt row is computed
-        for its logits) into the cache; the prefill starts after them."""
-        path = self.prefix.lookup(self.prompt, len(self.prompt) - 1, need_hidden=bool(self.budget))
-        self.req.result.prefix_queried_tokens = len(self.prompt)
-        if not path:
-            return
-        try:
-            rows, hidden = self.prefix.gather(path)
-            self.cache.write_rows(0, rows)
-        except BaseException:
-            self.prefix.release(path)
-            raise
-        self.prefix_path = path                # referenced ("used") until release(): never evicted under it
-        m = int(rows.shape[1])
-        self.prefilled = m
-        self.req.result.cached_tokens = m
-        if self.budget:                        # the drafter's context: the cached hidden rows + the prefill's
-            self.prompt_hid.append(hidden)
-            self.hid_log.append(hidden)
-
     def insert_prefix(self) -> None:
-        """A finished request's committed rows (prompt + generated tokens) into the prefix cache."""
-        if self.prefix is None or self.cache is None or not hasattr(self.cache, "read_rows"):
+        """A finished request's committed rows (prompt + generated tokens) into the prefix cache: the tree takes
+        holds on its whole pages (zero-copy); they are never written again (frozen)."""
+        if self.prefix is None or self.cache is None:
             return
         seq = [int(t) for t in self.prompt] + [int(t) for t in self.req.result.tokens]
         n = min(int(self.cache.length), len(seq))
-        hidden = None
-        if self.budget and self.hid_log:
-            hidden = _joined(self.hid_log)
-            if next(iter(hidden.values())).shape[0] != int(self.cache.length):   # not row-aligned (a shared
-                # prefill's later sample): cache the latent rows only
-                hidden = None
-        self.prefix.insert(seq[:n], self.cache.read_rows, hidden)
+        if not self.owns_cache:                # a shared prefill's rows past the prompt: rewritten by its next sample
+            n = min(n, len(self.prompt))
+        drafter_rows = 0
+        if self.budget and self.dcache is not None:
+            if self.pending_hid and self.owns_cache:   # the drafter catches up: the last pages carry its rows too
+                self.drafter.extend(self.dcache, _joined(self.pending_hid))
+                self.pending_hid = []
+            drafter_rows = min(int(self.dcache.length), n)
+        self.prefix.insert(seq[:n], self.cache.pages, drafter_rows)
+        P = self.prefix.page
+        self.cache.frozen = max(self.cache.frozen, n // P * P)
 
     def release(self) -> None:
-        """Give the latent rows back now (the scheduler's finish)."""
-        if self.owns_cache and self.cache is not None and hasattr(self.cache, "release"):
-            self.cache.release()
-        if self.prefix_path:
-            self.prefix.release(self.prefix_path)
-            self.prefix_path = []
+        """Give the pages back now (the scheduler's finish): a page nobody else holds (the prefix cache) is free."""
+        if self.owns_cache:
+            for c in (self.cache, self.dcache):
+                if c is not None and hasattr(c, "release"):
+                    c.release()
         self.cache = self.dcache = None
 
     # -- plan: the rows of the next forward --------------------------------------------------------------------
@@ -299,12 +292,9 @@ class DecodeState:
             res.acceptance_lengths.append(1)
             token = self._draw(logits, argmax, 0)
             over = self._commit([token], logits)
-            row = {i: x.copy() for i, x in hid.items()} if self.budget else None
-            if row is not None and self.prefix is not None:
-                self.hid_log.append(row)       # read only: the prefix insert joins copies of these
-            if not over and self.budget:       # the drafter gets this row when it drafts again
+            if self.budget and (not over or self.prefix is not None):   # the drafter gets this row when it drafts
+                self.pending_hid.append({i: x.copy() for i, x in hid.items()})   # again (or at the prefix insert)
                 self.bonus = token
-                self.pending_hid.append(row)
             return over
         return self._advance_tree(block, logits, argmax, hid, seconds)
 
@@ -316,8 +306,6 @@ class DecodeState:
         res.prefilled_tokens += n
         if self.budget:
             self.prompt_hid.append(hid)
-            if self.prefix is not None:
-                self.hid_log.append(hid)
         if self.prefilling:
             return False
         if not self.max_new:                   # echo with max_tokens 0: the prompt's logprobs only
@@ -363,14 +351,14 @@ class DecodeState:
         t1 = time.perf_counter()
         res.stage_seconds["accept"] += t1 - t0
         over = self._commit(committed, logits[rows] if self.top is not None else None)
-        if self.prefix is not None:
-            self.hid_log.append({i: x[rows] for i, x in hid.items()})
         t2 = time.perf_counter()
         res.stage_seconds["commit"] += t2 - t1
         if not over:                           # the drafter's next context: root + path hidden states
             self.bonus = int(new_bonus)
             self.drafter.extend(self.dcache, {i: x[rows] for i, x in hid.items()})
             res.stage_seconds["draft"] += time.perf_counter() - t2
+        elif self.prefix is not None:          # extended at the prefix insert (its pages then carry drafter rows)
+            self.pending_hid.append({i: x[rows] for i, x in hid.items()})
         return over
 
     def _grammar_time(self, t0: float) -> None:

@@ -9,7 +9,9 @@ logits for block rows 1..B-1. The drafter never touches correctness (the target 
 it only decides how many tokens a round commits.
 
 Per generation the state lives in a `DrafterCache` (roped k and v of the context per layer, appended
-as tokens commit), so a round costs one block forward plus the new context rows, not the whole context.
+as tokens commit), so a round costs one block forward plus the new context rows, not the whole context. Its rows
+live in pages of the drafter's arena with the ids of its target's pool (kdtree/model/pages.py): row j = position j,
+in the same page as the target's latent row j, so a prefix cache hit maps both with one page table.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import Any, Dict, Mapping, Sequence
 import numpy as np
 
 from kdtree.model.names import drafter_tensor_shapes
+from kdtree.model.pages import DEFAULT_PAGE_ROWS, PagedCache, PagePool, page_rows_of
 from kdtree.errors import CheckpointError, ConfigError
 
 
@@ -38,14 +41,9 @@ def apply_rope_half(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarr
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
-class DrafterCache:
-    """Roped keys and values of the drafter's context, per layer: k, v f32[max_len, Hkv, hd]."""
-
-    def __init__(self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int):
-        self.k = [np.zeros((max_len, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
-        self.v = [np.zeros((max_len, num_kv_heads, head_dim), np.float32) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.length = 0
+class DrafterCache(PagedCache):
+    """The drafter's context (roped keys and values of each committed position, every layer) in pages of its
+    drafter's arena: length, max_len, truncate. Made by DFlashDrafter.new_cache (share=: the target cache's pages)."""
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, int(n))
@@ -60,7 +58,8 @@ class DFlashDrafter:
     logits = drafter.draft(cache, bonus)    # f32[B-1, V]: predictions of the B-1 tokens after `bonus`
     """
 
-    def __init__(self, cfg, weights: Mapping[str, Any], ops, embed: np.ndarray, lm_head: Any):
+    def __init__(self, cfg, weights: Mapping[str, Any], ops, embed: np.ndarray, lm_head: Any,
+                 pages: PagePool = None):
         self.cfg = cfg
         self.ops = ops
         shape = drafter_shape(cfg)
@@ -75,6 +74,19 @@ class DFlashDrafter:
         self.w = dict(weights)
         self.embed = embed        # f32[V, D] (target's model.embed_tokens.weight)
         self.lm_head = lm_head    # f32[V, D] or Int4Weight (target's lm_head.weight)
+        # context K/V arenas f32[n_layers, n_pages, page_rows, Hkv, hd], indexed by the target's page ids
+        self.k = self.v = np.zeros((self.num_layers, 0, DEFAULT_PAGE_ROWS, self.hkv, self.hd), np.float32)
+        self.pages = pages if pages is not None else PagePool(DEFAULT_PAGE_ROWS)
+        self.pages.add_arena(self._resize_arena)
+
+    def _resize_arena(self, n_pages: int, page_rows: int) -> None:
+        """Its target's pool changed size: the first pages keep their rows (same page size), new ones are zeros."""
+        shape = (self.num_layers, n_pages, page_rows, self.hkv, self.hd)
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        if page_rows == self.k.shape[2]:
+            n = min(n_pages, self.k.shape[1])
+            k[:, :n], v[:, :n] = self.k[:, :n], self.v[:, :n]
+        self.k, self.v = k, v
 
     # ---- construction -------------------------------------------------------------------------------
     @classmethod
@@ -98,10 +110,12 @@ class DFlashDrafter:
     def from_target(cls, model, weights: Mapping[str, Any]) -> "DFlashDrafter":
         """This drafter over `model`'s (any Target) embeddings, lm_head and ops; build_drafter picks NativeDrafter
         where the library runs the drafter's forwards."""
-        return cls(model.cfg, weights, model.ops, model.embed_tokens, model.lm_head_w)
+        return cls(model.cfg, weights, model.ops, model.embed_tokens, model.lm_head_w, getattr(model, "pages", None))
 
-    def new_cache(self, max_len: int) -> DrafterCache:
-        return DrafterCache(self.num_layers, int(max_len), self.hkv, self.hd)
+    def new_cache(self, max_len: int, share: PagedCache = None) -> DrafterCache:
+        """A context of max_len rows in fresh pages, or in the pages of `share` (a cache of the target whose pool
+        this drafter shares: the request's own pages)."""
+        return DrafterCache(self, max_len, share=share)
 
     # ---- forward ------------------------------------------------------------------------------------
     def _kv(self, i: int, x: np.ndarray, positions: np.ndarray, cos_sin=None):
@@ -125,10 +139,11 @@ class DFlashDrafter:
         ctx = self.ops.rms_norm(self._linear(feats, self.w["fc.weight"]), self.w["hidden_norm.weight"], self.eps)
         pos = np.arange(n, n + T)
         cos_sin = rope_cos_sin(pos, self.hd, self.theta)
+        pg, off = page_rows_of(cache.pages, self.pages.page_rows, n, T)   # rows n.. through the page table
         for i in range(self.num_layers):
             k, v = self._kv(i, ctx, pos, cos_sin)
-            cache.k[i][n:n + T] = k
-            cache.v[i][n:n + T] = v
+            self.k[i, pg, off] = k
+            self.v[i, pg, off] = v
         cache.length = n + T
 
     def draft(self, cache: DrafterCache, bonus: int) -> np.ndarray:
@@ -141,6 +156,7 @@ class DFlashDrafter:
         cos, sin = rope_cos_sin(pos, self.hd, self.theta)
         group = self.hq // self.hkv
         scale = self.hd ** -0.5
+        pg, off = page_rows_of(cache.pages, self.pages.page_rows, 0, n)     # the context, gathered in order
         for i in range(self.num_layers):
             p, a = f"layers.{i}", f"layers.{i}.self_attn"
             h = self.ops.rms_norm(x, self.w[f"{p}.input_layernorm.weight"], self.eps)
@@ -148,8 +164,8 @@ class DFlashDrafter:
             q = self.ops.rms_norm(q.reshape(B * self.hq, self.hd), self.w[f"{a}.q_norm.weight"], self.eps)
             q = apply_rope_half(q.reshape(B, self.hq, self.hd), cos, sin)   # [B, Hq, hd]
             kb, vb = self._kv(i, h, pos, (cos, sin))                        # [B, Hkv, hd]
-            k = np.concatenate([cache.k[i][:n], kb], axis=0)                # [n+B, Hkv, hd]
-            v = np.concatenate([cache.v[i][:n], vb], axis=0)
+            k = np.concatenate([self.k[i, pg, off], kb], axis=0)            # [n+B, Hkv, hd]
+            v = np.concatenate([self.v[i, pg, off], vb], axis=0)
             # q head j = kv * group + g reads kv head j // group: one batched matmul per kv head over its
             # group's queries (no repeated k/v), non-causal
             qg = q.reshape(B, self.hkv, group, self.hd).transpose(1, 2, 0, 3).reshape(self.hkv, group * B, self.hd)

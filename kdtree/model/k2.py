@@ -2,13 +2,13 @@
 
 embed -> layers (h = x + attn(norm(x)); out = h + mlp(norm(h)); dense MLP before first_k_dense_replace,
 MoE after) -> model.norm -> lm_head. Attention runs over a latent cache of kv_lora + rope floats per token
-per layer (`LatentCache`), so a verify block (tree or chain) and an AR step share the same cache rows.
+per layer (`LatentCache`: a page table into the model's ONE paged arena, kdtree/model/pages.py), so a verify block
+(tree or chain) and an AR step share the same cache rows, and requests with a common prefix share its pages.
 Every per-row computation is the same whatever the number of rows, so a tree node whose ancestors equal
 the AR context gets bit-identical logits (see docs/engine-contracts.md, "Batch invariance").
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,50 +17,15 @@ from kdtree.backends.base import Ops
 from kdtree.model.derived import (check_context, check_seq, embed_weight, lm_head_weight, route_params,
                                   router_weights, softmax_scale, split_kv_b, transposed_w_uk, weight_getter)
 from kdtree.model.names import is_moe_layer
+from kdtree.model.pages import DEFAULT_PAGE_ROWS, PagedCache, PagePool, page_rows_of
 from kdtree.model.rope import RotaryTable
 
 NO_GRAPHS = {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}   # graph_stats where none run
 
 
-class LatentCache:
-    """Per layer f32[max_len, kv_lora + rope] rows [c, k_pe]; rows [0, length) are the committed context."""
-
-    def __init__(self, n_layers: int, max_len: int, width: int):
-        self.kv: List[np.ndarray] = [np.zeros((max_len, width), np.float32) for _ in range(n_layers)]
-        self.max_len = max_len
-        self.length = 0
-
-    def truncate(self, n: int) -> None:
-        """Drop rows [n, length) (a rejected verify block)."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"truncate({n}) outside [0, {self.length}]")
-        self.length = n
-
-    def keep(self, start: int, rows: Iterable[int]) -> None:
-        """Keep block rows `rows` (absolute, ascending, >= start) moved contiguously to start..; drop the rest."""
-        rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
-        if rows.size and (rows[0] < start or rows[-1] >= self.length or np.any(np.diff(rows) <= 0)):
-            raise ValueError(f"keep(start={start}, rows={rows.tolist()}): rows must ascend within "
-                             f"[{start}, {self.length})")
-        n = rows.size
-        for kv in self.kv:
-            kv[start:start + n] = kv[rows]  # fancy indexing copies first, so overlapping moves are safe
-        self.length = start + n
-
-    def read_rows(self, start: int, n: int) -> np.ndarray:
-        """Rows [start, start + n) of every layer, a copy f32[n_layers, n, width] (the prefix cache's insert)."""
-        if not 0 <= start <= start + n <= self.length:
-            raise ValueError(f"read_rows({start}, {n}) outside [0, {self.length})")
-        return np.stack([kv[start:start + n] for kv in self.kv])
-
-    def write_rows(self, start: int, rows: np.ndarray) -> None:
-        """Write rows f32[n_layers, n, width] at start (<= length); length = start + n (a prefix cache hit)."""
-        n = int(rows.shape[1])
-        if not 0 <= start <= self.length or start + n > self.max_len:
-            raise ValueError(f"write_rows({start}, {n} rows) outside the cache (length {self.length}, max {self.max_len})")
-        for kv, r in zip(self.kv, rows):
-            kv[start:start + n] = r
-        self.length = start + n
+class LatentCache(PagedCache):
+    """A sequence's latent rows [c, k_pe] (kv_lora + rope floats per token per layer) in pages of its K2Model's
+    arena (kdtree/model/pages.py): length, max_len, truncate, keep, read_rows, kv. Made by K2Model.new_cache."""
 
 
 class _Attn:
@@ -188,6 +153,10 @@ class K2Model:
         self._head_linear = ops.head_linear if getattr(ops, "has_head_linear", False) else None
         self._route_cfg = route_params(cfg)
         self.return_logits = True   # False on tensor-parallel ranks 1..N-1: rank 0 alone needs the logits
+        # the paged latent arena f32[n_layers, n_pages, page_rows, L+R]: every cache's rows (kdtree/model/pages.py)
+        self.arena = np.zeros((cfg.num_hidden_layers, 0, DEFAULT_PAGE_ROWS, self.kv_lora + self.rope_dim), np.float32)
+        self.pages = PagePool(DEFAULT_PAGE_ROWS)
+        self.pages.add_arena(self._resize_arena)
 
     # -- pieces shared with the DFlash drafter ------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -210,9 +179,30 @@ class K2Model:
         """False: the all-reduce stays the host callback (NativeTarget moves it onto the CUDA stream)."""
         return False
 
-    def reserve_cache_pool(self, rows: int) -> bool:
-        """False: caches are separate numpy arrays (the serving scheduler's pool is then accounting only)."""
-        return False
+    def reserve_cache_pool(self, rows: int, page_rows: int = DEFAULT_PAGE_ROWS) -> bool:
+        """A fixed arena of rows // page_rows pages from now on (PagePool.reserve); True."""
+        self.pages.reserve(int(rows) // int(page_rows), page_rows)
+        return True
+
+    def _resize_arena(self, n_pages: int, page_rows: int) -> None:
+        """The pool's size changed: the first pages keep their rows (same page size), new ones are zeros."""
+        old = self.arena
+        self.arena = np.zeros((old.shape[0], n_pages, page_rows, old.shape[3]), np.float32)
+        if page_rows == old.shape[2]:
+            k = min(n_pages, old.shape[1])
+            self.arena[:, :k] = old[:, :k]
+
+    def move_rows(self, pages: np.ndarray, start: int, rows: np.ndarray) -> None:
+        """Tree compaction: rows `rows` of the sequence whose table is `pages` moved to start.. (every layer)."""
+        P = self.pages.page_rows
+        dst, dst_off = page_rows_of(pages, P, start, len(rows))
+        src, src_off = np.asarray(pages, np.int64)[rows // P], rows % P
+        self.arena[:, dst, dst_off] = self.arena[:, src, src_off]   # fancy indexing copies first: overlaps are safe
+
+    def gather_rows(self, pages: np.ndarray, start: int, n: int) -> np.ndarray:
+        """Rows [start, start + n) of a sequence, every layer: f32[n_layers, n, L+R] (a copy)."""
+        pg, off = page_rows_of(pages, self.pages.page_rows, start, n)
+        return np.ascontiguousarray(self.arena[:, pg, off])
 
     def graph_rows(self, rows: Iterable[int]) -> bool:
         """False: no CUDA graphs on this path."""
@@ -224,9 +214,27 @@ class K2Model:
     def close(self) -> None:
         """Nothing to release (the arrays go with the object)."""
 
-    def new_cache(self, max_len: int) -> LatentCache:
+    def new_cache(self, max_len: int, prefix=()) -> LatentCache:
+        """A cache of max_len rows: the pages `prefix` mapped first (a prefix cache hit), fresh pages for the rest."""
         check_context(self.cfg, max_len)
-        return LatentCache(self.cfg.num_hidden_layers, max_len, self.kv_lora + self.rope_dim)
+        return LatentCache(self, max_len, prefix)
+
+    def _latent_write(self, cache, layer: int, start: int, rows: np.ndarray) -> None:
+        """A sequence's new latent rows f32[n, L+R] at rows start.. of `layer` (through its page table; a plain
+        f32[S, L+R] array for _attention)."""
+        if isinstance(cache, np.ndarray):
+            cache[start:start + rows.shape[0]] = rows
+            return
+        pg, off = page_rows_of(cache.pages, self.pages.page_rows, start, rows.shape[0])
+        self.arena[layer, pg, off] = rows
+
+    def _latent_rows(self, cache, layer: int, n: int) -> np.ndarray:
+        """A sequence's first n latent rows of `layer`, gathered in order through its page table: f32[n, L+R]
+        (a copy, bits unchanged)."""
+        if isinstance(cache, np.ndarray):
+            return cache[:n]
+        pg, off = page_rows_of(cache.pages, self.pages.page_rows, 0, n)
+        return self.arena[layer, pg, off]
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: LatentCache,
@@ -238,6 +246,9 @@ class K2Model:
         Returns logits f32[T, V] and {layer: residual stream after that layer, f32[T, D]}.
         """
         seq = check_seq(0, tokens, positions, cache, visibility)
+        if getattr(cache, "pool", self.pages) is not self.pages:
+            raise ValueError("forward: the cache was made by another model's new_cache (its pages index that model's "
+                             "arena); use model.new_cache(max_len)")
         h, hiddens = self._forward_rows([seq], hidden_layers)
         return (self.logits(h) if self.return_logits else np.empty((h.shape[0], 0), np.float32)), hiddens
 
@@ -251,6 +262,10 @@ class K2Model:
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
         checked = [check_seq(s, *seq) for s, seq in enumerate(seqs)]
+        for s, c in enumerate(checked):
+            if getattr(c[2], "pool", self.pages) is not self.pages:
+                raise ValueError(f"forward_batch: sequence {s}'s cache was made by another model's new_cache (its "
+                                 f"pages index that model's arena); use model.new_cache(max_len)")
         if len({id(c[2]) for c in checked}) != len(checked):
             raise ValueError("forward_batch: two sequences share one cache; give each sequence its own cache")
         h, hiddens = self._forward_rows(checked, hidden_layers)
@@ -287,8 +302,7 @@ class K2Model:
     def _attention(self, a: _Attn, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: np.ndarray,
                    n_prefix: int, visibility: Optional[np.ndarray]) -> np.ndarray:
         """MLA of one sequence's T rows over one layer's latent rows kv f32[max_len, L+R] (writes its rows)."""
-        one = SimpleNamespace(kv=[kv])
-        return self._attention_rows(a, x, 0, [(0, x.shape[0], one, n_prefix, visibility)], rope_tables(cos, sin))
+        return self._attention_rows(a, x, 0, [(0, x.shape[0], kv, n_prefix, visibility)], rope_tables(cos, sin))
 
     def _attention_rows(self, a: _Attn, x: np.ndarray, layer: int, segments: List[tuple],
                         rot: Tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -309,11 +323,12 @@ class K2Model:
         if head_linear is None or not head_linear(q[:, :, :nope], a.w_uk_t, q_full[:, :, :L]):
             q_full[:, :, :L] = np.matmul(q[:, :, None, :nope], a.w_uk)[:, :, 0]  # W_uk[h]^T q_nope[h]: [T, H, L]
         o_lat = np.empty((T, a.heads, L), np.float32)                       # [T, H, L]
+        latent = np.concatenate([c_kv, k_pe], axis=1)                       # [T, L+R] the new rows
         for r0, r1, cache, n_prefix, visibility in segments:                # each sequence: its own cache only
-            kv, n = cache.kv[layer], r1 - r0
-            kv[n_prefix:n_prefix + n, :L] = c_kv[r0:r1]
-            kv[n_prefix:n_prefix + n, L:] = k_pe[r0:r1]
-            o_lat[r0:r1] = ops.mla_attention(q_full[r0:r1], kv[:n_prefix + n], n_prefix, visibility, self.scale, L)
+            n = r1 - r0
+            self._latent_write(cache, layer, n_prefix, latent[r0:r1])
+            kv = self._latent_rows(cache, layer, n_prefix + n)              # [n_prefix + n, L+R] through its pages
+            o_lat[r0:r1] = ops.mla_attention(q_full[r0:r1], kv, n_prefix, visibility, self.scale, L)
         o = np.empty((T, a.heads, a.w_uv.shape[1]), np.float32)
         if head_linear is None or not head_linear(o_lat, a.w_uv, o):
             o = np.matmul(a.w_uv, o_lat[:, :, :, None])                     # W_uv[h] o_lat[h]: [T, H, v]

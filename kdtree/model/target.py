@@ -34,8 +34,11 @@ class Target(Protocol):
     embed_tokens: np.ndarray      # f32[V, D], shared with the drafter
     lm_head_w: Any                # f32[V, D] or Int4Weight, shared with the drafter
 
-    def new_cache(self, max_len: int) -> Any:
-        """A latent cache of max_len rows (length, max_len, truncate(n), keep(start, rows))."""
+    pages: Any                    # its PagePool (kdtree/model/pages.py): the ids of its ONE paged latent arena
+
+    def new_cache(self, max_len: int, prefix: Sequence[int] = ()) -> Any:
+        """A latent cache of max_len rows (a PagedCache: length, max_len, pages, truncate(n), keep(start, rows)),
+        the pages `prefix` mapped first (a prefix cache hit, zero-copy), fresh pages of `pages` for the rest."""
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, cache: Any, visibility: Optional[np.ndarray] = None,
                 hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, Dict[int, np.ndarray]]:
@@ -45,8 +48,8 @@ class Target(Protocol):
                       ) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
         """Rows of several sequences in one forward -> logits f32[N, V], argmax i32[N], {layer: f32[N, D]}."""
 
-    def reserve_cache_pool(self, rows: int) -> bool:
-        """One arena of `rows` latent rows for every later cache; False where caches are separate arrays."""
+    def reserve_cache_pool(self, rows: int, page_rows: int = 16) -> bool:
+        """A fixed arena of rows // page_rows pages for every later cache (PagePool.reserve); True."""
 
     def attach_device_collective(self) -> bool:
         """tp with backend=cuda: the all-reduce onto the forward's stream (a collective); False elsewhere."""
@@ -72,8 +75,9 @@ class Drafter(Protocol):
     block_size: int
     target_layer_ids: List[int]
 
-    def new_cache(self, max_len: int) -> Any:
-        """A context cache of max_len rows (length, max_len, truncate(n))."""
+    def new_cache(self, max_len: int, share: Any = None) -> Any:
+        """A context cache of max_len rows (length, max_len, truncate(n)): fresh pages of its target's pool, or the
+        pages of `share` (the request's target cache: context row j in the page of latent row j)."""
 
     def extend(self, cache: Any, hiddens: Mapping[int, np.ndarray]) -> None:
         """Append the context rows of {layer_id: f32[T, D]} (the target's hiddens of target_layer_ids)."""
@@ -98,8 +102,8 @@ def build_drafter(cfg, dweights: Mapping[str, Any], target: Target) -> Drafter:
     ops = target.ops
     if getattr(ops, "native_drafter_forward", False):
         home = next((t for t in (target, getattr(target, "local", None)) if isinstance(t, NativeTarget)), None)
-        return NativeDrafter(cfg, dweights, ops, target.embed_tokens, target.lm_head_w, target=home)
-    return DFlashDrafter(cfg, dweights, ops, target.embed_tokens, target.lm_head_w)
+        return NativeDrafter(cfg, dweights, ops, target.embed_tokens, target.lm_head_w, target=home, pages=target.pages)
+    return DFlashDrafter(cfg, dweights, ops, target.embed_tokens, target.lm_head_w, target.pages)
 
 
 __all__ = ["Drafter", "Target", "build_drafter", "build_target"]

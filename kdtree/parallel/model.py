@@ -2,29 +2,31 @@
 mirrored on all ranks; each rank's shard is build_target's choice (NativeTarget or K2Model).
 
     model = launch_tp(cfg, checkpoint, ops)          # kdtree/parallel/launch.py
-    cache = model.new_cache(64)                      # a latent cache on every rank (same id)
+    cache = model.new_cache(64)                      # pages of rank 0's pool: the same ids index every rank's arena
     logits, hid = model.forward(tokens, positions, cache, visibility, hidden_layers)   # all ranks run it
     logits, argmax, hid = model.forward_batch([(tokens, positions, cache, visibility), ...], hidden_layers)
-    cache.keep(start, rows); cache.truncate(n)       # mirrored on every rank
-    cache.write_rows(0, rows); cache.read_rows(0, n) # a prefix cache hit: the same rows on every rank; rank 0's
+    cache.keep(start, rows)                          # the row moves mirrored on every rank; truncate: rank 0 only
+    model.pages                                      # rank 0's PagePool; its size is every rank's arena's
     model.embed_tokens / lm_head_w / ops / cfg       # rank 0 only (replicated; the drafter shares them)
     model.close()                                    # shutdown to every worker, reap them, leave the group
 
-kdtree/decode (AR, DDTree) and the drafter run unchanged on rank 0. Each command is first applied (or checked)
-on rank 0, so an invalid argument raises here before any worker sees it; a failure on a worker or in a
-collective marks the model broken (TPError on every later call; restart the engine).
+kdtree/decode (AR, DDTree) and the drafter run unchanged on rank 0. The page pool lives on rank 0 alone: every
+forward carries each sequence's page table and length to the workers, whose arenas are rank 0's size (so a prefix
+cache hit maps the same pages on every rank; the latent rows are the same bits on every rank). Each command is first
+applied (or checked) on rank 0, so an invalid argument raises here before any worker sees it; a failure on a worker
+or in a collective marks the model broken (TPError on every later call; restart the engine).
 """
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Dict, Iterable, List, Optional
 
 import numpy as np
 
 from kdtree.errors import ConfigError, KdtreeError
-from kdtree.model.derived import check_seq
+from kdtree.model.derived import check_context, check_seq
 from kdtree.model.k2 import NO_GRAPHS
+from kdtree.model.pages import DEFAULT_PAGE_ROWS, PagedCache
 from kdtree.parallel.comm import leave_group
 
 
@@ -32,46 +34,9 @@ class TPError(KdtreeError):
     """A tensor-parallel rank failed: which rank, and its one-line reason."""
 
 
-class TPCache:
-    """Rank 0's latent cache (`local`, a LatentCache) plus the id of its copies on ranks 1..N-1."""
-
-    def __init__(self, model: "TPModel", cid: int, local):
-        self.model, self.id, self.local = model, cid, local
-
-    @property
-    def length(self) -> int:
-        return self.local.length
-
-    @property
-    def max_len(self) -> int:
-        return self.local.max_len
-
-    @property
-    def kv(self):
-        return self.local.kv
-
-    def truncate(self, n: int) -> None:
-        with self.model._lock:
-            self.local.truncate(n)
-            self.model._send("truncate", self.id, int(n))
-
-    def keep(self, start: int, rows: Iterable[int]) -> None:
-        rows = np.asarray(list(rows) if not isinstance(rows, np.ndarray) else rows, dtype=np.int64)
-        with self.model._lock:
-            self.local.keep(start, rows)
-            self.model._send("keep", self.id, int(start), rows)
-
-    def read_rows(self, start: int, n: int) -> np.ndarray:
-        """Rank 0's rows f32[n_layers, n, width] (the latent rows are the same on every rank: q_a/kv_a and the
-        norms are replicated, the residual stream is all-reduced in rank order)."""
-        return self.local.read_rows(start, n)
-
-    def write_rows(self, start: int, rows: np.ndarray) -> None:
-        """The same rows written on every rank (a prefix cache hit)."""
-        rows = np.ascontiguousarray(rows, np.float32)
-        with self.model._lock:
-            self.local.write_rows(start, rows)            # raises here first on a bad range
-            self.model._send("write_rows", self.id, int(start), rows)
+class TPCache(PagedCache):
+    """A sequence's cache under tensor parallelism: pages of rank 0's pool (TPModel.pages); row moves (keep) are
+    mirrored on every rank's arena by TPModel.move_rows, the length is rank 0's and travels with each forward."""
 
 
 class TPModel:
@@ -83,27 +48,39 @@ class TPModel:
         self._store = store                    # the rendezvous TCPStore lives as long as the group
         self.bytes_read_per_rank = bytes_read_per_rank
         self._lock = threading.RLock()
-        self._next_cache = 0
-        self._dropped: List[int] = []          # ids of collected caches, freed on the workers with the next command
         self._broken: Optional[str] = None
         self._closed = False
+        self.pages.add_arena(self._resize_workers)   # every rank's arena has rank 0's page count
 
     # -- replicated pieces: rank 0 only -----------------------------------------------------------------
     cfg = property(lambda self: self.local.cfg)
     ops = property(lambda self: self.local.ops)
     embed_tokens = property(lambda self: self.local.embed_tokens)
     lm_head_w = property(lambda self: self.local.lm_head_w)
+    pages = property(lambda self: self.local.pages)   # rank 0's pool: its ids index every rank's arena
+
+    def new_cache(self, max_len: int, prefix=()) -> TPCache:
+        """Pages of rank 0's pool (`prefix` mapped first); the workers learn its table with each forward."""
+        check_context(self.cfg, max_len)
+        return TPCache(self, max_len, prefix)
+
+    def gather_rows(self, pages, start: int, n: int) -> np.ndarray:
+        """Rank 0's rows f32[n_layers, n, width] (the latent rows are the same on every rank: q_a/kv_a and the
+        norms are replicated, the residual stream is all-reduced in rank order)."""
+        return self.local.gather_rows(pages, start, n)
 
     # -- mirrored on every rank ------------------------------------------------------------------------
-    def new_cache(self, max_len: int) -> TPCache:
+    def move_rows(self, pages, start: int, rows) -> None:
+        """Tree compaction on every rank's arena (rank 0 first: a bad argument raises before any worker sees it)."""
+        rows = np.asarray(rows, np.int64)
         with self._lock:
-            local = self.local.new_cache(max_len)          # raises ConfigError here first
-            cid = self._next_cache
-            self._next_cache += 1
-            self._send("new_cache", cid, int(max_len))
-            cache = TPCache(self, cid, local)
-        weakref.finalize(cache, self._dropped.append, cid)
-        return cache
+            self.local.move_rows(pages, start, rows)
+            self._send("keep", np.asarray(pages, np.int32), int(start), rows)
+
+    def _resize_workers(self, n_pages: int, page_rows: int) -> None:
+        if n_pages and self.workers:
+            with self._lock:
+                self._send("pages", int(n_pages), int(page_rows))
 
     def forward(self, tokens, positions, cache: TPCache, visibility=None, hidden_layers=()):
         """The shard's forward on every rank; rank 0's logits f32[T, V] and hiddens {layer: f32[T, D]}."""
@@ -122,10 +99,9 @@ class TPModel:
             if visibility.shape != (T, (T + 63) // 64):
                 raise ValueError(f"visibility shape {visibility.shape} != ({T}, {(T + 63) // 64})")
         with self._lock:
-            self._send("forward", cache.id, tokens, positions, visibility, hidden_layers)
+            self._send("forward", cache.pages, int(cache.length), tokens, positions, visibility, hidden_layers)
             try:
-                return self.local.forward(tokens, positions, cache.local, visibility=visibility,
-                                          hidden_layers=hidden_layers)
+                return self.local.forward(tokens, positions, cache, visibility=visibility, hidden_layers=hidden_layers)
             except Exception as e:
                 raise self._fail(f"forward on rank 0: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
@@ -136,10 +112,10 @@ class TPModel:
         local, remote = [], []
         for s, (tokens, positions, cache, visibility) in enumerate(seqs):
             # every target's per-sequence checks, made before any rank starts (a rank raising alone would hang the rest)
-            t, p, _, v = check_seq(s, tokens, positions, cache.local, visibility)
+            t, p, _, v = check_seq(s, tokens, positions, cache, visibility)
             v = None if v is None else np.asarray(v, np.uint64)
-            local.append((t, p, cache.local, v))
-            remote.append((cache.id, t.astype(np.int32), p.astype(np.int32), v))
+            local.append((t, p, cache, v))
+            remote.append((cache.pages, int(cache.length), t.astype(np.int32), p.astype(np.int32), v))
         if not local or len({id(c) for _, _, c, _ in local}) != len(local):
             raise ValueError("forward_batch: pass at least one sequence, each with its own cache")
         with self._lock:
@@ -158,9 +134,9 @@ class TPModel:
             self._send("attach_device_collective")
             return self.local.attach_device_collective()
 
-    def reserve_cache_pool(self, rows: int) -> bool:
-        """False: no shared arena across ranks (each rank's caches are allocated one by one)."""
-        return False
+    def reserve_cache_pool(self, rows: int, page_rows: int = DEFAULT_PAGE_ROWS) -> bool:
+        """Rank 0's pool reserved; every rank's arena follows its size (_resize_workers). True."""
+        return self.local.reserve_cache_pool(rows, page_rows)
 
     def graph_rows(self, rows: Iterable[int]) -> bool:
         """False: the tensor-parallel forward is not captured as CUDA graphs from here."""
@@ -179,12 +155,9 @@ class TPModel:
             raise TPError(f"tensor-parallel model (tp={self.tp}) is closed; build a new engine")
         if self._broken:
             raise TPError(f"tensor-parallel model (tp={self.tp}) is broken ({self._broken}); restart the engine")
-        dropped = []
-        while self._dropped:                   # finalizers may append meanwhile: pop, never overwrite
-            dropped.append(self._dropped.pop())
         for w in self.workers:
             try:
-                w.conn.send((op, args, dropped))
+                w.conn.send((op, args))
             except OSError as e:
                 raise self._fail(f"sending {op} to rank {w.rank}: {e}")
 
@@ -208,7 +181,7 @@ class TPModel:
             self._closed = True
             for w in self.workers:
                 try:
-                    w.conn.send(("shutdown", (), []))
+                    w.conn.send(("shutdown", ()))
                 except OSError:
                     pass
             for w in self.workers:

@@ -4,11 +4,12 @@ Started by kdtree/parallel/launch.py (never by hand):
     python -m kdtree.parallel.worker RANK WORLD FD PARENT_PID
 
 FD is this rank's end of a socketpair with rank 0 (a multiprocessing Connection carrying pickled tuples):
-    rank 0 -> worker  ("setup", {...}) once, then (op, args, dropped_cache_ids) per command:
-                      forward(cache_id, tokens, positions, visibility, hidden_layers), forward_batch([(cache_id, tokens,
-                      positions, visibility)], hidden_layers), new_cache(cache_id, max_len),
-                      keep(cache_id, start, rows), truncate(cache_id, n), write_rows(cache_id, start, rows),
-                      shutdown()
+    rank 0 -> worker  ("setup", {...}) once, then (op, args) per command:
+                      forward(pages, length, tokens, positions, visibility, hidden_layers),
+                      forward_batch([(pages, length, tokens, positions, visibility)], hidden_layers),
+                      keep(pages, start, rows), pages(n_pages, page_rows), attach_device_collective(), shutdown()
+                      (a cache is rank 0's page table + length: this rank's arena, sized as rank 0's pool, has the
+                      same page ids)
     worker -> rank 0  ("joined",) before init_process_group, ("ready", {bytes_read, seconds, resident_bytes}) after loading,
                       ("error", "one line") before exiting 1 on any failure
 The worker exits when rank 0 dies: PR_SET_PDEATHSIG (SIGKILL when the launching thread's process goes), EOF on
@@ -28,6 +29,7 @@ from multiprocessing.connection import Connection
 from kdtree.backends import get_ops
 from kdtree.checkpoint.loader import load_checkpoint, load_options, resident_bytes
 from kdtree.backends.native_forward import keeps_bf16
+from kdtree.model.pages import PageView
 from kdtree.model.target import build_target
 from kdtree.parallel.comm import init_group, ordered_all_reduce, resolve_collective
 from kdtree.parallel.sharding import shard_fn
@@ -74,32 +76,26 @@ def _serve(conn: Connection, rank: int, world: int) -> None:
     conn.send(("ready", {"bytes_read": int(stats.bytes_read), "seconds": time.monotonic() - t0,
                          "resident_bytes": resident_bytes() - rss0}))
 
-    caches = {}
     while True:
         try:
-            op, args, dropped = conn.recv()
+            op, args = conn.recv()
         except EOFError:               # rank 0 is gone
             return
-        for cid in dropped:
-            caches.pop(cid, None)
+        P = model.pages.page_rows
         if op == "forward":
-            cid, tokens, positions, visibility, hidden_layers = args
-            model.forward(tokens, positions, caches[cid], visibility=visibility, hidden_layers=hidden_layers)
+            pages, length, tokens, positions, visibility, hidden_layers = args
+            model.forward(tokens, positions, PageView(pages, length, P), visibility=visibility,
+                          hidden_layers=hidden_layers)
         elif op == "forward_batch":
             seqs, hidden_layers = args
-            model.forward_batch([(t, p, caches[cid], v) for cid, t, p, v in seqs], hidden_layers=hidden_layers)
-        elif op == "new_cache":
-            cid, max_len = args
-            caches[cid] = model.new_cache(max_len)
-        elif op == "keep":
-            cid, start, rows = args
-            caches[cid].keep(start, rows)
-        elif op == "truncate":
-            cid, n = args
-            caches[cid].truncate(n)
-        elif op == "write_rows":                   # a prefix cache hit: rank 0's cached rows
-            cid, start, rows = args
-            caches[cid].write_rows(start, rows)
+            model.forward_batch([(t, p, PageView(pages, n, P), v) for pages, n, t, p, v in seqs],
+                                hidden_layers=hidden_layers)
+        elif op == "keep":                         # tree compaction within a sequence's pages
+            pages, start, rows = args
+            model.move_rows(pages, start, rows)
+        elif op == "pages":                        # rank 0's pool changed size: this arena follows
+            n_pages, page_rows = args
+            model.pages.reserve(n_pages, page_rows)
         elif op == "attach_device_collective":     # every rank has loaded (see TPModel.attach_device_collective)
             model.attach_device_collective()
         elif op == "shutdown":

@@ -10,8 +10,9 @@ Names and buckets follow vLLM's metric set (prefix kdtree_; counters end in _tot
     kdtree_prefix_cache_queries_total / kdtree_prefix_cache_hits_total   counters  prompt tokens looked up in / served
                                                                                    from the prefix cache (vLLM's)
     kdtree_num_requests_running / _waiting / kdtree_batch_size / kdtree_speculating / kdtree_kv_cache_usage_perc   gauges
-    kdtree_prefix_cache_pages{state="used"|"cached"|"free"}   gauge  prefix cache pages (the names are kdtree's: vLLM
-                                                                     exports no page gauges; /status batch.prefix_cache_pages_*)
+    kdtree_prefix_cache_pages{state="used"|"cached"|"free"}   gauge  pages of the paged latent-cache pool by state (the
+                                                                     names are kdtree's: vLLM exports no page gauges;
+                                                                     /status batch.prefix_cache_pages_*)
     kdtree_phase{phase}, kdtree_load_bytes_done / _expected, kdtree_phase_seconds{phase}    from status.json
 """
 from __future__ import annotations
@@ -70,9 +71,10 @@ class _StatusCollector:
                                 value=load.get("kv_cache_usage", 0.0))
         yield GaugeMetricFamily("kdtree_batch_size", "Requests in the last batched target forward (continuous batching).",
                                 value=load.get("batch_size", 0))
-        pages = GaugeMetricFamily("kdtree_prefix_cache_pages", "Prefix cache pages (serve.prefix_cache_page tokens "
-                                  "each) by state: used (mapped by a running request), cached (evictable), free (of "
-                                  "serve.prefix_cache_tokens).", labels=["state"])
+        pages = GaugeMetricFamily("kdtree_prefix_cache_pages", "Pages of the paged latent-cache pool "
+                                  "(serve.kv_pool_tokens in pages of serve.prefix_cache_page tokens) by state: used (held "
+                                  "by a running request: its own and the cached pages it mapped), cached (held by the "
+                                  "prefix cache alone: evictable), free; they add up to the pool.", labels=["state"])
         for state, n in sorted((load.get("prefix_cache_pages") or {}).items()):
             pages.add_metric([state], n)
         yield pages

@@ -3,7 +3,7 @@
     python -m kdtree.run pipeline=plan model=k26 tp=8 quant=int4_w4a16 [plan.disk_mb_s=[2000,240]]
 
 Per rank: the bytes of its slices of the sharded tensors (1/tp each) plus every replicated tensor; the
-latent KV cache per token; the prefix cache's pages and bytes per token; the shard files the rank reads (from the checkpoint's index when the checkpoint
+latent KV cache per token; the paged pool's pages per rank and bytes per page (the prefix cache lives in it); the shard files the rank reads (from the checkpoint's index when the checkpoint
 is there, else a computed layout of `shard_gb` shards in file order); the load time of the whole node at
 each disk rate. Sharding rules (kdtree/parallel/sharding.py): q_b_proj and kv_b_proj split by head
 (rows), o_proj by input columns; dense/shared/routed expert gate/up by rows, down by columns; latent
@@ -256,42 +256,53 @@ def _device_plan(cfg, model, layout, dtypes: Dict[str, str], float_label: str, t
 
 
 def _prefix_plan(cfg, model, with_drafter: bool, kv_per_token: int, drafter_kv_per_token: int, device) -> dict:
-    """The prefix cache (serve.prefix_cache*; kdtree/decode/prefix_cache.py): its pages and bytes per token (latent
-    rows of every layer + the target's hidden rows of the drafter's layers, float32, held by rank 0 in host memory),
-    and with backend=cuda how many cached tokens would fit on each rank's device after the weights, the running
-    requests' pool, scratch, graphs and reserve (latent rows on every rank; rank 0 also the hidden rows)."""
+    """The paged latent-cache pool and the prefix cache inside it (serve.kv_pool_tokens in pages of
+    serve.prefix_cache_page; kdtree/model/pages.py, kdtree/decode/prefix_cache.py): pages per rank, bytes per token
+    and per page (every rank: the latent rows of every layer; rank 0 also the drafter's context K/V of the same
+    positions, so a speculative hit maps both -- the target's hidden rows it would otherwise keep are the
+    alternative not taken), the cached tokens serve.prefix_cache_tokens allows, and with backend=cuda the most pool
+    tokens that fit each rank's device after the weights, scratch, graphs and reserve (running requests and cached
+    pages share them)."""
     page = int(OmegaConf.select(cfg, "serve.prefix_cache_page", default=16))
+    pool = int(OmegaConf.select(cfg, "serve.kv_pool_tokens", default=16384))
     budget = int(OmegaConf.select(cfg, "serve.prefix_cache_tokens", default=8192))
+    pages = pool // page
     hidden = len(model.drafter.target_layer_ids) * model.hidden_size * KV_BYTES if with_drafter else 0
-    per_token = kv_per_token + hidden
+    dkv = drafter_kv_per_token if with_drafter else 0
+    d = model.drafter
     out = {"enabled": bool(OmegaConf.select(cfg, "serve.prefix_cache", default=True)) and budget >= page,
-           "page_tokens": page, "budget_tokens": budget, "pages": budget // page,
+           "page_tokens": page, "pages_per_rank": pages, "pool_tokens": pages * page,
+           "budget_tokens": min(budget, pages * page) // page * page, "budget_pages": min(budget // page, pages),
            "latent_bytes_per_token_per_layer": (model.kv_lora_rank + model.qk_rope_head_dim) * KV_BYTES,
-           "latent_bytes_per_token": kv_per_token, "drafter_hidden_bytes_per_token": hidden,
-           "drafter_kv_bytes_per_token": drafter_kv_per_token if with_drafter else 0,   # the alternative not taken
+           "latent_bytes_per_token": kv_per_token,
+           "drafter_kv_bytes_per_token": dkv,
+           "drafter_kv_formula": (f"2 x {d.num_key_value_heads} heads x {d.head_dim} x {d.num_hidden_layers} layers x "
+                                  f"{KV_BYTES} B" if with_drafter else ""),
+           "drafter_hidden_bytes_per_token": hidden,         # the alternative not taken (the target's hidden rows)
            "drafter_hidden_formula": (f"{len(model.drafter.target_layer_ids)} layers x {model.hidden_size} x "
                                       f"{KV_BYTES} B" if with_drafter else ""),
-           "bytes_per_token": per_token, "page_bytes": page * per_token,
-           "budget_bytes": budget // page * page * per_token, "held_by": "rank 0, host memory"}
+           "bytes_per_token": kv_per_token + dkv,            # rank 0; ranks 1.. hold the latent rows only
+           "page_bytes": page * (kv_per_token + dkv), "pool_bytes_rank0": pages * page * (kv_per_token + dkv),
+           "held_by": "every rank's paged pool (rank 0: + the drafter's context pages)"}
     if device is not None:
-        fit = {dev: min(max(0, int((cap - r["total_bytes"]) // (kv_per_token + (hidden if r["rank"] == 0 else 0))))
-                        for r in device["ranks"]) for dev, cap in device["devices"].items()}
+        fit = {dev: min(r["max_kv_cache_tokens"][dev] for r in device["ranks"]) for dev in device["devices"]}
         out["device_fit"] = {dev: {"tokens": t // page * page, "pages": t // page} for dev, t in fit.items()}
     return out
 
 
 def format_prefix(c: dict, layers: int) -> List[str]:
-    hid = c["drafter_hidden_bytes_per_token"]
-    line = (f"  prefix cache         {c['budget_tokens']} tokens = {c['pages']} pages of {c['page_tokens']}"
-            f"{'' if c['enabled'] else ' (off)'}; per token: latent {c['latent_bytes_per_token'] / KiB:,.1f} KiB "
-            f"({c['latent_bytes_per_token_per_layer']} B per layer x {layers})"
-            + (f" + drafter hidden rows {hid / KiB:,.1f} KiB ({c['drafter_hidden_formula']}; its context KV would be "
-               f"{c['drafter_kv_bytes_per_token'] / KiB:,.1f} KiB)" if hid else "")
-            + f" = {c['bytes_per_token'] / KiB:,.1f} KiB; {_fmt_bytes(c['budget_bytes'])} on {c['held_by']}")
-    lines = [line]
+    dkv = c["drafter_kv_bytes_per_token"]
+    line = (f"  paged pool           {c['pages_per_rank']} pages of {c['page_tokens']} tokens per rank "
+            f"(serve.kv_pool_tokens={c['pool_tokens']}); per token: latent {c['latent_bytes_per_token'] / KiB:,.1f} "
+            f"KiB ({c['latent_bytes_per_token_per_layer']} B per layer x {layers}) on every rank"
+            + (f" + drafter context KV {dkv / KiB:,.1f} KiB ({c['drafter_kv_formula']}; the target's hidden rows "
+               f"would be {c['drafter_hidden_bytes_per_token'] / KiB:,.1f} KiB) on rank 0" if dkv else "")
+            + f" = {c['bytes_per_token'] / KiB:,.1f} KiB; {_fmt_bytes(c['pool_bytes_rank0'])} on rank 0")
+    lines = [line, f"  prefix cache         up to {c['budget_tokens']} tokens ({c['budget_pages']} pages) of the pool "
+                   f"(serve.prefix_cache_tokens){'' if c['enabled'] else ' (off)'}: a hit maps them, zero-copy"]
     for dev, f in (c.get("device_fit") or {}).items():
-        lines.append(f"  prefix cache fit     {dev}: {f['tokens']} tokens ({f['pages']} pages) per rank (the tightest) "
-                     f"after the weights and the serve.kv_pool_tokens pool")
+        lines.append(f"  pool fit             {dev}: {f['tokens']} tokens ({f['pages']} pages) per rank (the tightest) "
+                     f"after the weights, scratch and graphs; running requests and cached pages share them")
     return lines
 
 

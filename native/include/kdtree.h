@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 13  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 14  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -155,12 +155,22 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
 /* ---- whole-model forward (cpu: src/cpu/kd_forward.c; cuda: src/cuda/kd_forward.cu) -------------------------
  * A model is registered once: the caller fills descriptors with pointers into its loaded arrays (which it keeps
  * alive for the model's life; INT4 weights stay packed), kd_model_create copies the descriptors (never the
- * weights). The library owns a pool of latent-cache slots (one per sequence, [n_layers][max_len][L+R] f32) and
- * grow-only scratch sized by the largest forward so far: nothing is allocated per token once warm.
+ * weights). The library owns ONE paged latent-cache arena (kd_model_pages) and grow-only scratch sized by the
+ * largest forward so far: nothing is allocated per token once warm.
+ *
+ * Paged latent cache: the arena is n_pages pages of page_rows rows of every layer, layer-major f32 [n_layers]
+ * [n_pages * page_rows][L+R] (page p is rows p * page_rows .. of each layer's block, so consecutive pages are
+ * consecutive rows). A sequence's cache is a PAGE TABLE (int32 page ids, chosen by the caller: kdtree/model/pages.py
+ * owns which page is free and who holds it) and a length: its row j of layer l is row pages[j / page_rows] *
+ * page_rows + j % page_rows of layer l's block (kd_page_row). The library keeps no per-sequence state.
+ * Pages may appear in several tables (a prefix cache hit maps the cached pages, zero-copy): a forward writes only
+ * rows [length, length + T) of each sequence, so a page shared read-only lies wholly below every sharer's length.
+ *
  * A forward takes rows of one or more sequences (rows grouped per sequence); a row sees its own sequence's cache
  * rows and the block rows of its sequence allowed by that sequence's visibility (block-diagonal), so a row's
- * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order).
- * One call at a time per model (its scratch is shared); callers serialise (the engine's one worker does). */
+ * logits never depend on the other rows or sequences in the call (every kernel is row-wise, fixed order), nor on
+ * which pages hold its cache rows. One call at a time per model (its scratch is shared); callers serialise (the
+ * engine's one worker does). */
 typedef struct {
   const float *f32;        /* f32 [n_out, n_in], or NULL when packed or bf16 is set */
   const int32_t *packed;   /* W4A16 [n_out, ceil(n_in/8)] (kd_linear_w4a16), or NULL */
@@ -221,7 +231,10 @@ typedef struct {
   const int32_t *tokens;       /* [n_rows] */
   const int32_t *positions;    /* [n_rows] */
   int64_t n_seqs;
-  const int64_t *slots;        /* [n_seqs] distinct cache slots */
+  const int32_t *pages;        /* every sequence's page table, concatenated in sequence order */
+  const int64_t *page_start;   /* [n_seqs + 1]: sequence s's table is pages[page_start[s] .. page_start[s+1]) */
+  const int64_t *lengths;      /* [n_seqs]: its cache rows before this forward; its T_s new rows go after them
+                                  (length + T_s <= its table's pages x page_rows; the caller advances the length) */
   const int64_t *row_start;    /* [n_seqs + 1]: rows of sequence s are row_start[s] .. row_start[s+1]-1 */
   const uint64_t *visibility;  /* per sequence u64[T_s, ceil(T_s/64)], concatenated in sequence order; NULL = causal */
   int64_t n_out;               /* rows whose logits / argmax are returned */
@@ -235,33 +248,23 @@ typedef struct {
 
 int kd_model_create(const kd_model_desc *desc, kd_model **out);
 int kd_model_destroy(kd_model *m);
-/* Append each sequence's rows to its cache slot and run every layer; outputs as asked in args. */
+/* Write each sequence's new latent rows through its page table and run every layer; outputs as asked in args. */
 int kd_model_forward(kd_model *m, const kd_forward_args *args);
-/* latent-cache pool */
-int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot);
-int kd_cache_free(kd_model *m, int64_t slot);
-int kd_cache_length(kd_model *m, int64_t slot, int64_t *length);
-int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n);     /* drop rows [n, length) */
-/* keep rows (absolute, ascending, within [start, length)) moved contiguously to start..; length = start + n */
-int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n);
-int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows);   /* layer's f32 [max_len, L+R] */
-/* write n rows of every layer at start (<= length; start + n <= max_len) from HOST rows f32 [n_layers, n, L+R];
- * length = start + n (the prefix cache's hit: cached latent rows copied in instead of recomputed) */
-int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n);
-/* One latent-cache arena of `rows` rows for all later kd_cache_alloc calls (each slot a free row range, first
- * fit; KD_ENOMEM when no range is free now); 0 = one allocation per slot again. Fails while a slot uses the
- * current pool. The serving scheduler reserves serve.kv_pool_tokens once. */
-int kd_model_reserve(kd_model *m, int64_t rows);
-/* Pack the pooled slots to the front of the arena (ascending offsets; each slot's rows moved, its id unchanged), so
- * the free rows are one range: a kd_cache_alloc that failed for fragmentation alone then fits. *free_rows = the free
- * range's length. Between forwards only (it moves rows; kd_cache_rows pointers taken before are stale). */
-int kd_model_compact(kd_model *m, int64_t *free_rows);
+/* The arena: n_pages pages of page_rows rows (0 pages = none). With page_rows unchanged the pages below
+ * min(old, new) n_pages keep their rows (copied into the resized layer blocks: the caller grows the arena without
+ * moving a sequence); a new page_rows drops every row. Between forwards only. */
+int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows);
+/* Tree compaction within one sequence's pages: its rows `rows` (ascending, >= start, inside its table) moved to
+ * start, start + 1, .. in every layer (the accepted path's rows; the caller sets length = start + n). */
+int kd_cache_keep(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, const int64_t *rows, int64_t n);
+/* Rows [start, start + n) of one sequence, every layer, into HOST out f32 [n_layers, n, L+R] (tests, tools). */
+int kd_cache_gather(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, int64_t n, float *out);
 
 /* CUDA build (src/cuda/kd_forward.cu): the same calls on HOST arrays (descriptors, forward args and outputs), with
  * the model on the device: kd_model_create uploads every weight once (f32 tensors whose values are all exact
  * bfloat16 are kept as BF16 and widened exactly in the kernels; INT4 stays packed, scales BF16 when exact), so the
- * caller's arrays are not needed after it returns. Cache slots and scratch are device memory; kd_cache_rows gives
- * a DEVICE pointer (read it with kd_memcpy_d2h). all_reduce gets a pinned host copy of x. The drafter's
+ * caller's arrays are not needed after it returns. The arena and scratch are device memory; page tables and
+ * lengths are HOST arrays (staged with the forward's metadata). all_reduce gets a pinned host copy of x. The drafter's
  * forward runs on the device too (its feats and logits stay HOST arrays); desc.target shares the target's embed
  * and lm_head. */
 
@@ -324,15 +327,19 @@ typedef struct kd_drafter kd_drafter;
 
 int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out);
 int kd_drafter_destroy(kd_drafter *d);
-int kd_drafter_cache_alloc(kd_drafter *d, int64_t max_len, int64_t *slot);
-int kd_drafter_cache_free(kd_drafter *d, int64_t slot);
-int kd_drafter_cache_length(kd_drafter *d, int64_t slot, int64_t *length);
-int kd_drafter_cache_truncate(kd_drafter *d, int64_t slot, int64_t n);
-/* Append context rows to each sequence: feats f32[sum T_s, fc.n_in] (rows grouped per sequence as row_start). */
-int kd_drafter_extend(kd_drafter *d, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
-                      const float *feats);
-/* One block forward per sequence after its context: logits f32[n_seqs, B-1, V] of the tokens after bonus[s]. */
-int kd_drafter_draft(kd_drafter *d, int64_t n_seqs, const int64_t *slots, const int32_t *bonus, float *logits);
+/* The drafter's context K/V in a paged arena of its own, f32 [n_layers][n_pages * page_rows][Hkv*hd] for K and V,
+ * indexed by the SAME page ids as its target's latent arena: a sequence's drafter context rows live in the pages of
+ * its target cache (row j = position j's context), so a prefix cache hit maps both with one page table. Sizing as
+ * kd_model_pages. Sequences: page tables (pages + page_start, as kd_forward_args) and context lengths. */
+int kd_drafter_pages(kd_drafter *d, int64_t n_pages, int64_t page_rows);
+/* Append context rows to each sequence after lengths[s]: feats f32[sum T_s, fc.n_in] (rows grouped per sequence as
+ * row_start); the caller advances the lengths. */
+int kd_drafter_extend(kd_drafter *d, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                      const int64_t *lengths, const int64_t *row_start, const float *feats);
+/* One block forward per sequence after its lengths[s] context rows: logits f32[n_seqs, B-1, V] of the tokens after
+ * bonus[s]. */
+int kd_drafter_draft(kd_drafter *d, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                     const int64_t *lengths, const int32_t *bonus, float *logits);
 
 #ifdef __cplusplus
 }

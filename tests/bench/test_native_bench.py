@@ -307,12 +307,7 @@ def test_target_forward(benchmark, tiny_cfg, tiny_weights, impl, T):
     lib0 = LIBRARY_CLOCK.seconds
     logits, _ = benchmark.pedantic(step, rounds=20, iterations=5, warmup_rounds=2)
     benchmark.extra_info.update(library_seconds_per_call=(LIBRARY_CLOCK.seconds - lib0) / (22 * 5))
-    ref, _ = K2Model(tiny_cfg, tiny_weights, REF).forward(np.concatenate([np.arange(ctx), block]).astype(np.int32),
-                                                          np.arange(ctx + T), m.new_cache(ctx + T)
-                                                          if impl == "numpy" else _ref_cache(tiny_cfg, ctx + T))
+    ref_model = K2Model(tiny_cfg, tiny_weights, REF)
+    ref, _ = ref_model.forward(np.concatenate([np.arange(ctx), block]).astype(np.int32), np.arange(ctx + T),
+                               ref_model.new_cache(ctx + T))
     np.testing.assert_allclose(logits, ref[ctx:], rtol=1e-4, atol=1e-4)
-
-
-def _ref_cache(cfg, n):
-    from kdtree.model.k2 import LatentCache
-    return LatentCache(cfg.num_hidden_layers, n, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

@@ -51,7 +51,7 @@ class ScriptedDrafter:
         self.calls = 0
         self.bonus_seen: Dict[int, int] = {}
 
-    def new_cache(self, max_len: int) -> _Ctx:
+    def new_cache(self, max_len: int, share=None) -> _Ctx:
         return _Ctx(max_len)
 
     def extend(self, ctx: _Ctx, hiddens) -> None:

@@ -1,9 +1,11 @@
-"""The exact prefix cache (kdtree/decode/prefix_cache.py): a request whose prompt extends a finished request's
-prompt + answer copies the cached latent rows (and the drafter's hidden rows) and prefills only the rest, and its
-tokens are bit-identical to a run without the cache: AR, chain and DDTree, greedy and seeded sampling, numpy and the
-native cpu backend, fp32 and INT4 (int4_w4a16), with a full-prompt hit, a partial hit and a miss; a prefix's latent
-rows prefilled in chunks of 1, 7, 64 and 512 rows are bit-identical (tp=2: tests/parallel/test_tp_prefix_cache.py). Also the radix tree itself: page-granular
-matching, the P - 1 limit, LRU eviction under the budget that never drops a referenced page.
+"""The exact prefix cache (kdtree/decode/prefix_cache.py) over the paged latent-cache pool (kdtree/model/pages.py): a
+request whose prompt extends a finished request's prompt + answer maps the cached pages (the target's latent rows and
+the drafter's context rows) into its page table -- zero-copy: the pages are shared, not copied -- and prefills only
+the rest, and its tokens are bit-identical to a run without the cache: AR, chain and DDTree, greedy and seeded
+sampling, numpy and the native cpu backend, fp32 and INT4 (int4_w4a16), with a full-prompt hit, a partial hit and a
+miss, alone and batched; a prefix's latent rows prefilled in chunks of 1, 7, 64 and 512 rows are bit-identical
+(tp=2: tests/parallel/test_tp_prefix_cache.py). Also the radix tree itself: page-granular matching, the P - 1 limit,
+LRU eviction under the budget that never drops a page a request holds.
 
 Run: .venv/bin/python -m pytest -q tests/decode/test_prefix_cache.py
 """
@@ -21,6 +23,7 @@ from kdtree.decode.request import Request
 from kdtree.decode.sampling import SamplingParams
 from kdtree.decode.scheduler import Scheduler
 from kdtree.engine import AR_TREE, Engine
+from kdtree.model.pages import PagePool
 from tests.native_lib import CPU_SKIPPED
 
 TEXT = (Path(json.__file__).parent / "decoder.py").read_text()
@@ -90,15 +93,14 @@ def test_hit_same_tokens(compose_cfg, backend, kind, sampled, quant):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_bit_identical(compose_cfg, backend):
-    """The cached rows copied into a hit's cache equal the rows a miss computes, bit for bit, every layer."""
+    """The cached pages a hit maps hold the rows a miss computes, bit for bit, every layer."""
     engine = engine_for(compose_cfg, backend)
     ids = engine.tokenizer.encode(TEXT[500:900])[:50]
     pc = PrefixCache(page_tokens=16)
     s = sched_for(engine, pc)
     run(engine, s, ids, 4, AR_TREE)
     path = pc.lookup(ids, len(ids) - 1)
-    rows, _ = pc.gather(path)
-    pc.release(path)
+    rows = engine.model.gather_rows([pg.page for pg in path], 0, 16 * len(path))   # the pages themselves
     cache = engine.model.new_cache(64)
     for a in range(0, len(ids), 7):                      # the miss, prefilled in chunks of 7 rows
         t = np.asarray(ids[a:a + 7], np.int32)
@@ -129,31 +131,70 @@ def test_rows_bit_identical_across_prefill_chunks(compose_cfg, backend, quant):
     pc = PrefixCache(page_tokens=16)
     run(engine, sched_for(engine, pc), ids[:520], 1, AR_TREE)       # a max_batch_tokens=48 prefill (chunks of 48)
     path = pc.lookup(ids, 520)
-    rows, _ = pc.gather(path)
-    pc.release(path)
+    rows = engine.model.gather_rows([pg.page for pg in path], 0, 16 * len(path))
     assert rows.shape[1] == 512 and np.array_equal(rows, got[1][:, :512])
 
 
 def test_radix_tree_pages_and_eviction():
-    pc = PrefixCache(page_tokens=4, max_tokens=12)
-    rows = lambda a, n: np.arange(a, a + n, dtype=np.float32)[None, :, None].repeat(2, 0)   # [2 layers, n, 1]
-    assert pc.insert(list(range(10)), rows) == 2           # 10 tokens: 2 whole pages
-    assert pc.tokens == 8
+    """The tree over a pool of 4-token pages: page-granular matching, the P - 1 limit, holds (a node holds its page;
+    a request's cache holds the ones it mapped), LRU eviction under the budget that never drops a page a request
+    holds, and the pool's pages by state adding up."""
+    pool = PagePool(page_rows=4)
+    pool.reserve(8)
+    pc = PrefixCache(page_tokens=4, max_tokens=12).attach(pool)
+    first = pool.take(3)                                    # a finished request's table: 10 tokens in 3 pages
+    assert pc.insert(list(range(10)), first) == 2           # 2 whole pages: the tree holds pages 0 and 1
+    pool.drop(first)                                        # the request released: page 2 is free again
+    assert pc.tokens == 8 and pool.free == 6 and list(pool.refs[:3]) == [1, 1, 0]
     path = pc.lookup(list(range(10)), 9)
-    assert len(path) == 2
-    got, hid = pc.gather(path)
-    assert hid is None and np.array_equal(got[0, :, 0], np.arange(8))
-    one = pc.lookup(list(range(8)), 7)                     # at most P - 1 tokens: 1 page of a 2-page prompt
-    assert len(one) == 1
-    pc.release(one)
-    assert pc.lookup([0, 1, 2, 3], 3, need_hidden=False) == []   # limit 3 < one page
-    # the [0..7] path is referenced (path); inserting 2 more pages goes over budget: only unreferenced leaves go
-    assert pc.insert([9, 9, 9, 9, 8, 8, 8, 8], rows) == 2
-    assert pc.tokens == 12                                  # 16 > 12: one leaf evicted, not a referenced one
+    assert [pg.page for pg in path] == [0, 1] and pc.page_counts() == {"used": 0, "cached": 2, "free": 6, "total": 8}
+    assert len(pc.lookup(list(range(8)), 7)) == 1          # at most P - 1 tokens: 1 page of a 2-page prompt
+    assert pc.lookup([0, 1, 2, 3], 3) == []                 # limit 3 < one page
+    pool.hold([0, 1])                                       # a running request maps both (new_cache(prefix=...))
+    assert pc.page_counts() == {"used": 2, "cached": 0, "free": 6, "total": 8}
+    other = pool.take(2)                                    # another request: [9 9 9 9 8 8 8 8]
+    assert pc.insert([9, 9, 9, 9, 8, 8, 8, 8], other) == 2
+    pool.drop(other)
+    assert pc.evict() == 1 and pc.tokens == 12              # 16 > 12: one leaf evicted, not one a request holds
     assert (0, 1, 2, 3) in pc.root.children and (4, 5, 6, 7) in pc.root.children[(0, 1, 2, 3)].children
-    pc.release(path)
-    pc.evict(0)
-    assert pc.tokens == 0 and pc.bytes == 0
+    assert pc.evictions == 1 and pool.refs[0] == pool.refs[1] == 2
+    assert pc.evict_pages(8) == 1                           # pool pressure: only the unheld [9 9 9 9] page goes
+    pool.drop([0, 1])                                       # the request finished
+    pc.clear()
+    assert pc.tokens == 0 and pool.free == 8 and pc.page_counts() == {"used": 0, "cached": 0, "free": 8, "total": 8}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hit_maps_the_cached_pages_zero_copy(compose_cfg, backend):
+    """A hit takes no copy: two requests running at once map the very pages the cache holds (their page tables start
+    with the tree's pages, the speculative one's drafter context uses the same table), each of those pages held by
+    the tree and both requests (and the drafter context), so the pool holds the prefix once and only their own rows take new pages; and both
+    get the tokens of the uncached runs."""
+    engine = engine_for(compose_cfg, backend)
+    enc, pool = engine.tokenizer.encode, engine.model.pages
+    base = enc(TEXT[4000:4300])[:48]                                  # 3 whole pages
+    pc = PrefixCache(page_tokens=16)
+    cached, plain = sched_for(engine, pc), sched_for(engine, None)
+    run(engine, cached, base, 6, None)                                # a DDTree miss fills the cache
+    prompts = [base + enc(TEXT[6000:6100])[:9], base + enc(TEXT[6200:6300])[:11]]
+    trees = [TREES["ddtree"], TREES["ar"]]
+    free0 = pool.free
+    reqs = [cached.submit(Request(list(p), 8, tree=t)) for p, t in zip(prompts, trees)]
+    cached.step()                                                     # both admitted (their prefills begin)
+    states = [cached._state[id(r)] for r in reqs]
+    shared = [pg.page for pg in pc.lookup(prompts[0], len(prompts[0]) - 1, need_drafter=True)]
+    assert len(shared) == 3
+    for st in states:
+        assert list(st.cache.pages[:3]) == shared                     # the cached pages themselves, mapped
+    assert states[0].dcache.pages is states[0].cache.pages            # the drafter's context rows: the same pages
+    assert [int(pool.refs[p]) for p in shared] == [4, 4, 4]           # the tree + both caches + the drafter's context
+    assert free0 - pool.free == sum(len(st.cache.pages) - 3 for st in states)   # only their own pages were taken
+    while cached.step():
+        pass
+    for r, p, t in zip(reqs, prompts, trees):
+        assert r.error is None and r.result.cached_tokens == 48
+        assert r.result.tokens == run(engine, plain, p, 8, t).tokens
+    assert [int(pool.refs[p]) for p in shared] == [1, 1, 1]           # the tree's again
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,14 +1,17 @@
-"""The prefix cache under memory pressure: a budget (serve.prefix_cache_tokens) far smaller than the working set of
-many distinct long prompts, decoded batched (max_batch_tokens small, so prefills span steps and requests that mapped
-cached pages run while others finish and insert). Checked after every scheduler step: eviction never drops a page a
-running request mapped (its `used` pages), the page accounting adds up (used + cached + free == total; pages and
-bytes equal a walk of the tree), and every request finishes with the tokens of a run without the cache.
+"""The prefix cache under memory pressure: a paged latent-cache pool (serve.kv_pool_tokens: 40 pages of 16) far
+smaller than the working set of many distinct long prompts sharing three stems, decoded batched (max_batch_tokens
+small, so prefills span steps and requests that mapped cached pages run while others finish and hand theirs to the
+cache). Checked after every scheduler step: eviction never frees a page a request holds (the pages it mapped and
+its own), no page is free while a request's table lists it, a request's own pages are nobody else's, the pool's
+pages add up (used + cached + free == total); arrivals wait only for free pages; every request finishes with the
+tokens of a run without the cache. Then a page held through heavy churn keeps its rows bit for bit.
 
 Run: .venv/bin/python -m pytest -q tests/decode/test_prefix_cache_pressure.py
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -22,54 +25,54 @@ from tests.native_lib import CPU_SKIPPED
 
 TEXT = (Path(json.__file__).parent / "decoder.py").read_text()
 BACKENDS = ["numpy"] + ([] if CPU_SKIPPED else ["cpu"])
+POOL_PAGES = 40
 
 
 class CheckedCache(PrefixCache):
-    """A PrefixCache that records every evicted page and fails on one in use."""
+    """A PrefixCache that records every evicted page and fails on one a request holds."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.dropped = []
 
     def _drop(self, leaf):
-        assert leaf.ref == 0, "evicted a page a running request mapped"
-        self.dropped.append(leaf)
+        assert not self.pool.in_use(leaf.page), "evicted a page a request holds"
+        self.dropped.append(leaf.page)
         super()._drop(leaf)
 
 
-def check_accounting(pc: PrefixCache, states) -> None:
-    pages = list(pc._walk())
-    assert pc.pages == len(pages)
-    assert pc.bytes == sum(pg.rows.nbytes + (sum(h.nbytes for h in pg.hidden.values()) if pg.hidden else 0)
-                           for pg in pages)
-    held = {id(pg) for st in states for pg in st.prefix_path}
-    for st in states:                                  # a running request's mapped pages are all still in the tree
-        for pg in st.prefix_path:
-            assert pg.ref > 0 and pg not in pc.dropped
-            node = pg
-            while node.parent is not None:
-                assert node.parent.children.get(node.key) is node
-                node = node.parent
+def check_pool(sched: Scheduler, pc: PrefixCache) -> None:
+    pool = sched.pages
+    free = set(pool._free)
+    states = list(sched._state.values())
+    tables = [st.cache.pages for st in states if st.cache is not None]
+    for st in states:
+        if st.cache is None:
+            continue
+        assert not free & set(int(p) for p in st.cache.pages), "a page a request lists is free"
+        mapped = st.cache.frozen // pool.page_rows
+        for p in st.cache.pages[:mapped]:                  # mapped from the cache: held by it too, or by the tree
+            assert pool.refs[p] >= 2
+    owners = Counter(int(p) for t in tables for p in t)
+    for st in states:                                      # its own pages (past the mapped ones) are its alone
+        if st.cache is not None:
+            own = st.cache.pages[st.cache.frozen // pool.page_rows:]
+            assert all(owners[int(p)] == 1 for p in own)
+            assert st.dcache is None or st.dcache.pages is st.cache.pages    # the drafter's rows: the same pages
     c = pc.page_counts()
-    assert c["used"] == sum(1 for pg in pages if pg.ref > 0) >= len(held)
-    assert c["used"] + c["cached"] == pc.pages
-    if pc.pages <= c["total"]:
-        assert c["used"] + c["cached"] + c["free"] == c["total"]
-    else:                                              # only pinned pages may hold the cache over its budget
-        assert c["free"] == 0 and c["cached"] == 0        # (a pinned page's ancestors are pinned too)
+    assert c == sched.page_counts() and c["total"] == POOL_PAGES
+    assert c["used"] + c["cached"] + c["free"] == c["total"]
+    assert c["cached"] <= pc.pages and pc.pages == len(list(pc._walk()))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_small_cache_many_long_prompts(compose_cfg, backend):
+def test_pool_smaller_than_the_working_set(compose_cfg, backend):
     engine = Engine.from_config(compose_cfg(f"backend={backend}", "tree=ddtree", "tree.width=4", "tree.depth=7",
                                             "tree.budget=8", "load.progress=false", "serve.prefix_cache=false"))
     enc = engine.tokenizer.encode
     stems = [enc(TEXT[600 * k:600 * k + 300])[:64] for k in range(3)]           # 3 shared 64-token stems
     prompts = [stems[i // 4] + enc(TEXT[5000 + 97 * i:5000 + 97 * i + 200])[:40 + 7 * i] for i in range(12)]
     trees = [None, AR_TREE]
-    pc = CheckedCache(page_tokens=16, max_tokens=160)        # 10 pages << the working set (~110 pages of 12 prompts)
-    cached = Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context,
-                       max_batch_tokens=24, pool_tokens=4096, prefix_cache=pc)
     plain = Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context,
                       max_batch_tokens=24, pool_tokens=4096, prefix_cache=None)
     want = []
@@ -77,37 +80,47 @@ def test_small_cache_many_long_prompts(compose_cfg, backend):
         r = plain.submit(Request(list(p), 10, tree=trees[i % 2]))
         plain.drive(r)
         want.append(r.result.tokens)
-    queue, inflight, done, pinned_evictions = list(range(12)) * 2, [], [], 0       # 2 rounds, 3 in flight
+    pc = CheckedCache(page_tokens=16, max_tokens=POOL_PAGES * 16)   # only the pool's size limits it
+    cached = Scheduler(engine.model, engine.drafter, engine.cfg.tree, engine.eos_id, engine.max_context,
+                       max_batch_tokens=24, pool_tokens=POOL_PAGES * 16, prefix_cache=pc)
+    assert engine.model.pages.total == POOL_PAGES       # ~170 pages of distinct prompts + answers: 4x the pool
+    queue, inflight, done = list(range(12)) * 2, [], []  # 2 rounds, 5 in flight (~50 pages: some must wait)
+    waited = pinned_evictions = 0
     while queue or inflight:
-        while queue and len(inflight) < 3:
+        while queue and len(inflight) < 5:
             i = queue.pop(0)
             inflight.append((i, cached.submit(Request(list(prompts[i]), 10, tree=trees[i % 2]))))
-        pinned, ev = any(st.prefix_path for st in cached._state.values()), pc.evictions
+        held, ev = cached.pool_used > 0, pc.evictions
         cached.step()
-        pinned_evictions += (pc.evictions - ev) if pinned else 0
-        check_accounting(pc, list(cached._state.values()))
+        pinned_evictions += (pc.evictions - ev) if held else 0
+        waited += cached.waiting > 0
+        check_pool(cached, pc)
         done += [x for x in inflight if x[1].done.is_set()]
         inflight = [x for x in inflight if not x[1].done.is_set()]
     for i, r in done:
         assert r.error is None, r.error
         assert r.result.tokens == want[i], f"request {i} (cached {r.result.cached_tokens} tokens)"
     print(f"{backend}: {pc.hits} of {pc.queries} prompt tokens hit, {pc.evictions} pages evicted "
-          f"({pinned_evictions} while a running request held pages), {sum(r.result.cached_tokens > 0 for _, r in done)}"
-          f" of {len(done)} requests hit")
-    assert pinned_evictions > 0                        # eviction ran while pages were in use, and never took one
-    assert pc.hits > 0 and pc.evictions > 0 and len(pc.dropped) == pc.evictions
-    assert pc.tokens <= pc.max_tokens and pc.page_counts()["used"] == 0
-    # a page referenced outside any request (an admission's lookup) survives any churn of inserts under the budget
+          f"({pinned_evictions} while requests held pages), {waited} steps with a request waiting for pages, "
+          f"{sum(r.result.cached_tokens > 0 for _, r in done)} of {len(done)} requests hit")
+    assert waited > 0                                  # the pool, not a range, made arrivals wait
+    assert pinned_evictions > 0 and pc.hits > 0       # eviction ran while pages were in use, and never took one
+    assert len(pc.dropped) == pc.evictions and cached.page_counts()["used"] == 0
+    # a page held through churn that evicts everything else keeps its rows, bit for bit
     last = done[-1][0]
-    pin = pc.lookup(prompts[last], len(prompts[last]) - 1)
-    assert pin
-    rows = [pg.rows.copy() for pg in pin]
-    for p in [q for q in prompts if q[:64] != prompts[last][:64]][:6]:        # other stems: evict all but the pin
+    path = pc.lookup(prompts[last], len(prompts[last]) - 1, need_drafter=trees[last % 2] is None)
+    pages = [pg.page for pg in path]
+    assert pages
+    pin = engine.model.new_cache(16 * len(pages), prefix=pages)   # a request mapping them: held
+    rows = engine.model.gather_rows(pages, 0, 16 * len(pages))
+    n0 = len(pc.dropped)
+    for p in [q for q in prompts if q[:64] != prompts[last][:64]][:6]:
         r = cached.submit(Request(list(p), 4, tree=AR_TREE))
         cached.drive(r)
         assert r.error is None
-    assert all(pg.parent.children.get(pg.key) is pg for pg in pin)
-    assert all(np.array_equal(a, pg.rows) for a, pg in zip(rows, pin))
-    pc.release(pin)
-    pc.evict(0)
-    assert pc.pages == 0 and pc.bytes == 0 and pc.page_counts() == {"used": 0, "cached": 0, "free": 10, "total": 10}
+    assert len(pc.dropped) > n0 and not set(pages) & set(pc.dropped[n0:])   # others evicted, never these
+    assert all(pg.parent().children.get(pg.key) is pg for pg in path)
+    assert np.array_equal(engine.model.gather_rows(pages, 0, 16 * len(pages)), rows)
+    pin.release()
+    pc.clear()
+    assert pc.pages == 0 and pc.page_counts() == {"used": 0, "cached": 0, "free": POOL_PAGES, "total": POOL_PAGES}

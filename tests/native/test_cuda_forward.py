@@ -19,7 +19,7 @@ import pytest
 
 from kdtree.backends import native
 from kdtree.tree import ancestor_visibility
-from tests.native.test_native_forward import PROMPT, TOL, _steps
+from tests.native.test_native_forward import PROMPT, TOL, _steps, check_paged_bits
 from tests.weights import int4_experts
 
 pytestmark = [pytest.mark.gpu,
@@ -49,6 +49,12 @@ def test_cuda_target_forward_matches_numpy_reference(tiny_cfg, tiny_weights, qua
     assert c_cache.length == r_cache.length
     for layer in range(tiny_cfg.num_hidden_layers):   # the device cache, copied back, after keep()
         np.testing.assert_allclose(c_cache.kv[layer][:c_cache.length], r_cache.kv[layer][:r_cache.length], **TOL)
+
+
+def test_cuda_paged_caches_scattered_pages_same_bits(tiny_cfg, tiny_weights):
+    """The device arena through page tables: a forward over scattered 4-row pages (rows across a hole in the table,
+    a tree block compacted across pages by the keep kernel) gives the bits of one over contiguous 16-row pages."""
+    check_paged_bits(_cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights))
 
 
 @pytest.mark.parametrize("quant", ["fp32", "int4"])
@@ -134,12 +140,12 @@ def test_cuda_drafter_matches_numpy_reference(tiny_cfg, tiny_weights, quant):
     cc.truncate(4), rc.truncate(4)
     assert cc.length == 4
     np.testing.assert_allclose(cu.draft(cc, 9), ref.draft(rc, 9), **TOL)
-    # a freed context's device allocation is reused by the next smaller one (rows at the old stride)
-    slot = cc.slot
+    # a freed context's pages are taken by the next one; the device arena does not grow
+    pages, total = list(cc.pages), cu.pages.total
     del cc
     gc.collect()
     c2, r2 = cu.new_cache(16), ref.new_cache(16)
-    assert c2.slot == slot and c2.length == 0
+    assert list(c2.pages) == pages[:1] and c2.length == 0 and cu.pages.total == total
     cu.extend(c2, chunks[0]), ref.extend(r2, chunks[0])
     np.testing.assert_allclose(cu.draft(c2, 5), ref.draft(r2, 5), **TOL)
 

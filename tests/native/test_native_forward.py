@@ -176,15 +176,17 @@ def test_bad_forward_input_is_one_clear_error(tiny_cfg, tiny_weights):
     m.forward(PROMPT[:3], np.arange(3), c)
     with pytest.raises(ValueError, match="rows must ascend"):
         c.keep(1, [2, 1])
-    with pytest.raises(ValueError, match="outside the cache's 3 rows"):     # the library's own reason, not a guess
+    with pytest.raises(ValueError, match=r"within \[2, 3\)"):
         c.keep(2, [2, 3])
+    with pytest.raises(ValueError, match=r"page table of 1 pages \(16 rows\) cannot hold 0 \+ 21 rows"):
+        m.move_rows(c.pages, 0, np.array([20]))                       # the library's own reason, not a guess
     with pytest.raises(ValueError, match="outside"):
         c.truncate(5)
     n = int(tiny_cfg.num_hidden_layers)   # a layer that never comes: an error, not an unwritten (garbage) column
     with pytest.raises(native.NativeError, match=rf"hidden_layers\[1\]={n} is not a layer of this model \(0..{n - 1}\)"):
         m.forward(PROMPT[:1], np.array([3]), c, hidden_layers=[1, n])
     assert c.length == 3                              # refused before anything ran
-    _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its slot ids mean nothing here
+    _, other = _models(tiny_cfg, tiny_weights)        # another model's pool: its page ids mean nothing here
     with pytest.raises(ValueError, match="not made by this model"):
         m.forward(PROMPT[:1], np.array([3]), other.new_cache(8))
 
@@ -332,19 +334,19 @@ def test_cpu_build_accepts_graph_buckets_and_reports_no_graphs(tiny_cfg, tiny_we
     assert m.graph_stats() == {"graphs": 0, "replays": 0, "eager": 0, "buckets": 0, "capture_s": 0.0}
 
 
-def test_cache_slots_are_freed_and_reused(tiny_cfg, tiny_weights):
-    """A dropped cache gives its slot (and memory) back to the pool: a server making one cache per request
-    does not grow the pool."""
+def test_cache_pages_are_freed_and_reused(tiny_cfg, tiny_weights):
+    """A dropped cache gives its pages back to the pool: a server making one cache per request does not grow the
+    arena."""
     import gc
     _, m = _models(tiny_cfg, tiny_weights)
-    slots = set()
+    tables = set()
     for _ in range(5):
         c = m.new_cache(16)
         m.forward(PROMPT[:3], np.arange(3), c)
-        slots.add(c.slot)
+        tables.add(tuple(c.pages))
         del c
         gc.collect()
-    assert slots == {0}
+    assert tables == {(0,)} and m.pages.held == 0 and m.pages.total == 64     # the first growth, never another
 
 
 def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
@@ -357,29 +359,36 @@ def test_group_limited_routing_matches_numpy_reference(tiny_cfg, tiny_weights):
         np.testing.assert_allclose(nl, rl, **TOL, err_msg=f"logits of step {step}")
 
 
-def test_pooled_caches_are_ranges_of_one_arena_with_the_same_bits(tiny_cfg, tiny_weights):
-    """reserve_cache_pool: caches become row ranges of one arena (first fit, freed ranges reused); a full arena
-    is CachePoolBusy naming the pool, not a crash; forwards over pooled caches give the unpooled bits."""
+def check_paged_bits(plain, pooled) -> None:
+    """pooled's pool reserved at 24 pages of 4 rows, three caches taken, the first and third dropped (a hole at pages
+    2, 3); then _steps over the scattered table vs plain's contiguous 16-row pages: the same bits. CachePoolBusy for
+    more pages than are free, and nothing taken by a refused cache."""
     from kdtree.errors import CachePoolBusy
-    _, plain = _models(tiny_cfg, tiny_weights)
-    _, pooled = _models(tiny_cfg, tiny_weights)
-    assert pooled.reserve_cache_pool(100) and pooled.pool_rows == 100
-    assert pooled.reserve_cache_pool(160) and pooled.pool_rows == 160      # no cache in it: replaced
-    a, b = pooled.new_cache(64), pooled.new_cache(32)
-    assert pooled.reserve_cache_pool(100) and pooled.pool_rows == 160      # in use: the larger one is kept
-    base = a.kv[0].ctypes.data
-    assert b.kv[0].ctypes.data == base + 64 * a.kv[0].strides[0]                    # right after a's range
-    with pytest.raises(CachePoolBusy, match=r"pool of 160 rows has no free range of 100 rows"):
-        pooled.new_cache(100)
-    a.release()
-    c = pooled.new_cache(50)                                                          # a's freed range, first fit
-    assert c.kv[0].ctypes.data == base
-    b.release(), c.release()
+    assert pooled.reserve_cache_pool(96, 4) and pooled.pages.total == 24 and pooled.pages.reserved
+    a, b, c = pooled.new_cache(8), pooled.new_cache(8), pooled.new_cache(8)
+    assert [list(x.pages) for x in (a, b, c)] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(CachePoolBusy, match=r"18 free pages of 4 tokens, 20 asked \(24 pages"):
+        pooled.new_cache(80)
+    assert pooled.pages.free == 18                                 # a refused cache takes nothing
+    a.release(), c.release()                                       # free: 0, 1, 4 .. 23 (a hole at 2, 3)
     (p_out, p_cache), (u_out, u_cache) = _steps(pooled), _steps(plain)
+    assert list(p_cache.pages[:4]) == [0, 1, 4, 5] and list(u_cache.pages) == [0, 1, 2, 3]
     for (pl, ph), (ul, uh) in zip(p_out, u_out):
         assert np.array_equal(pl, ul) and all(np.array_equal(ph[k], uh[k]) for k in uh)
     n = u_cache.length
-    assert p_cache.length == n and all(np.array_equal(p[:n], u[:n]) for p, u in zip(p_cache.kv, u_cache.kv))
+    assert p_cache.length == n and all(np.array_equal(p, u) for p, u in zip(p_cache.kv, u_cache.kv))
+    b.release()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "cpu"])
+def test_paged_caches_share_one_arena_with_the_same_bits(tiny_cfg, tiny_weights, backend):
+    """reserve_cache_pool: every cache is a page table into ONE arena of rows // page_rows pages; a full pool is
+    CachePoolBusy naming the pages, not a crash; any free pages will do (no contiguous range needed); and a forward
+    over scattered 4-row pages (prompt rows across pages 0 -> 1, the AR row, a tree block across the hole 1 -> 4,
+    its compaction) gives the bits of one over contiguous 16-row pages (the numpy reference and the native build;
+    backend=cuda: tests/native/test_cuda_forward.py)."""
+    pick = 0 if backend == "numpy" else 1
+    check_paged_bits(_models(tiny_cfg, tiny_weights)[pick], _models(tiny_cfg, tiny_weights)[pick])
 
 
 _THREADS_SCRIPT = r"""

@@ -1,7 +1,8 @@
 """The exact prefix cache under tensor parallelism: REAL torch.distributed gloo ranks (tp=2: one worker process +
-this process as rank 0). A hit writes rank 0's cached latent rows on every rank (TPCache.write_rows; the latent
-rows are the same on every rank), and a request's tokens with a full hit, a partial hit and no hit are identical
-(AR, chain, DDTree; greedy and seeded), fp32 on numpy and INT4 (int4_w4a16) on the native cpu backend.
+this process as rank 0). The page pool is rank 0's; every rank's arena has its page count, and each forward carries
+the page tables, so a hit maps the same pages on every rank (the latent rows are the same bits on every rank), and a
+request's tokens with a full hit, a partial hit and no hit are identical (AR, chain, DDTree; greedy and seeded),
+fp32 on numpy and INT4 (int4_w4a16) on the native cpu backend.
 
 Run: .venv/bin/python -m pytest -q tests/parallel/test_tp_prefix_cache.py      (~1 min on 2 busy cores)
 """
@@ -79,16 +80,27 @@ def test_tp2_hit_partial_miss_same_tokens(tp2, kind, sampled):
     assert part.tokens == _run(plain, other, 16, tree, sp).tokens
 
 
-def test_tp2_write_rows_reach_every_rank(tp2):
-    """Rows written through TPCache.write_rows are the ones the worker attends over: a forward after them gives the
-    logits of a forward after a computed prefix (a worker left without them would give rank 0 other partials)."""
+def test_tp2_mapped_pages_are_the_same_rows_on_every_rank(tp2):
+    """A hit maps rank 0's page ids, and every rank's arena holds those pages' rows: a forward after pages mapped
+    from another cache gives the logits of a forward after the computed prefix (a worker attending over other rows
+    would give rank 0 other partials). Tree compaction (keep) moves the rows on every rank too."""
     engine = tp2
     ids = np.asarray(engine.tokenizer.encode(TEXT[500:600])[:40], np.int32)
     pos = np.arange(40, dtype=np.int32)
     a = engine.model.new_cache(48)
     engine.model.forward(ids[:32], pos[:32], a)
     want, _ = engine.model.forward(ids[32:], pos[32:], a)
-    b = engine.model.new_cache(48)
-    b.write_rows(0, a.read_rows(0, 32))
+    b = engine.model.new_cache(48, prefix=a.pages[:2])         # rows 0..31: a's pages, zero-copy, on every rank
+    assert list(b.pages[:2]) == list(a.pages[:2]) and b.length == 32
     got, _ = engine.model.forward(ids[32:], pos[32:], b)
     assert np.array_equal(got, want)
+    c = engine.model.new_cache(48, prefix=a.pages[:2])
+    engine.model.forward(np.concatenate([ids[32:33], ids[35:37]]), np.array([32, 33, 33]), c,
+                         visibility=np.array([[1], [3], [5]], np.uint64))      # a tree: root + two children
+    c.keep(32, [32, 34])                                          # keep root + the second child, on every rank
+    after, _ = engine.model.forward(ids[37:38], np.array([34]), c)
+    d = engine.model.new_cache(48, prefix=a.pages[:2])
+    engine.model.forward(np.concatenate([ids[32:33], ids[36:37]]), np.array([32, 33]), d)
+    assert np.array_equal(after, engine.model.forward(ids[37:38], np.array([34]), d)[0])
+    for x in (a, b, c, d):
+        x.release()

@@ -175,25 +175,28 @@ def test_device_plan_only_for_backend_cuda_and_keeps_fp32_tiny_fp32(compose_cfg)
 
 
 def test_prefix_cache_pages_and_bytes_per_token_at_k26_dims(compose_cfg):
-    """The prefix cache at K2.6 dims: latent (512+64) x 4 B = 2304 B per token per layer, x 61 layers; plus the
-    target's hidden rows of the drafter's 6 layers (7168 floats each) that a speculative hit gives the drafter; pages
-    of serve.prefix_cache_page tokens; with backend=cuda the tokens that fit on each rank after the weights and pool."""
+    """The paged pool at K2.6 dims: latent (512+64) x 4 B = 2304 B per token per layer, x 61 layers, on every rank;
+    plus, on rank 0, the drafter's context K/V of the same positions (2 x 8 heads x 128 x 6 layers x 4 B = 48 KiB:
+    a speculative hit maps them with the target's; the target's hidden rows of its 6 layers would be 168 KiB); pages
+    of serve.prefix_cache_page tokens, serve.kv_pool_tokens / page per rank, the prefix cache's budget inside them;
+    with backend=cuda the pool tokens that fit each rank after the weights."""
     from kdtree.stages.plan import format_plan
-    p = make_plan(compose_cfg(*K26_CUDA, "serve.prefix_cache_tokens=4096"))
+    p = make_plan(compose_cfg(*K26_CUDA, "serve.prefix_cache_tokens=4096", "serve.kv_pool_tokens=16384"))
     c = p["prefix_cache"]
     assert c["latent_bytes_per_token_per_layer"] == 2304 and c["latent_bytes_per_token"] == 2304 * 61
     assert c["drafter_hidden_bytes_per_token"] == 6 * 7168 * 4 and c["drafter_kv_bytes_per_token"] == 2 * 8 * 128 * 6 * 4
-    assert c["bytes_per_token"] == 2304 * 61 + 6 * 7168 * 4
-    assert c["pages"] == 256 and c["page_bytes"] == 16 * c["bytes_per_token"] and c["budget_bytes"] == 256 * c["page_bytes"]
+    assert c["bytes_per_token"] == 2304 * 61 + 2 * 8 * 128 * 6 * 4
+    assert c["pages_per_rank"] == 1024 and c["budget_pages"] == 256 and c["page_bytes"] == 16 * c["bytes_per_token"]
     d = p["device"]
     for dev, cap in d["devices"].items():
-        want = min((cap - r["total_bytes"]) // (c["latent_bytes_per_token"] + (c["drafter_hidden_bytes_per_token"]
-                                                                           if r["rank"] == 0 else 0))
-                   for r in d["ranks"])
-        assert c["device_fit"][dev] == {"tokens": int(want) // 16 * 16, "pages": int(want) // 16} and want > 10000
+        want = min(r["max_kv_cache_tokens"][dev] for r in d["ranks"])
+        assert c["device_fit"][dev] == {"tokens": want // 16 * 16, "pages": want // 16} and want > 10000
+    assert d["ranks"][0]["kv_bytes_per_token"] == c["bytes_per_token"]          # the pool rank 0 holds: the same
+    assert d["ranks"][1]["kv_bytes_per_token"] == c["latent_bytes_per_token"]
     out = format_plan(p)
-    assert ("prefix cache         4096 tokens = 256 pages of 16; per token: latent 137.2 KiB (2304 B per layer x 61)"
-            " + drafter hidden rows 168.0 KiB (6 layers x 7168 x 4 B; its context KV would be 48.0 KiB) = 305.2 KiB")\
-        in out
+    assert ("paged pool           1024 pages of 16 tokens per rank (serve.kv_pool_tokens=16384); per token: latent "
+            "137.2 KiB (2304 B per layer x 61) on every rank + drafter context KV 48.0 KiB (2 x 8 heads x 128 x 6 "
+            "layers x 4 B; the target's hidden rows would be 168.0 KiB) on rank 0 = 185.2 KiB") in out
+    assert "prefix cache         up to 4096 tokens (256 pages) of the pool" in out
     ar = make_plan(compose_cfg("model=k26", "tree=ar", "serve.prefix_cache=false"))["prefix_cache"]
     assert ar["drafter_hidden_bytes_per_token"] == 0 and not ar["enabled"] and "device_fit" not in ar

@@ -1,8 +1,9 @@
 """The prefix cache as an operator sees it, on a real engine process (`python -m kdtree.run`, tiny model, ddtree) with a
-prefix cache far smaller than its working set (serve.prefix_cache_tokens=64: 4 pages of 16): a repeated prompt is
-served from the cache with the same answer, concurrent distinct long prompts evict pages and still answer as on their
-first (uncached) run, /status shows the pages used / cached / free adding up to the budget, and /metrics exports
-them as kdtree_prefix_cache_pages{state} with the same numbers.
+paged latent-cache pool far smaller than its working set (serve.kv_pool_tokens=640: 40 pages of 16, the running
+requests' pages and the cached ones together): a repeated prompt is served from the cache with the same answer,
+concurrent distinct long prompts evict pages and still answer as on their first (uncached) run, /status shows the
+pool's pages used / cached / free adding up to its total, and /metrics exports them as
+kdtree_prefix_cache_pages{state} with the same numbers.
 
 Run: .venv/bin/python -m pytest -q tests/serve/test_prefix_cache_server.py
 """
@@ -27,7 +28,7 @@ TEXT = ("You are a careful assistant. Answer briefly and exactly. Tools: search(
 
 @pytest.fixture(scope="module")
 def small_cache(tmp_path_factory, kdtree_cache):
-    s = start_served(tmp_path_factory, kdtree_cache, "serve.prefix_cache_tokens=64", "serve.prefix_cache_page=16",
+    s = start_served(tmp_path_factory, kdtree_cache, "serve.kv_pool_tokens=640", "serve.prefix_cache_page=16",
                      extra_env={"KDTREE_API_KEY": KEY})
     yield s
     if alive(s.pid):
@@ -63,15 +64,16 @@ def pages(url):
 
 def test_pages_add_up_and_answers_stay_exact_under_pressure(small_cache):
     url = small_cache.url
-    st, gauges, _ = pages(url)
-    assert st["total"] == 4 and st["used"] == 0 and st["cached"] + st["free"] == 4   # (warm-up's generation is cached)
+    st, gauges, batch = pages(url)
+    assert st["total"] == 40 and st["used"] == 0 and st["cached"] + st["free"] == 40   # (warm-up's rows are cached)
+    assert batch["kv_pool_tokens"] == 640 and batch["kv_pool_used"] == 0
     first, c0 = post(url, TEXT + "Q: 2+2?")
     again, c1 = post(url, TEXT + "Q: 2+2?")
     assert c0 == 0 and c1 > 0 and again == first                  # a hit, the same answer
     st, gauges, _ = pages(url)
-    assert st["cached"] > 0 and st["used"] + st["cached"] + st["free"] == st["total"] == 4
+    assert st["cached"] > 0 and st["used"] + st["cached"] + st["free"] == st["total"] == 40
     assert gauges == {k: float(st[k]) for k in ("used", "cached", "free")}
-    # 6 distinct long prompts (~30 pages), 3 at a time, twice: far more than 4 pages
+    # 6 distinct long prompts (~16 pages each with their answers), 3 at a time, twice: far more than 40 pages
     prompts = [f"Question {i}: " + TEXT[i * 7:] + f" Q{i}: what is {i} * {i + 3}?" for i in range(6)]
     with ThreadPoolExecutor(3) as ex:
         one = list(ex.map(lambda p: post(url, p), prompts))
@@ -79,7 +81,7 @@ def test_pages_add_up_and_answers_stay_exact_under_pressure(small_cache):
     assert [t for t, _ in one] == [t for t, _ in two]              # cached or not, evicted or not: the same answers
     st, gauges, batch = pages(url)
     assert batch["prefix_cache_evictions"] > 0
-    assert st["used"] == 0 and st["cached"] + st["free"] == 4 and batch["prefix_cache_tokens"] <= 64
+    assert st["used"] == 0 and st["cached"] + st["free"] == 40 and batch["prefix_cache_tokens"] <= 640
     assert gauges == {k: float(st[k]) for k in ("used", "cached", "free")}
 
 
@@ -90,7 +92,7 @@ def test_toggle_turns_the_cache_off_and_on_for_new_requests(small_cache):
     assert toggle(url, {"enabled": False}, {"Content-Type": "application/json"})[0] == 401
     assert toggle(url, {"enabled": "no"})[0] == 400
     code, body = toggle(url, {"enabled": False})
-    assert code == 200 and body["enabled"] is False and body["pages_total"] == 4
+    assert code == 200 and body["enabled"] is False and body["pages_total"] == 40
     off = [post(url, prompt) for _ in range(2)]
     assert [c for _, c in off] == [0, 0]
     with urllib.request.urlopen(url + "/status", timeout=30) as r:

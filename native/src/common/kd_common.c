@@ -655,26 +655,46 @@ void kd_rope_half_table(float *cs, int64_t start, int64_t T, int64_t hd, double 
 }
 
 /* ---- kd_model_forward's argument checks (both builds) ------------------------------------------------ */
-int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab, int64_t n_layers,
-                          int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *)) {
-  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->slots || !a->row_start)
-    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/slots/row_start "
+int kd_page_tables_check(const char *fn, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                         const int64_t *lengths, const int64_t *row_start, int64_t n_pages, int64_t page_rows) {
+  if (n_seqs <= 0 || !pages || !page_start || !lengths)
+    return kd_fail(KD_EINVAL, "%s: n_seqs=%lld with pages, page_start and lengths required", fn, (long long)n_seqs);
+  if (n_pages <= 0 || page_rows <= 0)
+    return kd_fail(KD_EINVAL, "%s: no latent-cache arena (%lld pages of %lld rows); size it first (kd_model_pages / "
+                              "kd_drafter_pages)", fn, (long long)n_pages, (long long)page_rows);
+  if (page_start[0] != 0)
+    return kd_fail(KD_EINVAL, "%s: page_start[0]=%lld must be 0", fn, (long long)page_start[0]);
+  for (int64_t s = 0; s < n_seqs; s++) {
+    int64_t n_table = page_start[s + 1] - page_start[s], add = row_start ? row_start[s + 1] - row_start[s] : 0;
+    if (n_table < 0 || lengths[s] < 0 || add < 0)
+      return kd_fail(KD_EINVAL, "%s: sequence %lld has a page table of %lld pages, length %lld, %lld new rows", fn,
+                     (long long)s, (long long)n_table, (long long)lengths[s], (long long)add);
+    if (lengths[s] + add > n_table * page_rows)
+      return kd_fail(KD_EINVAL, "%s: sequence %lld's page table of %lld pages (%lld rows) cannot hold %lld + %lld "
+                                "rows; give it more pages", fn, (long long)s, (long long)n_table,
+                     (long long)(n_table * page_rows), (long long)lengths[s], (long long)add);
+    for (int64_t i = page_start[s]; i < page_start[s + 1]; i++)
+      if (pages[i] < 0 || pages[i] >= n_pages)
+        return kd_fail(KD_EINVAL, "%s: sequence %lld's page table holds page %d outside the arena of %lld pages", fn,
+                       (long long)s, pages[i], (long long)n_pages);
+  }
+  return KD_OK;
+}
+
+int kd_forward_args_check(const kd_forward_args *a, int64_t vocab, int64_t n_layers, int64_t n_pages,
+                          int64_t page_rows) {
+  if (a->n_rows <= 0 || !a->tokens || !a->positions || a->n_seqs <= 0 || !a->row_start)
+    return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld, n_seqs=%lld and tokens/positions/row_start "
                               "are required", (long long)a->n_rows, (long long)a->n_seqs);
   if (a->row_start[0] != 0 || a->row_start[a->n_seqs] != a->n_rows)
     return kd_fail(KD_EINVAL, "kd_model_forward: row_start must run from 0 to n_rows=%lld", (long long)a->n_rows);
-  for (int64_t s = 0; s < a->n_seqs; s++) {
-    int64_t length = 0, max_len = 0;
-    int rc = slot_room(m, a->slots[s], &length, &max_len);
-    if (rc) return rc;
-    int64_t T = a->row_start[s + 1] - a->row_start[s];
-    if (T <= 0) return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s, (long long)T);
-    if (length + T > max_len)
-      return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld of %lld rows cannot hold %lld + %lld tokens",
-                     (long long)a->slots[s], (long long)max_len, (long long)length, (long long)T);
-    for (int64_t r = 0; r < s; r++)
-      if (a->slots[r] == a->slots[s])
-        return kd_fail(KD_EINVAL, "kd_model_forward: cache slot %lld appears twice", (long long)a->slots[s]);
-  }
+  for (int64_t s = 0; s < a->n_seqs; s++)
+    if (a->row_start[s + 1] <= a->row_start[s])
+      return kd_fail(KD_EINVAL, "kd_model_forward: sequence %lld has %lld rows", (long long)s,
+                     (long long)(a->row_start[s + 1] - a->row_start[s]));
+  int rc = kd_page_tables_check("kd_model_forward", a->n_seqs, a->pages, a->page_start, a->lengths, a->row_start,
+                                n_pages, page_rows);
+  if (rc) return rc;
   for (int64_t i = 0; i < a->n_rows; i++)
     if (a->tokens[i] < 0 || a->tokens[i] >= vocab || a->positions[i] < 0)
       return kd_fail(KD_EINVAL, "kd_model_forward: row %lld has token %d (vocab %lld) at position %d", (long long)i,

@@ -42,6 +42,19 @@ KD_HD int kd_visible(const uint64_t *row, int64_t k) { return (int)((row[k >> 6]
 
 KD_HD float kd_rms_inv(float sum_sq, int64_t D, float eps) { return 1.0f / sqrtf(sum_sq / (float)D + eps); }
 
+/* Paged arenas, layer-major [n_layers][n_pages * page_rows][width] (kdtree.h, kd_model_pages): row j of a sequence
+ * whose page table is `pages`, counted in rows from its layer's base (arena + layer * n_pages * page_rows * width).
+ * One table lookup per page_rows rows; a page's rows are contiguous, and so are consecutive pages' (a sequence
+ * whose pages were taken together reads its keys in long runs). */
+KD_HD int64_t kd_page_key(const int32_t *pages, int64_t page_rows, int64_t j) {
+  return (int64_t)pages[j / page_rows] * page_rows + j % page_rows;
+}
+/* ... and as a float offset from the arena itself, for layer l (layer_rows = n_pages * page_rows) */
+KD_HD int64_t kd_page_row(const int32_t *pages, int64_t page_rows, int64_t layer_rows, int64_t width, int64_t l,
+                          int64_t j) {
+  return (l * layer_rows + kd_page_key(pages, page_rows, j)) * width;
+}
+
 /* The MoE combine of T tokens, the reference's order: out[t] = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared[t];
  * ys rows of token t's k slots at pos[t * k + j], weights[t * k + j]; shared [T, D] or NULL. */
 KD_HD void kd_moe_combine(float *out, const float *ys, const int64_t *pos, const float *weights, const float *shared,
@@ -74,11 +87,16 @@ int kd_moe_check(const float *x, const int32_t *experts, const float *weights, c
                  const float *const *up, const float *const *down, int64_t n_experts, const float *shared_gate,
                  const float *shared_up, const float *shared_down, const float *out, int64_t T, int64_t D,
                  int64_t I, int64_t Is, int64_t k);
+/* n_seqs page tables (pages + page_start[n_seqs + 1]) with lengths into an arena of n_pages x page_rows rows: every
+ * page id inside the arena, and room for adds[s] rows (row_start[s+1] - row_start[s]; NULL = 0) after lengths[s].
+ * KD_OK, else KD_EINVAL with a message naming fn, the sequence and the fix. Both builds, target and drafter. */
+int kd_page_tables_check(const char *fn, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                         const int64_t *lengths, const int64_t *row_start, int64_t n_pages, int64_t page_rows);
 /* kd_model_forward's arguments, checked the same way by both builds (the CPU tests exercise the CUDA build's
- * checks too). slot_room(m, slot, &length, &max_len): KD_OK, or the build's "not allocated" error. Each build
- * adds its own limits after it (CUDA: rows per call, hidden layers). */
-int kd_forward_args_check(kd_model *m, const kd_forward_args *a, int64_t vocab, int64_t n_layers,
-                          int (*slot_room)(kd_model *, int64_t, int64_t *, int64_t *));
+ * checks too), against the model's arena of n_pages x page_rows rows. Each build adds its own limits after it
+ * (CUDA: rows per call, hidden layers). */
+int kd_forward_args_check(const kd_forward_args *a, int64_t vocab, int64_t n_layers, int64_t n_pages,
+                          int64_t page_rows);
 /* A kd_weight of [n_out, n_in] with its pointers (INT4: scales and a group that is a multiple of 8); a kd_mlp of
  * hidden D (gate/up [I, D], down [D, I], I > 0). 1 = valid. Both builds' model and drafter create use them. */
 int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in);

@@ -1466,15 +1466,20 @@ static void kd_softmax_rows(float *p, int64_t H, int64_t n) {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-/* One query row of kd_mla_attention (AVX2): the scores of the cache prefix (keys 0..n_prefix-1, contiguous) in
- * direct register tiles (H query heads x 2 keys), the visible block keys one by one, each dot exactly kd_dot's;
+/* One query row of kd_mla_attention (AVX2): the scores of the cache prefix in direct register tiles (H query heads x
+ * keys) over each run of contiguous key rows (a page, or several adjacent ones), the visible block keys one by one,
+ * each dot exactly kd_dot's (a score does not depend on the run it is computed in);
  * softmax as the portable loop; then out[h] = sum_i p[h, i] kv_i[:L] with every element's adds in key order
  * (a multiply, then an add, as kd_axpy), eight lanes of one head's output at a time. */
 __attribute__((target("avx2,fma"))) static void kd_mla_row_avx2(const float *qt, const float *kv, const int64_t *keys,
                                                              int64_t n, int64_t n_prefix, float *p, float *ot,
                                                              int64_t H, int64_t L, int64_t E, float scale) {
   int64_t np = n_prefix < n ? n_prefix : n;
-  if (np > 0) kd_linear_direct(qt, E, kv, E, p, n, H, E, np); /* p[h * n + i], i < np */
+  for (int64_t i = 0, j; i < np; i = j) { /* p[h * n + i], i < np: one direct call per contiguous run of keys */
+    for (j = i + 1; j < np && keys[j] == keys[j - 1] + 1; j++) {
+    }
+    kd_linear_direct(qt, E, kv + keys[i] * E, E, p + i, n, H, E, j - i);
+  }
   for (int64_t i = np; i < n; i++)
     for (int64_t h = 0; h < H; h++) p[h * n + i] = kd_dot_avx2(qt + h * E, kv + keys[i] * E, E);
   for (int64_t i = 0; i < H * n; i++) p[i] = p[i] * scale;
@@ -1506,17 +1511,20 @@ __attribute__((target("avx2,fma"))) static void kd_mla_row_avx2(const float *qt,
 #endif
 
 /* Query rows [t0, t1) of kd_mla_attention (scratch: keys [n_prefix + T], p [(n_prefix + T) * H]). Each row is a
- * computation of its own, so rows may be split between threads (kd_model_forward) with the same bits. */
-void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t t0,
-                           int64_t t1, int64_t T, int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale,
-                           int64_t *keys, float *p) {
+ * computation of its own, so rows may be split between threads (kd_model_forward) with the same bits. keys[] holds
+ * the visible rows' places in kv (through the page table when there is one): which page holds a row never changes
+ * its bits. */
+void kd_mla_attention_rows(const float *q, const float *kv, const int32_t *pages, int64_t page_rows,
+                           const uint64_t *visibility, float *out, int64_t t0, int64_t t1, int64_t T, int64_t H,
+                           int64_t L, int64_t R, int64_t n_prefix, float scale, int64_t *keys, float *p) {
   int64_t E = L + R, words = (T + 63) / 64;
   for (int64_t t = t0; t < t1; t++) {
     /* this query's visible keys, ascending position: the whole cache, then its visible block rows */
     int64_t n = 0;
-    for (int64_t j = 0; j < n_prefix; j++) keys[n++] = j;
+    for (int64_t j = 0; j < n_prefix; j++) keys[n++] = pages ? kd_page_key(pages, page_rows, j) : j;
     for (int64_t k = 0; k < T; k++)
-      if (visibility ? kd_visible(visibility + t * words, k) : k <= t) keys[n++] = n_prefix + k;
+      if (visibility ? kd_visible(visibility + t * words, k) : k <= t)
+        keys[n++] = pages ? kd_page_key(pages, page_rows, n_prefix + k) : n_prefix + k;
     const float *qt = q + t * H * E;
     float *ot = out + t * H * L;
     memset(ot, 0, sizeof(float) * (size_t)(H * L));
@@ -1562,7 +1570,7 @@ int kd_mla_attention(const float *q, const float *kv, const uint64_t *visibility
     free(p);
     return kd_fail(KD_ENOMEM, "kd_mla_attention: out of memory (S=%lld, H=%lld)", (long long)S, (long long)H);
   }
-  kd_mla_attention_rows(q, kv, visibility, out, 0, T, T, H, L, R, n_prefix, scale, keys, p);
+  kd_mla_attention_rows(q, kv, NULL, 0, visibility, out, 0, T, T, H, L, R, n_prefix, scale, keys, p);
   free(keys);
   free(p);
   return KD_OK;

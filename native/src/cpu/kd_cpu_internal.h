@@ -19,10 +19,12 @@ int kd_threads(void);
  * times a warm region's fork/join), at least two pieces, more than one thread, and not inside a region already. */
 int kd_par_worth(int64_t macs, int64_t units);
 
-/* Query rows [t0, t1) of kd_mla_attention, with the caller's scratch: keys [n_prefix + T], p [(n_prefix + T) * H]. */
-void kd_mla_attention_rows(const float *q, const float *kv, const uint64_t *visibility, float *out, int64_t t0,
-                           int64_t t1, int64_t T, int64_t H, int64_t L, int64_t R, int64_t n_prefix, float scale,
-                           int64_t *keys, float *p);
+/* Query rows [t0, t1) of kd_mla_attention, with the caller's scratch: keys [n_prefix + T], p [(n_prefix + T) * H].
+ * pages NULL: kv holds the sequence's rows 0.. contiguously; else kv is one layer's base in a paged arena and row j
+ * is key kd_page_key(pages, page_rows, j) (kd_common.h). */
+void kd_mla_attention_rows(const float *q, const float *kv, const int32_t *pages, int64_t page_rows,
+                           const uint64_t *visibility, float *out, int64_t t0, int64_t t1, int64_t T, int64_t H,
+                           int64_t L, int64_t R, int64_t n_prefix, float scale, int64_t *keys, float *p);
 
 /* dst[0..n) = BF16 bits src widened to float32, exactly (bits << 16); AVX2 eight at a time where in use */
 void kd_bf16_widen(const uint16_t *src, float *dst, int64_t n);

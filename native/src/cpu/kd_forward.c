@@ -82,23 +82,13 @@ static int64_t kd_pick_max(const float *v, unsigned char *taken, int64_t n) {
 }
 
 /* ---- the target model ------------------------------------------------------------------------------------ */
-typedef struct {
-  float *kv; /* layer l's rows at kv + l * stride: [max_len][L+R] each */
-  int64_t max_len, length;
-  int used;
-  int64_t off, stride; /* pooled: first row in the pool and the pool's layer stride; else 0, max_len * (L+R) */
-  int pooled;
-} kd_slot;
-
 struct kd_model {
   kd_model_desc d;
   kd_layer *layers;
   kd_mlp **experts;     /* per layer copies */
   double *inv_freq;
-  kd_slot *slots;
-  int64_t n_slots;
-  float *pool; /* kd_model_reserve: [n_layers][pool_rows][L+R], slots are row ranges of it */
-  int64_t pool_rows;
+  float *arena;         /* kd_model_pages: [n_pages][n_layers][page_rows][L+R], the latent rows of every sequence */
+  int64_t n_pages, page_rows;
   int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
   kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, attn, work, tg;
   int64_t *moe_stats; /* [n_layers][3]: MoE forwards, distinct routed experts summed, rows summed (kd_model_moe_stats) */
@@ -112,10 +102,7 @@ int kd_model_destroy(kd_model *m) {
   free(m->moe_stats);
   free(m->layers);
   free(m->inv_freq);
-  for (int64_t s = 0; s < m->n_slots; s++)
-    if (!m->slots[s].pooled) free(m->slots[s].kv);
-  free(m->slots);
-  free(m->pool);
+  free(m->arena);
   kd_buf *bufs[] = {&m->h, &m->x, &m->t, &m->qa, &m->q, &m->kva, &m->qf, &m->olat, &m->o, &m->cs, &m->rl, &m->ex,
                     &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->attn,
                     &m->work, &m->tg};
@@ -194,166 +181,70 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   return KD_OK;
 }
 
-static kd_slot *kd_slot_get(kd_model *m, int64_t slot, const char *fn) {
-  if (!m || slot < 0 || slot >= m->n_slots || !m->slots[slot].used) {
-    kd_fail(KD_EINVAL, "%s: cache slot %lld is not allocated", fn, (long long)slot);
-    return NULL;
-  }
-  return &m->slots[slot];
+/* grow or shrink a layer-major arena [n_layers][n_pages * page_rows][width] (kd_model_pages, kd_drafter_pages): the
+ * first min(old, new) pages of every layer keep their rows when the page size is unchanged, new pages start zeroed */
+static int kd_arena_resize(float **arena, int64_t *n_pages, int64_t *page_rows, int64_t want_pages, int64_t want_rows,
+                           int64_t n_layers, int64_t width, const char *fn) {
+  if (want_pages < 0 || want_rows <= 0)
+    return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
+                   (long long)want_pages, (long long)want_rows);
+  size_t page = (size_t)(want_rows * width), layer = page * (size_t)want_pages;
+  int64_t keep = want_rows == *page_rows ? (*n_pages < want_pages ? *n_pages : want_pages) : 0;
+  float *a = want_pages ? (float *)calloc(layer * (size_t)n_layers, sizeof(float)) : NULL;
+  if (want_pages && !a)
+    return kd_fail(KD_ENOMEM, "%s: out of memory for %lld pages of %lld rows (%zu bytes); lower serve.kv_pool_tokens",
+                   fn, (long long)want_pages, (long long)want_rows, sizeof(float) * layer * (size_t)n_layers);
+  for (int64_t l = 0; l < n_layers && keep; l++) /* each layer's first pages, into the resized layer block */
+    memcpy(a + (size_t)l * layer, *arena + (size_t)l * page * (size_t)*n_pages, sizeof(float) * page * (size_t)keep);
+  free(*arena);
+  *arena = a, *n_pages = want_pages, *page_rows = want_rows;
+  return KD_OK;
 }
 
-int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
+int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows) {
   kd_clear_error();
-  KD_CHECK_PTR("kd_cache_alloc", m);
-  KD_CHECK_PTR("kd_cache_alloc", slot);
-  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
-  int64_t s = 0;
-  while (s < m->n_slots && m->slots[s].used) s++;
-  if (s == m->n_slots) {
-    kd_slot *grown = (kd_slot *)realloc(m->slots, sizeof(kd_slot) * (size_t)(m->n_slots + 1));
-    if (!grown) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory");
-    m->slots = grown;
-    memset(&m->slots[m->n_slots++], 0, sizeof(kd_slot));
-  }
-  if (m->pool) { /* first fit among the gaps between the pooled slots in use */
-    int64_t at = 0;
-    for (int moved = 1; moved;) {
-      moved = 0;
-      for (int64_t i = 0; i < m->n_slots; i++) {
-        const kd_slot *o = &m->slots[i];
-        if (o->used && o->pooled && o->off < at + max_len && at < o->off + o->max_len) {
-          at = o->off + o->max_len; /* overlaps [at, at + max_len): try just past it */
-          moved = 1;
-        }
-      }
-    }
-    if (at + max_len > m->pool_rows)
-      return kd_fail(KD_ENOMEM, "kd_cache_alloc: the latent-cache pool of %lld rows has no free range of %lld rows "
-                                "now; wait for running sequences to finish (or reserve a larger pool)",
-                     (long long)m->pool_rows, (long long)max_len);
-    m->slots[s] = (kd_slot){m->pool + at * m->E, max_len, 0, 1, at, m->pool_rows * m->E, 1};
-    *slot = s;
-    return KD_OK;
-  }
-  size_t n = (size_t)(m->d.n_layers * max_len * m->E);
-  float *kv = (float *)calloc(n, sizeof(float));
-  if (!kv) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory (%zu floats)", n);
-  m->slots[s] = (kd_slot){kv, max_len, 0, 1, 0, max_len * m->E, 0};
-  *slot = s;
-  return KD_OK;
+  KD_CHECK_PTR("kd_model_pages", m);
+  return kd_arena_resize(&m->arena, &m->n_pages, &m->page_rows, n_pages, page_rows, m->d.n_layers, m->E,
+                         "kd_model_pages");
 }
 
-int kd_model_reserve(kd_model *m, int64_t rows) {
+/* a sequence's rows [start, start + n) must lie in its table of n_table pages, every page inside the arena */
+static int kd_table_check(const char *fn, const int32_t *pages, int64_t n_table, int64_t start, int64_t n,
+                          int64_t n_pages, int64_t page_rows) {
+  int64_t zero = 0, bounds[2] = {0, n_table}, rows[2] = {0, start + n};
+  if (start < 0 || n < 0) return kd_fail(KD_EINVAL, "%s: start=%lld n=%lld", fn, (long long)start, (long long)n);
+  return kd_page_tables_check(fn, 1, pages, bounds, &zero, rows, n_pages, page_rows);
+}
+
+int kd_cache_keep(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, const int64_t *rows, int64_t n) {
   kd_clear_error();
-  KD_CHECK_PTR("kd_model_reserve", m);
-  if (rows < 0) return kd_fail(KD_EINVAL, "kd_model_reserve: rows=%lld must be >= 0", (long long)rows);
-  for (int64_t i = 0; i < m->n_slots; i++)
-    if (m->slots[i].used && m->slots[i].pooled)
-      return kd_fail(KD_EINVAL, "kd_model_reserve: cache slot %lld still uses the current pool; free it first",
-                     (long long)i);
-  free(m->pool);
-  m->pool = NULL;
-  m->pool_rows = 0;
-  if (rows == 0) return KD_OK; /* back to one allocation per slot */
-  size_t n = (size_t)(m->d.n_layers * rows * m->E);
-  m->pool = (float *)calloc(n, sizeof(float));
-  if (!m->pool)
-    return kd_fail(KD_ENOMEM, "kd_model_reserve: out of memory for a latent-cache pool of %lld rows (%zu bytes); "
-                              "lower serve.kv_pool_tokens", (long long)rows, n * sizeof(float));
-  m->pool_rows = rows;
-  return KD_OK;
-}
-
-int kd_model_compact(kd_model *m, int64_t *free_rows) {
-  kd_clear_error();
-  KD_CHECK_PTR("kd_model_compact", m);
-  KD_CHECK_PTR("kd_model_compact", free_rows);
-  int64_t at = 0;
-  for (;;) { /* the pooled slot with the lowest offset >= at, moved down to at */
-    kd_slot *next = NULL;
-    for (int64_t i = 0; i < m->n_slots; i++) {
-      kd_slot *o = &m->slots[i];
-      if (o->used && o->pooled && o->off >= at && (!next || o->off < next->off)) next = o;
-    }
-    if (!next) break;
-    if (next->off != at) {
-      float *to = m->pool + at * m->E;
-      for (int64_t l = 0; l < m->d.n_layers; l++) /* only the rows in use move; memmove: the ranges may overlap */
-        memmove(to + l * next->stride, next->kv + l * next->stride, sizeof(float) * (size_t)(next->length * m->E));
-      next->kv = to;
-      next->off = at;
-    }
-    at += next->max_len;
-  }
-  *free_rows = m->pool ? m->pool_rows - at : 0;
-  return KD_OK;
-}
-
-int kd_cache_free(kd_model *m, int64_t slot) {
-  kd_clear_error();
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_free");
-  if (!c) return KD_EINVAL;
-  if (!c->pooled) free(c->kv); /* a pooled slot's rows simply become free */
-  memset(c, 0, sizeof *c);
-  return KD_OK;
-}
-
-int kd_cache_length(kd_model *m, int64_t slot, int64_t *length) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_length");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_cache_length", length);
-  *length = c->length;
-  return KD_OK;
-}
-
-int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_truncate");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || n > c->length)
-    return kd_fail(KD_EINVAL, "kd_cache_truncate(%lld) outside [0, %lld]", (long long)n, (long long)c->length);
-  c->length = n;
-  return KD_OK;
-}
-
-int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_keep");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || start < 0 || start + n > c->length || (n && !rows))
-    return kd_fail(KD_EINVAL, "kd_cache_keep: start=%lld n=%lld outside the cache's %lld rows", (long long)start,
-                   (long long)n, (long long)c->length);
+  KD_CHECK_PTR("kd_cache_keep", m);
+  if (n && !rows) return kd_fail(KD_EINVAL, "kd_cache_keep: rows is NULL");
+  int64_t end = n ? rows[n - 1] + 1 : start;
+  KD_TRY(kd_table_check("kd_cache_keep", pages, n_table, start, end - start, m->n_pages, m->page_rows));
   for (int64_t i = 0; i < n; i++)
-    if (rows[i] < start || rows[i] >= c->length || (i && rows[i] <= rows[i - 1]))
-      return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend within [%lld, %lld)", (long long)start,
-                     (long long)c->length);
+    if (rows[i] < start || (i && rows[i] <= rows[i - 1]))
+      return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend from start=%lld", (long long)start);
   /* ascending rows >= start: row i moves down to start + i <= rows[i], never over a row still to move */
-  for (int64_t l = 0; l < m->d.n_layers; l++) {
-    float *kv = c->kv + l * c->stride;
-    for (int64_t i = 0; i < n; i++)
-      if (rows[i] != start + i) memmove(kv + (start + i) * m->E, kv + rows[i] * m->E, sizeof(float) * (size_t)m->E);
-  }
-  c->length = start + n;
-  return KD_OK;
-}
-
-int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_write_rows");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || start < 0 || start > c->length || start + n > c->max_len || (n && !rows))
-    return kd_fail(KD_EINVAL, "kd_cache_write_rows: start=%lld n=%lld outside the cache's %lld rows (length %lld)",
-                   (long long)start, (long long)n, (long long)c->max_len, (long long)c->length);
+  int64_t lr = m->n_pages * m->page_rows;
   for (int64_t l = 0; l < m->d.n_layers; l++)
-    memcpy(c->kv + l * c->stride + start * m->E, rows + l * n * m->E, sizeof(float) * (size_t)(n * m->E));
-  c->length = start + n;
+    for (int64_t i = 0; i < n; i++)
+      if (rows[i] != start + i)
+        memcpy(m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, start + i),
+               m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, rows[i]), sizeof(float) * (size_t)m->E);
   return KD_OK;
 }
 
-int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_cache_rows");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_cache_rows", rows);
-  if (layer < 0 || layer >= m->d.n_layers)
-    return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
-  *rows = c->kv + layer * c->stride;
+int kd_cache_gather(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, int64_t n, float *out) {
+  kd_clear_error();
+  KD_CHECK_PTR("kd_cache_gather", m);
+  if (n && !out) return kd_fail(KD_EINVAL, "kd_cache_gather: out is NULL");
+  KD_TRY(kd_table_check("kd_cache_gather", pages, n_table, start, n, m->n_pages, m->page_rows));
+  int64_t lr = m->n_pages * m->page_rows;
+  for (int64_t l = 0; l < m->d.n_layers; l++)
+    for (int64_t i = 0; i < n; i++)
+      memcpy(out + (l * n + i) * m->E, m->arena + kd_page_row(pages, m->page_rows, lr, m->E, l, start + i),
+             sizeof(float) * (size_t)m->E);
   return KD_OK;
 }
 
@@ -525,9 +416,9 @@ static void kd_attention_row(kd_model *m, const kd_forward_args *a, int64_t li, 
                              float *olat, const int64_t *voff, int64_t *keys, int64_t S, int64_t r) {
   const kd_model_desc *d = &m->d;
   int64_t L = d->kv_lora, E = m->E, s = voff[2 * r], r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
-  const kd_slot *c = &m->slots[a->slots[s]];
-  kd_mla_attention_rows(qf + r0 * H * E, c->kv + li * c->stride, a->visibility ? a->visibility + voff[2 * r + 1] : NULL,
-                        olat + r0 * H * L, r - r0, r - r0 + 1, T, H, L, d->rope_dim, c->length, d->attn_scale, keys,
+  kd_mla_attention_rows(qf + r0 * H * E, m->arena + li * m->n_pages * m->page_rows * E, a->pages + a->page_start[s],
+                        m->page_rows, a->visibility ? a->visibility + voff[2 * r + 1] : NULL, olat + r0 * H * L,
+                        r - r0, r - r0 + 1, T, H, L, d->rope_dim, a->lengths[s], d->attn_scale, keys,
                         (float *)(keys + S));
 }
 
@@ -540,12 +431,11 @@ static int kd_attention_rows(kd_model *m, const kd_forward_args *a, int64_t li, 
   int64_t *voff = (int64_t *)kd_reserve(&m->work, sizeof(int64_t) * (size_t)(2 * N)); /* per row: seq, vis offset */
   if (!voff) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (attention, %lld rows)", (long long)N);
   for (int64_t s = 0, vo = 0; s < a->n_seqs; s++) {
-    const kd_slot *c = &m->slots[a->slots[s]];
-    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0;
+    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0, n = a->lengths[s] + T;
     for (int64_t r = r0; r < r0 + T; r++) voff[2 * r] = s, voff[2 * r + 1] = vo;
     if (a->visibility) vo += T * ((T + 63) / 64);
-    if (c->length + T > S) S = c->length + T;
-    macs += T * H * (c->length + T) * (E + L);
+    if (n > S) S = n;
+    macs += T * H * n * (E + L);
   }
   int par = kd_par_worth(macs, N);
   int nt = par ? kd_threads() : 1;
@@ -569,18 +459,11 @@ static int kd_reduce(kd_model *m, float *x, int64_t n) {
   return KD_OK;
 }
 
-static int kd_slot_room(kd_model *m, int64_t slot, int64_t *length, int64_t *max_len) {
-  kd_slot *c = kd_slot_get(m, slot, "kd_model_forward");
-  if (!c) return KD_EINVAL;
-  *length = c->length, *max_len = c->max_len;
-  return KD_OK;
-}
-
 int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   kd_clear_error();
   KD_CHECK_PTR("kd_model_forward", m);
   KD_CHECK_PTR("kd_model_forward", a);
-  KD_TRY(kd_forward_args_check(m, a, m->d.vocab, m->d.n_layers, kd_slot_room));
+  KD_TRY(kd_forward_args_check(a, m->d.vocab, m->d.n_layers, m->n_pages, m->page_rows));
   const kd_model_desc *d = &m->d;
   int64_t N = a->n_rows, D = d->hidden, L = d->kv_lora, R = d->rope_dim, E = m->E, nope = d->nope;
   int64_t half = R / 2, Hmax = 0;
@@ -617,13 +500,13 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
     KD_TRY(kd_rms_norm(qa, ly->q_a_norm, qa, N, ly->q_a.n_out, d->eps, NULL));
     KD_TRY(kd_lin(&ly->q_b, qa, q, N));                                  /* q: [N, H, nope+R] */
     KD_TRY(kd_lin(&ly->kv_a, x, kva, N));                                /* kv_a: [N, L+R] */
-    for (int64_t s = 0; s < a->n_seqs; s++) { /* new latent rows [norm(c), rope(k_pe)] at the cache's end */
-      kd_slot *c = &m->slots[a->slots[s]];
-      float *kv = c->kv + li * c->stride;
-      for (int64_t r = a->row_start[s], j = c->length; r < a->row_start[s + 1]; r++, j++) {
-        KD_TRY(kd_rms_norm(kva + r * E, ly->kv_a_norm, kv + j * E, 1, L, d->eps, NULL));
-        memcpy(kv + j * E + L, kva + r * E + L, sizeof(float) * (size_t)R);
-        kd_rope_interleaved(kv + j * E + L, cs + r * R, half);
+    for (int64_t s = 0; s < a->n_seqs; s++) { /* new latent rows [norm(c), rope(k_pe)] after the cache's rows */
+      const int32_t *pages = a->pages + a->page_start[s];
+      for (int64_t r = a->row_start[s], j = a->lengths[s]; r < a->row_start[s + 1]; r++, j++) {
+        float *kv = m->arena + kd_page_row(pages, m->page_rows, m->n_pages * m->page_rows, E, li, j); /* its row j */
+        KD_TRY(kd_rms_norm(kva + r * E, ly->kv_a_norm, kv, 1, L, d->eps, NULL));
+        memcpy(kv + L, kva + r * E + L, sizeof(float) * (size_t)R);
+        kd_rope_interleaved(kv + L, cs + r * R, half);
       }
     }
     for (int64_t r = 0; r < N; r++) /* q_full[:, :, L:] = rope(q_pe) */
@@ -657,7 +540,6 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
         for (int64_t r = 0; r < N; r++)
           memcpy(a->hidden + (r * a->n_hidden + j) * D, h + r * D, sizeof(float) * (size_t)D);
   }
-  for (int64_t s = 0; s < a->n_seqs; s++) m->slots[a->slots[s]].length += a->row_start[s + 1] - a->row_start[s];
 
   /* final norm + lm_head of the asked rows only (row-wise: the same bits as over all rows) */
   int64_t n_out = a->n_out, V = d->vocab;
@@ -683,25 +565,18 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
 }
 
 /* ---- the DFlash drafter ---------------------------------------------------------------------------------- */
-typedef struct {
-  float *k, *v; /* [n_layers][max_len][Hkv*hd] each */
-  int64_t max_len, length;
-  int used;
-} kd_dslot;
-
 struct kd_drafter {
   kd_drafter_desc d;
   kd_drafter_layer *layers;
-  kd_dslot *slots;
-  int64_t n_slots, kvw; /* Hkv * hd */
+  float *k, *v;         /* kd_drafter_pages: [n_layers][n_pages * page_rows][Hkv*hd] each, the target's page ids */
+  int64_t n_pages, page_rows, kvw; /* kvw = Hkv * hd */
   kd_buf ctx, x, hbuf, q, kb, vb, o, t, g, u, p, cs, fo;
 };
 
 int kd_drafter_destroy(kd_drafter *dr) {
   if (!dr) return KD_OK;
   free(dr->layers);
-  for (int64_t s = 0; s < dr->n_slots; s++) free(dr->slots[s].k), free(dr->slots[s].v);
-  free(dr->slots);
+  free(dr->k), free(dr->v);
   kd_buf *bufs[] = {&dr->ctx, &dr->x, &dr->hbuf, &dr->q, &dr->kb, &dr->vb, &dr->o, &dr->t, &dr->g, &dr->u, &dr->p,
                     &dr->cs, &dr->fo};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
@@ -730,61 +605,24 @@ int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) {
   return KD_OK;
 }
 
-static kd_dslot *kd_dslot_get(kd_drafter *dr, int64_t slot, const char *fn) {
-  if (!dr || slot < 0 || slot >= dr->n_slots || !dr->slots[slot].used) {
-    kd_fail(KD_EINVAL, "%s: drafter cache slot %lld is not allocated", fn, (long long)slot);
-    return NULL;
-  }
-  return &dr->slots[slot];
-}
-
-int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *slot) {
+int kd_drafter_pages(kd_drafter *dr, int64_t n_pages, int64_t page_rows) {
   kd_clear_error();
-  KD_CHECK_PTR("kd_drafter_cache_alloc", dr);
-  KD_CHECK_PTR("kd_drafter_cache_alloc", slot);
-  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
-  int64_t s = 0;
-  while (s < dr->n_slots && dr->slots[s].used) s++;
-  if (s == dr->n_slots) {
-    kd_dslot *grown = (kd_dslot *)realloc(dr->slots, sizeof(kd_dslot) * (size_t)(dr->n_slots + 1));
-    if (!grown) return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory");
-    dr->slots = grown;
-    memset(&dr->slots[dr->n_slots++], 0, sizeof(kd_dslot));
+  KD_CHECK_PTR("kd_drafter_pages", dr);
+  int64_t np = dr->n_pages, pr = dr->page_rows, nl = dr->d.n_layers;
+  KD_TRY(kd_arena_resize(&dr->k, &np, &pr, n_pages, page_rows, nl, dr->kvw, "kd_drafter_pages"));
+  np = dr->n_pages, pr = dr->page_rows;
+  int rc = kd_arena_resize(&dr->v, &np, &pr, n_pages, page_rows, nl, dr->kvw, "kd_drafter_pages");
+  if (rc) { /* K resized, V not: drop both (no sequence may use a half-sized arena) */
+    free(dr->k), dr->k = NULL, dr->n_pages = 0;
+    return rc;
   }
-  size_t n = (size_t)(dr->d.n_layers * max_len * dr->kvw);
-  float *k = (float *)calloc(n, sizeof(float)), *v = (float *)calloc(n, sizeof(float));
-  if (!k || !v) {
-    free(k), free(v);
-    return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory (%zu floats)", 2 * n);
-  }
-  dr->slots[s] = (kd_dslot){k, v, max_len, 0, 1};
-  *slot = s;
+  dr->n_pages = np, dr->page_rows = pr;
   return KD_OK;
 }
 
-int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
-  kd_clear_error();
-  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_free");
-  if (!c) return KD_EINVAL;
-  free(c->k), free(c->v);
-  memset(c, 0, sizeof *c);
-  return KD_OK;
-}
-
-int kd_drafter_cache_length(kd_drafter *dr, int64_t slot, int64_t *length) {
-  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_length");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_drafter_cache_length", length);
-  *length = c->length;
-  return KD_OK;
-}
-
-int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
-  kd_dslot *c = kd_dslot_get(dr, slot, "kd_drafter_cache_truncate");
-  if (!c) return KD_EINVAL;
-  if (n < 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_truncate(%lld): n must be >= 0", (long long)n);
-  if (n < c->length) c->length = n;
-  return KD_OK;
+/* K or V row j of layer li of the sequence whose page table is pages (its drafter context) */
+static inline float *kd_dctx_row(const kd_drafter *dr, float *base, const int32_t *pages, int64_t li, int64_t j) {
+  return base + kd_page_row(pages, dr->page_rows, dr->n_pages * dr->page_rows, dr->kvw, li, j);
 }
 
 /* x [T, H, hd] rotated in place: x*cos + rotate_half(x)*sin (drafter.apply_rope_half) */
@@ -813,23 +651,16 @@ static int kd_drafter_kv(kd_drafter *dr, const kd_drafter_layer *ly, const float
   return KD_OK;
 }
 
-int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
-                      const float *feats) {
+int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                      const int64_t *lengths, const int64_t *row_start, const float *feats) {
   kd_clear_error();
   KD_CHECK_PTR("kd_drafter_extend", dr);
-  if (n_seqs <= 0 || !slots || !row_start || row_start[0] != 0)
-    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with slots and row_start from 0 required",
-                   (long long)n_seqs);
+  if (n_seqs <= 0 || !row_start || row_start[0] != 0)
+    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with row_start from 0 required", (long long)n_seqs);
+  KD_TRY(kd_page_tables_check("kd_drafter_extend", n_seqs, pages, page_start, lengths, row_start, dr->n_pages,
+                              dr->page_rows));
   const kd_drafter_desc *d = &dr->d;
   int64_t N = row_start[n_seqs], D = d->hidden, W = dr->kvw;
-  for (int64_t s = 0; s < n_seqs; s++) {
-    kd_dslot *c = kd_dslot_get(dr, slots[s], "kd_drafter_extend");
-    if (!c) return KD_EINVAL;
-    int64_t T = row_start[s + 1] - row_start[s];
-    if (T < 0 || c->length + T > c->max_len)
-      return kd_fail(KD_EINVAL, "kd_drafter_extend: drafter context %lld + %lld exceeds its cache max_len=%lld",
-                     (long long)c->length, (long long)T, (long long)c->max_len);
-  }
   if (N == 0) return KD_OK;
   KD_CHECK_PTR("kd_drafter_extend", feats);
   float *ctx = (float *)kd_reserve(&dr->ctx, sizeof(float) * (size_t)(N * D));
@@ -840,19 +671,18 @@ int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, cons
   KD_TRY(kd_lin(&d->fc, feats, ctx, N));                               /* ctx = hidden_norm(fc(feats)) */
   KD_TRY(kd_rms_norm(ctx, d->hidden_norm, ctx, N, D, d->eps, NULL));
   for (int64_t s = 0; s < n_seqs; s++)
-    kd_rope_half_table(cs + row_start[s] * d->head_dim, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s],
-                       d->head_dim, d->rope_theta);
+    kd_rope_half_table(cs + row_start[s] * d->head_dim, lengths[s], row_start[s + 1] - row_start[s], d->head_dim,
+                       d->rope_theta);
   for (int64_t li = 0; li < d->n_layers; li++) {
     KD_TRY(kd_drafter_kv(dr, &dr->layers[li], ctx, kb, vb, N, cs));
-    for (int64_t s = 0; s < n_seqs; s++) {
-      kd_dslot *c = &dr->slots[slots[s]];
-      int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
-      size_t off = (size_t)((li * c->max_len + c->length) * W);
-      memcpy(c->k + off, kb + r0 * W, sizeof(float) * (size_t)(T * W));
-      memcpy(c->v + off, vb + r0 * W, sizeof(float) * (size_t)(T * W));
+    for (int64_t s = 0; s < n_seqs; s++) { /* context row lengths[s] + i of sequence s, through its page table */
+      const int32_t *pt = pages + page_start[s];
+      for (int64_t r = row_start[s], j = lengths[s]; r < row_start[s + 1]; r++, j++) {
+        memcpy(kd_dctx_row(dr, dr->k, pt, li, j), kb + r * W, sizeof(float) * (size_t)W);
+        memcpy(kd_dctx_row(dr, dr->v, pt, li, j), vb + r * W, sizeof(float) * (size_t)W);
+      }
     }
   }
-  for (int64_t s = 0; s < n_seqs; s++) dr->slots[slots[s]].length += row_start[s + 1] - row_start[s];
   return KD_OK;
 }
 
@@ -873,17 +703,19 @@ KD_FWD_CLONES static float kd_fdot(const float *a, const float *b, int64_t n) {
   return r;
 }
 
-/* query t, head hh of the drafter's non-causal GQA over n cached + B block keys/values (p: S scratch floats) */
-static void kd_drafter_attention_head(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
+/* query t, head hh of the drafter's non-causal GQA over n cached (layer li, through the page table pt) + B block
+ * keys/values (p: S scratch floats) */
+static void kd_drafter_attention_head(const kd_drafter *dr, const float *q, const int32_t *pt, int64_t li,
                                       const float *kb, const float *vb, int64_t n, float *o, float *p, int64_t t,
                                       int64_t hh) {
+  const kd_drafter_desc *d = &dr->d;
   int64_t B = d->block_size, hd = d->head_dim, W = d->hkv * hd, group = d->hq / d->hkv, S = n + B;
   float scale = (float)(1.0 / sqrt((double)hd));
   const float *qr = q + (t * d->hq + hh) * hd;
   int64_t kvh = hh / group;
   float m = -INFINITY, sum = 0.0f;
   for (int64_t j = 0; j < S; j++) {
-    const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
+    const float *kr = (j < n ? kd_dctx_row(dr, dr->k, pt, li, j) : kb + (j - n) * W) + kvh * hd;
     p[j] = kd_fdot(qr, kr, hd) * scale;
     if (p[j] > m) m = p[j];
   }
@@ -893,7 +725,7 @@ static void kd_drafter_attention_head(const kd_drafter_desc *d, const float *q, 
   float *orow = o + (t * d->hq + hh) * hd;
   for (int64_t i = 0; i < hd; i++) orow[i] = 0.0f;
   for (int64_t j = 0; j < S; j++) {
-    const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
+    const float *vr = (j < n ? kd_dctx_row(dr, dr->v, pt, li, j) : vb + (j - n) * W) + kvh * hd;
     float w = p[j] / sum;
     for (int64_t i = 0; i < hd; i++) orow[i] += w * vr[i];
   }
@@ -901,35 +733,37 @@ static void kd_drafter_attention_head(const kd_drafter_desc *d, const float *q, 
 
 /* non-causal GQA of B queries over n cached + B block keys/values: o [B, Hq*hd]. Each (query, head) is one
  * computation, so a long context splits them over the threads (p: nt x ps scratch floats) with the same bits. */
-static void kd_drafter_attention(const kd_drafter_desc *d, const float *q, const float *kc, const float *vc,
+static void kd_drafter_attention(const kd_drafter *dr, const float *q, const int32_t *pt, int64_t li,
                                  const float *kb, const float *vb, int64_t n, float *o, float *p, int64_t ps,
                                  int nt) {
+  const kd_drafter_desc *d = &dr->d;
   int64_t units = d->block_size * d->hq;
   if (nt > 1 && kd_par_worth(units * (n + d->block_size) * d->head_dim * 2, units)) {
 #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t u = 0; u < units; u++)
-      kd_drafter_attention_head(d, q, kc, vc, kb, vb, n, o, p + (size_t)omp_get_thread_num() * (size_t)ps,
+      kd_drafter_attention_head(dr, q, pt, li, kb, vb, n, o, p + (size_t)omp_get_thread_num() * (size_t)ps,
                                 u / d->hq, u % d->hq);
     return;
   }
-  for (int64_t u = 0; u < units; u++) kd_drafter_attention_head(d, q, kc, vc, kb, vb, n, o, p, u / d->hq, u % d->hq);
+  for (int64_t u = 0; u < units; u++) kd_drafter_attention_head(dr, q, pt, li, kb, vb, n, o, p, u / d->hq, u % d->hq);
 }
 
-int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus, float *logits) {
+int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                     const int64_t *lengths, const int32_t *bonus, float *logits) {
   kd_clear_error();
   KD_CHECK_PTR("kd_drafter_draft", dr);
   KD_CHECK_PTR("kd_drafter_draft", logits);
-  if (n_seqs <= 0 || !slots || !bonus)
-    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with slots and bonus required", (long long)n_seqs);
+  if (n_seqs <= 0 || !bonus)
+    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with bonus required", (long long)n_seqs);
+  KD_TRY(kd_page_tables_check("kd_drafter_draft", n_seqs, pages, page_start, lengths, NULL, dr->n_pages,
+                              dr->page_rows));
   const kd_drafter_desc *d = &dr->d;
   int64_t B = d->block_size, D = d->hidden, hd = d->head_dim, W = dr->kvw, QW = d->hq * hd, maxn = 0;
   for (int64_t s = 0; s < n_seqs; s++) {
-    kd_dslot *c = kd_dslot_get(dr, slots[s], "kd_drafter_draft");
-    if (!c) return KD_EINVAL;
     if (bonus[s] < 0 || bonus[s] >= d->vocab)
       return kd_fail(KD_EINVAL, "kd_drafter_draft: bonus token %d outside the vocabulary of %lld", bonus[s],
                      (long long)d->vocab);
-    if (c->length > maxn) maxn = c->length;
+    if (lengths[s] > maxn) maxn = lengths[s];
   }
   int64_t I = 0;
   for (int64_t li = 0; li < d->n_layers; li++)
@@ -950,8 +784,8 @@ int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const
   if (!x || !hb || !q || !kb || !vb || !o || !t || !g || !u || !p || !cs || !fo)
     return kd_fail(KD_ENOMEM, "kd_drafter_draft: out of memory");
   for (int64_t s = 0; s < n_seqs; s++) {
-    kd_dslot *c = &dr->slots[slots[s]];
-    int64_t n = c->length;
+    const int32_t *pt = pages + page_start[s];
+    int64_t n = lengths[s];
     for (int64_t r = 0; r < B; r++) /* block = embed([bonus, MASK x (B-1)]) */
       kd_embed_row(d->embed, d->embed_bf16, r ? d->mask_token : bonus[s], D, x + r * D);
     kd_rope_half_table(cs, n, B, hd, d->rope_theta);
@@ -962,8 +796,7 @@ int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const
       KD_TRY(kd_rms_norm(q, ly->q_norm, q, B * d->hq, hd, d->eps, NULL));
       kd_rope_half(q, cs, B, d->hq, hd);
       KD_TRY(kd_drafter_kv(dr, ly, hb, kb, vb, B, cs));
-      size_t off = (size_t)(li * c->max_len * W);
-      kd_drafter_attention(d, q, c->k + off, c->v + off, kb, vb, n, o, p, maxn + B, nt);
+      kd_drafter_attention(dr, q, pt, li, kb, vb, n, o, p, maxn + B, nt);
       KD_TRY(kd_lin(&ly->o, o, t, B));
       for (int64_t i = 0; i < B * D; i++) x[i] = x[i] + t[i];
       KD_TRY(kd_rms_norm(x, ly->post_norm, hb, B, D, d->eps, NULL));

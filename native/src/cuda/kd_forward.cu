@@ -1,5 +1,5 @@
 /* Whole-model forward of the CUDA build (libkdtree_cuda.so): the K2 target of kdtree.h's kd_model_* ABI with
- * device-resident weights, latent-cache slots and scratch, one stream of kernels per forward, CUDA graphs per
+ * device-resident weights, a paged latent-cache arena and scratch, one stream of kernels per forward, CUDA graphs per
  * row-count bucket.
  *
  *   make -C native cuda             # builds it into libkdtree_cuda.so (no device needed to compile)
@@ -11,7 +11,8 @@
  *   host: validate, build per-row metadata (token, cache row, prefix, block, visibility offset, YaRN cos/sin in
  *         float64 rounded once, as the CPU build) into a pinned staging buffer -> ONE H2D copy;
  *   device: embed -> layers (rms_norm, q_a/q_b/kv_a projections, latent rows written into the sequence's cache
- *         slot, rope, absorbed q, MLA attention over prefix + visible block rows, absorbed v, o_proj, [all-reduce],
+ *         pages (through its page table), rope, absorbed q, MLA attention over prefix + visible block rows (keys read
+ *         through the page table), absorbed v, o_proj, [all-reduce],
  *         residual; rms_norm, dense MLP or MoE: router + sigmoid routing with group limit + a counting sort by
  *         expert + grouped expert kernels + combine, [all-reduce], residual) -> final norm, lm_head, argmax;
  *   host: D2H of the asked outputs, one synchronize.
@@ -72,23 +73,16 @@ typedef struct {
 } fw_layer;
 
 typedef struct {
-  float *kv;            /* the slot's device rows [n_layers][max_len][L+R] */
-  int64_t max_len;
-  int64_t dst;          /* this row's cache row (prefix + index in its block) */
+  float *arena;         /* the paged latent arena [n_layers][n_pages * page_rows][L+R] (device) */
+  const int32_t *pages; /* device: its sequence's page table (staged with the forward; data, not a launch argument) */
+  int64_t page_rows, layer_rows;  /* layer_rows = n_pages * page_rows: one layer's block */
+  int64_t dst;          /* this row's cache row (prefix + index in its block), through the page table */
   int64_t prefix;       /* the sequence's cached rows before this forward */
   int64_t t, T;         /* index in its block, block rows */
   const uint64_t *vis;  /* device: its block's visibility rows [T, ceil(T/64)], NULL = causal. A pointer in the
                            metadata (data, not a launch argument): the visibility buffer may grow between a
                            graph's capture and its replay */
 } fw_row;
-
-typedef struct {
-  float *kv;            /* [n_layers][max_len][L+R]: its own allocation, or rows [off, off + max_len) of the pool */
-  int64_t max_len, length;
-  int used;
-  int64_t off;          /* pooled: first pool row (a pool row = n_layers * (L+R) floats) */
-  int pooled;
-} fw_slot;
 
 typedef struct {
   int64_t N, n_out, want_logits, want_argmax, n_hidden, hidden[FW_MAX_HIDDEN];
@@ -104,10 +98,8 @@ struct kd_model {
   fw_w lm_head;
   char *arena;                          /* every weight, one allocation */
   size_t arena_bytes;
-  fw_slot *slots;
-  int64_t n_slots;
-  float *pool;          /* kd_model_reserve: pool_rows x n_layers x (L+R) floats, slots carved as row ranges */
-  int64_t pool_rows;
+  float *kv;            /* kd_model_pages: the paged latent arena [n_layers][n_pages * page_rows][L+R] */
+  int64_t n_pages, page_rows;
   int64_t E, q_lora, Hmax, Emax, inter_max, kmax;
   int64_t gu_cols;                      /* g/u scratch floats per row: max(dense I, top_k * expert I + shared I) */
   cudaStream_t stream;
@@ -120,6 +112,8 @@ struct kd_model {
    * into it, so growing it never invalidates a captured graph */
   uint64_t *vis_h, *vis_d;
   int64_t cap_vis;                      /* words */
+  int32_t *pages_h, *pages_d;           /* the page tables of one forward (pinned host + device), grow-only as vis */
+  int64_t cap_pages;
   float *host_reduce;                   /* pinned [cap_rows * D] for the all-reduce hook (only with one) */
   struct fw_nccl_comm *nccl;            /* kd_model_set_nccl: the all-reduce on the stream (NULL = the hook) */
   int64_t nccl_ranks, nccl_rank;
@@ -251,7 +245,7 @@ __global__ void fw_cache_write_kernel(const float *__restrict__ kva, const float
   const int64_t r = blockIdx.x, E = L + R;
   const fw_row m = rows[r];
   const float *src = kva + r * E;
-  float *dst = m.kv + (layer * m.max_len + m.dst) * E;
+  float *dst = m.arena + kd_page_row(m.pages, m.page_rows, m.layer_rows, E, layer, m.dst);
   float acc = 0.0f;
   for (int64_t d = threadIdx.x; d < L; d += FW_NORM_THREADS) acc += src[d] * src[d];
   part[threadIdx.x] = acc;
@@ -282,7 +276,8 @@ __device__ __forceinline__ uint64_t fw_vis_word(const uint64_t *row, int64_t w, 
 }
 
 /* Tree-verify MLA attention of kd_cuda.cu (kd_mla_attention_kernel), one block per (row, head), its sequence's
- * cache slot and block read from the row's metadata: the same chunks of the visible key list, the same rounding. */
+ * page table and block read from the row's metadata: the same chunks of the visible key list, the same rounding
+ * (keypos holds each visible row's place in the layer's arena, through the page table). */
 __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *__restrict__ rows,
                                     float *__restrict__ out, int64_t layer, int64_t H, int64_t L, int64_t R,
                                     float scale) {
@@ -292,7 +287,7 @@ __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *_
   const int64_t r = blockIdx.x / H, h = blockIdx.x % H, E = L + R;
   const fw_row m = rows[r];
   const int64_t T = m.T, t = m.t, P = m.prefix, words = (T + 63) / 64;
-  const float *kv = m.kv + layer * m.max_len * E;
+  const float *kv = m.arena + layer * m.layer_rows * E; /* key k's row: kv + kd_page_key(...) * E */
   const uint64_t *vis = m.vis ? m.vis + t * words : NULL;
   const float *qh = q + (r * H + h) * E;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
@@ -316,16 +311,17 @@ __global__ void fw_attention_kernel(const float *__restrict__ q, const fw_row *_
     const int cm = (int)(n - c0 < FW_ATT_CHUNK ? n - c0 : FW_ATT_CHUNK);
     if (tid == 0) {
       for (int i = 0; i < cm; i++) {
-        int64_t v = c0 + i;
+        int64_t v = c0 + i, j;
         if (v < P) {
-          keypos[i] = v;
+          j = v;
         } else if (!vis) {
-          keypos[i] = P + causal_next++;
+          j = P + causal_next++;
         } else {
           while (cur_bits == 0) cur_bits = fw_vis_word(vis, ++cur_word, T);
-          keypos[i] = P + cur_word * 64 + __ffsll((long long)cur_bits) - 1;
+          j = P + cur_word * 64 + __ffsll((long long)cur_bits) - 1;
           cur_bits &= cur_bits - 1;
         }
+        keypos[i] = kd_page_key(m.pages, m.page_rows, j);
       }
     }
     __syncthreads();
@@ -531,15 +527,29 @@ __global__ void fw_argmax_kernel(const float *__restrict__ lg, int32_t *__restri
   if (threadIdx.x == 0) am[blockIdx.x] = (int32_t)(bi[0] < 0 ? 0 : bi[0]);
 }
 
-/* kd_cache_keep on the device: per layer (block), rows[i] -> start + i in ascending order (never over a row to move) */
-__global__ void fw_keep_kernel(float *__restrict__ kv, int64_t max_len, int64_t E, const int64_t *__restrict__ rows,
-                               int64_t start, int64_t n) {
-  float *base = kv + blockIdx.x * max_len * E;
+/* kd_cache_keep on the device: per layer (block), rows[i] -> start + i in ascending order (never over a row to
+ * move), both through the sequence's page table */
+__global__ void fw_keep_kernel(float *__restrict__ kv, const int32_t *__restrict__ pages, int64_t page_rows,
+                               int64_t layer_rows, int64_t E, const int64_t *__restrict__ rows, int64_t start,
+                               int64_t n) {
+  const int64_t l = blockIdx.x;
   for (int64_t i = 0; i < n; i++) {
-    if (rows[i] != start + i)
-      for (int64_t d = threadIdx.x; d < E; d += blockDim.x) base[(start + i) * E + d] = base[rows[i] * E + d];
+    if (rows[i] != start + i) {
+      float *to = kv + kd_page_row(pages, page_rows, layer_rows, E, l, start + i);
+      const float *from = kv + kd_page_row(pages, page_rows, layer_rows, E, l, rows[i]);
+      for (int64_t d = threadIdx.x; d < E; d += blockDim.x) to[d] = from[d];
+    }
     __syncthreads();
   }
+}
+
+/* rows [T, W] -> context rows start.. of one sequence's drafter arena (layer li, through its page table); grid T */
+__global__ void fw_page_scatter_kernel(const float *__restrict__ src, float *__restrict__ arena,
+                                       const int32_t *__restrict__ pages, int64_t page_rows, int64_t layer_rows,
+                                       int64_t W, int64_t li, int64_t start) {
+  const int64_t r = blockIdx.x;
+  float *dst = arena + kd_page_row(pages, page_rows, layer_rows, W, li, start + r);
+  for (int64_t d = threadIdx.x; d < W; d += blockDim.x) dst[d] = src[r * W + d];
 }
 
 /* ---- NCCL, loaded at run time (tensor parallel on the stream) -------------------------------------------
@@ -788,16 +798,21 @@ static void fw_free_vis(kd_model *m) {
   m->cap_vis = 0;
 }
 
+static void fw_free_pages(kd_model *m) {
+  if (m->pages_d) cudaFree(m->pages_d);
+  if (m->pages_h) cudaFreeHost(m->pages_h);
+  m->pages_d = m->pages_h = NULL;
+  m->cap_pages = 0;
+}
+
 extern "C" int kd_model_destroy(kd_model *m) {
   if (!m) return KD_OK;
   if (m->stream) cudaStreamSynchronize(m->stream);
   fw_free_scratch(m);
   fw_free_vis(m);
+  fw_free_pages(m);
   if (m->nccl) fw_nccl.comm_destroy(m->nccl);
-  for (int64_t s = 0; s < m->n_slots; s++)
-    if (m->slots[s].kv && !m->slots[s].pooled) cudaFree(m->slots[s].kv);
-  if (m->pool) cudaFree(m->pool);
-  free(m->slots);
+  if (m->kv) cudaFree(m->kv);
   if (m->arena) cudaFree(m->arena);
   if (m->stream) cudaStreamDestroy(m->stream);
   free(m->layers);
@@ -963,6 +978,23 @@ static int fw_reserve_vis(kd_model *m, int64_t words) {
   return KD_OK;
 }
 
+/* grow-only page-table staging of n int32 (rows point into it through metadata, as the visibility) */
+static int fw_reserve_pages(kd_model *m, int64_t n) {
+  if (n <= m->cap_pages) return KD_OK;
+  cudaStreamSynchronize(m->stream);
+  fw_free_pages(m);
+  cudaError_t e = cudaMalloc((void **)&m->pages_d, sizeof(int32_t) * (size_t)n);
+  if (e == cudaSuccess) e = cudaMallocHost((void **)&m->pages_h, sizeof(int32_t) * (size_t)n);
+  if (e != cudaSuccess) {
+    fw_free_pages(m);
+    cudaGetLastError();
+    return kd_fail(KD_ENOMEM, "kd_model_forward: page-table staging of %lld entries: %s", (long long)n,
+                   cudaGetErrorString(e));
+  }
+  m->cap_pages = n;
+  return KD_OK;
+}
+
 /* ---- the kernel sequence of one forward (eager or under capture) --------------------------------------- */
 /* out[T, n_out] = x[T, n_in] w^T on stream st (fn names the entry point in an error); rows in launches of at most
  * 65535 (grid.y's limit: a drafter context extend may be longer) */
@@ -1103,208 +1135,105 @@ static int fw_layers(kd_model *m, const fw_bufs *b, int64_t N, int64_t n_out, in
   return KD_OK;
 }
 
-/* ---- cache slots --------------------------------------------------------------------------------------- */
-static fw_slot *fw_slot_get(kd_model *m, int64_t slot, const char *fn) {
-  if (!m || slot < 0 || slot >= m->n_slots || !m->slots[slot].used) {
-    kd_fail(KD_EINVAL, "%s: cache slot %lld is not allocated", fn, (long long)slot);
-    return NULL;
-  }
-  return &m->slots[slot];
-}
-
-extern "C" int kd_cache_alloc(kd_model *m, int64_t max_len, int64_t *slot) {
-  kd_clear_error();
-  KD_CHECK_PTR("kd_cache_alloc", m);
-  KD_CHECK_PTR("kd_cache_alloc", slot);
-  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
-  int64_t s = 0;
-  while (s < m->n_slots && m->slots[s].used) s++;
-  if (s == m->n_slots) {
-    fw_slot *grown = (fw_slot *)realloc(m->slots, sizeof(fw_slot) * (size_t)(m->n_slots + 1));
-    if (!grown) return kd_fail(KD_ENOMEM, "kd_cache_alloc: out of memory");
-    m->slots = grown;
-    memset(&m->slots[m->n_slots++], 0, sizeof(fw_slot));
-  }
-  if (m->pool) { /* first fit among the gaps between the pooled slots in use; a slot keeps the per-slot layout */
-    int64_t at = 0;
-    for (int moved = 1; moved;) {
-      moved = 0;
-      for (int64_t i = 0; i < m->n_slots; i++) {
-        const fw_slot *o = &m->slots[i];
-        if (o->used && o->pooled && o->off < at + max_len && at < o->off + o->max_len) {
-          at = o->off + o->max_len;
-          moved = 1;
-        }
-      }
+/* ---- the paged latent arena --------------------------------------------------------------------------- */
+/* grow or shrink a layer-major device arena [n_layers][n_pages][page_bytes]: the first min(old, new) pages of every
+ * layer are copied into the resized layer blocks when keep is set (the page size is unchanged), new pages are
+ * zeroed; waits for `st` (a queued kernel may read the old arena) */
+static int fw_arena_resize(float **arena, int64_t old_pages, int64_t want_pages, int64_t n_layers, size_t page_bytes,
+                           int keep, cudaStream_t st, const char *fn) {
+  FW_TRY(fw_err_in(fn, cudaStreamSynchronize(st), "synchronize"));
+  float *a = NULL;
+  if (want_pages) {
+    size_t layer = page_bytes * (size_t)want_pages;
+    cudaError_t e = cudaMalloc((void **)&a, layer * (size_t)n_layers);
+    if (e != cudaSuccess) {
+      cudaGetLastError(); /* else the next forward's first launch check reports this OOM */
+      return kd_fail(KD_ENOMEM, "%s: %zu bytes of device memory for %lld pages: %s; lower serve.kv_pool_tokens "
+                                "(pipeline=plan backend=cuda prints what fits)", fn, layer * (size_t)n_layers,
+                     (long long)want_pages, cudaGetErrorString(e));
     }
-    if (at + max_len > m->pool_rows)
-      return kd_fail(KD_ENOMEM, "kd_cache_alloc: the latent-cache pool of %lld rows has no free range of %lld rows "
-                                "now; wait for running sequences to finish (or reserve a larger pool)",
-                     (long long)m->pool_rows, (long long)max_len);
-    fw_slot ps = {m->pool + at * m->d.n_layers * m->E, max_len, 0, 1, at, 1};
-    m->slots[s] = ps;
-    *slot = s;
-    return KD_OK;
+    int64_t kept = keep ? (old_pages < want_pages ? old_pages : want_pages) : 0;
+    e = cudaMemset(a, 0, layer * (size_t)n_layers);
+    if (e == cudaSuccess && kept) /* every layer's first pages: one strided copy */
+      e = cudaMemcpy2D(a, layer, *arena, page_bytes * (size_t)old_pages, page_bytes * (size_t)kept, (size_t)n_layers,
+                       cudaMemcpyDeviceToDevice);
+    if (e != cudaSuccess) {
+      cudaFree(a);
+      return fw_err_in(fn, e, "arena copy");
+    }
   }
-  size_t bytes = sizeof(float) * (size_t)(m->d.n_layers * max_len * m->E);
-  float *kv = NULL;
-  cudaError_t e = cudaMalloc((void **)&kv, bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError(); /* else the next forward's first launch check reports this OOM */
-    return kd_fail(KD_ENOMEM, "kd_cache_alloc: %zu bytes of device memory for a latent cache of %lld rows: %s; "
-                              "lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
-                   bytes, (long long)max_len, cudaGetErrorString(e));
-  }
-  fw_slot own = {kv, max_len, 0, 1, 0, 0};
-  m->slots[s] = own;
-  *slot = s;
+  if (*arena) cudaFree(*arena);
+  *arena = a;
   return KD_OK;
 }
 
-extern "C" int kd_cache_free(kd_model *m, int64_t slot) {
+extern "C" int kd_model_pages(kd_model *m, int64_t n_pages, int64_t page_rows) {
+  static const char *fn = "kd_model_pages";
   kd_clear_error();
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_free");
-  if (!c) return KD_EINVAL;
-  cudaStreamSynchronize(m->stream); /* no forward still reads it */
-  if (!c->pooled) cudaFree(c->kv); /* a pooled slot's rows simply become free */
-  memset(c, 0, sizeof *c);
+  KD_CHECK_PTR(fn, m);
+  if (n_pages < 0 || page_rows <= 0)
+    return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
+                   (long long)n_pages, (long long)page_rows);
+  size_t page = sizeof(float) * (size_t)(page_rows * m->E);   /* one layer's rows of a page */
+  FW_TRY(fw_arena_resize(&m->kv, m->n_pages, n_pages, m->d.n_layers, page, page_rows == m->page_rows, m->stream, fn));
+  m->n_pages = n_pages, m->page_rows = page_rows;
   return KD_OK;
 }
 
-extern "C" int kd_cache_length(kd_model *m, int64_t slot, int64_t *length) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_length");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_cache_length", length);
-  *length = c->length;
-  return KD_OK;
+/* a sequence's rows [start, start + n) inside its table of n_table pages, every page inside the arena */
+static int fw_table_check(const char *fn, const int32_t *pages, int64_t n_table, int64_t start, int64_t n,
+                          int64_t n_pages, int64_t page_rows) {
+  int64_t zero = 0, bounds[2] = {0, n_table}, rows[2] = {0, start + n};
+  if (start < 0 || n < 0) return kd_fail(KD_EINVAL, "%s: start=%lld n=%lld", fn, (long long)start, (long long)n);
+  return kd_page_tables_check(fn, 1, pages, bounds, &zero, rows, n_pages, page_rows);
 }
 
-extern "C" int kd_cache_truncate(kd_model *m, int64_t slot, int64_t n) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_truncate");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || n > c->length)
-    return kd_fail(KD_EINVAL, "kd_cache_truncate(%lld) outside [0, %lld]", (long long)n, (long long)c->length);
-  c->length = n;
-  return KD_OK;
-}
-
-extern "C" int kd_cache_keep(kd_model *m, int64_t slot, int64_t start, const int64_t *rows, int64_t n) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_keep");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || start < 0 || start + n > c->length || (n && !rows))
-    return kd_fail(KD_EINVAL, "kd_cache_keep: start=%lld n=%lld outside the cache's %lld rows", (long long)start,
-                   (long long)n, (long long)c->length);
+extern "C" int kd_cache_keep(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, const int64_t *rows,
+                             int64_t n) {
+  static const char *fn = "kd_cache_keep";
+  kd_clear_error();
+  KD_CHECK_PTR(fn, m);
+  if (n && !rows) return kd_fail(KD_EINVAL, "%s: rows is NULL", fn);
+  int64_t end = n ? rows[n - 1] + 1 : start;
+  FW_TRY(fw_table_check(fn, pages, n_table, start, end - start, m->n_pages, m->page_rows));
   for (int64_t i = 0; i < n; i++)
-    if (rows[i] < start || rows[i] >= c->length || (i && rows[i] <= rows[i - 1]))
-      return kd_fail(KD_EINVAL, "kd_cache_keep: rows must ascend within [%lld, %lld)", (long long)start,
-                     (long long)c->length);
+    if (rows[i] < start || (i && rows[i] <= rows[i - 1]))
+      return kd_fail(KD_EINVAL, "%s: rows must ascend from start=%lld", fn, (long long)start);
   int moved = 0;
   for (int64_t i = 0; i < n; i++) moved |= rows[i] != start + i;
-  if (moved) {
-    FW_TRY(fw_reserve(m, n > 1 ? n : 1, 0)); /* the rows travel in the out_rows staging */
-    memcpy(m->meta_h, rows, sizeof(int64_t) * (size_t)n);
-    int64_t *rows_d = (int64_t *)m->meta_d;
-    cudaError_t e = cudaMemcpyAsync(rows_d, m->meta_h, sizeof(int64_t) * (size_t)n, cudaMemcpyHostToDevice,
-                                    m->stream);
-    FW_TRY(fw_err_in("kd_cache_keep", e, "rows upload"));
-    fw_keep_kernel<<<(unsigned)m->d.n_layers, 256, 0, m->stream>>>(c->kv, c->max_len, m->E, rows_d, start, n);
-    FW_TRY(fw_err_in("kd_cache_keep", cudaGetLastError(), "row move kernel"));
-    /* the staging is reused by the next call */
-    FW_TRY(fw_err_in("kd_cache_keep", cudaStreamSynchronize(m->stream), "synchronize"));
-  }
-  c->length = start + n;
-  return KD_OK;
+  if (!moved) return KD_OK;
+  /* the rows and the table travel in the metadata staging (out_rows: int64, then int32 page ids) */
+  size_t rb = sizeof(int64_t) * (size_t)n, pb = sizeof(int32_t) * (size_t)n_table;
+  FW_TRY(fw_reserve(m, (int64_t)((rb + pb) / sizeof(int64_t)) + 1, 0));
+  memcpy(m->meta_h, rows, rb);
+  memcpy(m->meta_h + rb, pages, pb);
+  cudaError_t e = cudaMemcpyAsync(m->meta_d, m->meta_h, rb + pb, cudaMemcpyHostToDevice, m->stream);
+  FW_TRY(fw_err_in(fn, e, "rows upload"));
+  fw_keep_kernel<<<(unsigned)m->d.n_layers, 256, 0, m->stream>>>(m->kv, (const int32_t *)(m->meta_d + rb),
+                                                                 m->page_rows, m->n_pages * m->page_rows, m->E,
+                                                                 (const int64_t *)m->meta_d, start, n);
+  FW_TRY(fw_err_in(fn, cudaGetLastError(), "row move kernel"));
+  return fw_err_in(fn, cudaStreamSynchronize(m->stream), "synchronize"); /* the staging is reused by the next call */
 }
 
-/* One device arena of `rows` latent-cache rows (the serving pool, reserved once at start so the fit is checked
- * before serving and no request pays a cudaMalloc); slots are row ranges of it. */
-extern "C" int kd_model_compact(kd_model *m, int64_t *free_rows) {
+/* rows of one sequence into HOST out [n_layers, n, L+R]: one copy per layer and page run */
+extern "C" int kd_cache_gather(kd_model *m, const int32_t *pages, int64_t n_table, int64_t start, int64_t n,
+                               float *out) {
+  static const char *fn = "kd_cache_gather";
   kd_clear_error();
-  KD_CHECK_PTR("kd_model_compact", m);
-  KD_CHECK_PTR("kd_model_compact", free_rows);
-  int64_t at = 0;
-  const int64_t row = m->d.n_layers * m->E; /* floats per pool row: a slot is [n_layers][max_len][L+R] */
-  for (;;) {
-    fw_slot *next = NULL;
-    for (int64_t i = 0; i < m->n_slots; i++) {
-      fw_slot *o = &m->slots[i];
-      if (o->used && o->pooled && o->off >= at && (!next || o->off < next->off)) next = o;
+  KD_CHECK_PTR(fn, m);
+  if (n && !out) return kd_fail(KD_EINVAL, "%s: out is NULL", fn);
+  FW_TRY(fw_table_check(fn, pages, n_table, start, n, m->n_pages, m->page_rows));
+  FW_TRY(fw_err_in(fn, cudaStreamSynchronize(m->stream), "synchronize")); /* rows written by a forward are complete */
+  const int64_t E = m->E, P = m->page_rows;
+  for (int64_t l = 0; l < m->d.n_layers; l++)
+    for (int64_t i = 0, k; i < n; i = k) {
+      k = (start + i) / P * P + P - start; /* the end of row start + i's page */
+      if (k > n) k = n;
+      cudaError_t e = cudaMemcpy(out + (l * n + i) * E, m->kv + kd_page_row(pages, P, m->n_pages * P, E, l, start + i),
+                                 sizeof(float) * (size_t)((k - i) * E), cudaMemcpyDeviceToHost);
+      FW_TRY(fw_err_in(fn, e, "rows download"));
     }
-    if (!next) break;
-    if (next->off != at) {
-      float *to = m->pool + at * row;
-      size_t bytes = sizeof(float) * (size_t)(next->max_len * row);
-      float *tmp = NULL; /* the ranges may overlap: through a scratch copy */
-      if (cudaMalloc((void **)&tmp, bytes) != cudaSuccess) {
-        cudaGetLastError();
-        return kd_fail(KD_ENOMEM, "kd_model_compact: no device memory for a %zu-byte scratch copy", bytes);
-      }
-      cudaError_t e = cudaMemcpy(tmp, next->kv, bytes, cudaMemcpyDeviceToDevice);
-      if (e == cudaSuccess) e = cudaMemcpy(to, tmp, bytes, cudaMemcpyDeviceToDevice);
-      cudaFree(tmp);
-      if (e != cudaSuccess) return kd_fail(KD_ECUDA, "kd_model_compact: %s", cudaGetErrorString(e));
-      next->kv = to;
-      next->off = at;
-    }
-    at += next->max_len;
-  }
-  *free_rows = m->pool ? m->pool_rows - at : 0;
-  return KD_OK;
-}
-
-extern "C" int kd_model_reserve(kd_model *m, int64_t rows) {
-  kd_clear_error();
-  KD_CHECK_PTR("kd_model_reserve", m);
-  if (rows < 0) return kd_fail(KD_EINVAL, "kd_model_reserve: rows=%lld must be >= 0", (long long)rows);
-  for (int64_t i = 0; i < m->n_slots; i++)
-    if (m->slots[i].used && m->slots[i].pooled)
-      return kd_fail(KD_EINVAL, "kd_model_reserve: cache slot %lld still uses the current pool; free it first",
-                     (long long)i);
-  cudaStreamSynchronize(m->stream);
-  if (m->pool) cudaFree(m->pool);
-  m->pool = NULL;
-  m->pool_rows = 0;
-  if (rows == 0) return KD_OK;
-  size_t bytes = sizeof(float) * (size_t)(rows * m->d.n_layers * m->E);
-  cudaError_t e = cudaMalloc((void **)&m->pool, bytes);
-  if (e != cudaSuccess) {
-    m->pool = NULL;
-    cudaGetLastError();
-    return kd_fail(KD_ENOMEM, "kd_model_reserve: %zu bytes of device memory for a latent-cache pool of %lld rows: "
-                              "%s; lower serve.kv_pool_tokens (pipeline=plan backend=cuda prints what fits)",
-                   bytes, (long long)rows, cudaGetErrorString(e));
-  }
-  m->pool_rows = rows;
-  return KD_OK;
-}
-
-/* rows: HOST f32 [n_layers, n, L+R], copied into each layer's device rows at start; length = start + n */
-extern "C" int kd_cache_write_rows(kd_model *m, int64_t slot, int64_t start, const float *rows, int64_t n) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_write_rows");
-  if (!c) return KD_EINVAL;
-  if (n < 0 || start < 0 || start > c->length || start + n > c->max_len || (n && !rows))
-    return kd_fail(KD_EINVAL, "kd_cache_write_rows: start=%lld n=%lld outside the cache's %lld rows (length %lld)",
-                   (long long)start, (long long)n, (long long)c->max_len, (long long)c->length);
-  FW_TRY(fw_err_in("kd_cache_write_rows", cudaStreamSynchronize(m->stream), "synchronize"));
-  for (int64_t l = 0; l < m->d.n_layers && n; l++) {
-    cudaError_t e = cudaMemcpy(c->kv + l * c->max_len * m->E + start * m->E, rows + l * n * m->E,
-                               sizeof(float) * (size_t)(n * m->E), cudaMemcpyHostToDevice);
-    FW_TRY(fw_err_in("kd_cache_write_rows", e, "rows upload"));
-  }
-  c->length = start + n;
-  return KD_OK;
-}
-
-/* CUDA build: a DEVICE pointer to the layer's rows f32 [max_len, L+R] (copy with kd_memcpy_d2h to read them) */
-extern "C" int kd_cache_rows(kd_model *m, int64_t slot, int64_t layer, float **rows) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_cache_rows");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_cache_rows", rows);
-  if (layer < 0 || layer >= m->d.n_layers)
-    return kd_fail(KD_EINVAL, "kd_cache_rows: layer %lld outside [0, %lld)", (long long)layer, (long long)m->d.n_layers);
-  /* rows written by a forward are complete */
-  FW_TRY(fw_err_in("kd_cache_rows", cudaStreamSynchronize(m->stream), "synchronize"));
-  *rows = c->kv + layer * c->max_len * m->E;
   return KD_OK;
 }
 
@@ -1406,15 +1335,8 @@ static double fw_now(void) {
 }
 
 /* ---- the forward ------------------------------------------------------------------------------------- */
-static int fw_slot_room(kd_model *m, int64_t slot, int64_t *length, int64_t *max_len) {
-  fw_slot *c = fw_slot_get(m, slot, "kd_model_forward");
-  if (!c) return KD_EINVAL;
-  *length = c->length, *max_len = c->max_len;
-  return KD_OK;
-}
-
 static int fw_check(kd_model *m, const kd_forward_args *a) {
-  int rc = kd_forward_args_check(m, a, m->d.vocab, m->d.n_layers, fw_slot_room);
+  int rc = kd_forward_args_check(a, m->d.vocab, m->d.n_layers, m->n_pages, m->page_rows);
   if (rc) return rc;
   if (a->n_rows > 65535)
     return kd_fail(KD_EINVAL, "kd_model_forward: n_rows=%lld > 65535 rows per call on CUDA; split the batch "
@@ -1431,12 +1353,13 @@ static void fw_stage(kd_model *m, const kd_forward_args *a, fw_bufs *hb) {
   int64_t N = a->n_rows, R = d->rope_dim, half = R / 2, vis_off = 0; /* vis: into m->vis_h, rows point to vis_d */
   memcpy(hb->tokens, a->tokens, sizeof(int32_t) * (size_t)N);
   const uint64_t *vis = a->visibility;
+  memcpy(m->pages_h, a->pages, sizeof(int32_t) * (size_t)a->page_start[a->n_seqs]);
   for (int64_t s = 0; s < a->n_seqs; s++) {
-    fw_slot *c = &m->slots[a->slots[s]];
-    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0, words = (T + 63) / 64;
+    int64_t r0 = a->row_start[s], T = a->row_start[s + 1] - r0, words = (T + 63) / 64, len = a->lengths[s];
     for (int64_t t = 0; t < T; t++) {
       fw_row *row = &hb->rows[r0 + t];
-      row->kv = c->kv, row->max_len = c->max_len, row->dst = c->length + t, row->prefix = c->length;
+      row->arena = m->kv, row->pages = m->pages_d + a->page_start[s], row->page_rows = m->page_rows;
+      row->layer_rows = m->n_pages * m->page_rows, row->dst = len + t, row->prefix = len;
       row->t = t, row->T = T, row->vis = vis ? m->vis_d + vis_off : NULL;
     }
     if (vis) {
@@ -1543,6 +1466,7 @@ extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   }
   FW_TRY(fw_reserve(m, N, a->n_hidden));
   FW_TRY(fw_reserve_vis(m, vis_words));
+  FW_TRY(fw_reserve_pages(m, a->page_start[a->n_seqs]));
   fw_bufs hb, db;
   size_t sb, mb;
   fw_layout(m, m->cap_rows, m->cap_hidden, m->scratch, m->meta_h, &hb, &sb, &mb);
@@ -1557,7 +1481,8 @@ extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
             {db.rows, hb.rows, sizeof(fw_row) * (size_t)N},
             {db.cs, hb.cs, sizeof(float) * (size_t)(N * d->rope_dim)},
             {db.out_rows, hb.out_rows, sizeof(int64_t) * (size_t)n_out},
-            {m->vis_d, m->vis_h, sizeof(uint64_t) * (size_t)vis_words}};
+            {m->vis_d, m->vis_h, sizeof(uint64_t) * (size_t)vis_words},
+            {m->pages_d, m->pages_h, sizeof(int32_t) * (size_t)a->page_start[a->n_seqs]}};
   for (size_t i = 0; i < sizeof up / sizeof up[0]; i++)
     if (up[i].bytes)
       FW_TRY(fw_err(cudaMemcpyAsync(up[i].dst, up[i].src, up[i].bytes, cudaMemcpyHostToDevice, m->stream),
@@ -1578,15 +1503,13 @@ extern "C" int kd_model_forward(kd_model *m, const kd_forward_args *a) {
                         m->stream);
   cudaError_t se = cudaStreamSynchronize(m->stream); /* the staging is reused by the next forward */
   if (rc) return rc;
-  FW_TRY(fw_err(e != cudaSuccess ? e : se, "outputs"));
-  for (int64_t s = 0; s < a->n_seqs; s++) m->slots[a->slots[s]].length += a->row_start[s + 1] - a->row_start[s];
-  return KD_OK;
+  return fw_err(e != cudaSuccess ? e : se, "outputs");
 }
 
 /* ---- the DFlash drafter (kd_forward.c's kd_drafter_*, the same order of operations) ------------------------
  * Weights uploaded once into its own arena (embed / lm_head are the target's tensors: with desc.target the
- * drafter reads the target model's device copies, else it uploads its own), per-slot K/V context caches on the
- * device, grow-only device scratch, one stream. feats and logits are HOST arrays, as in the CPU build: one H2D
+ * drafter reads the target model's device copies, else it uploads its own), a paged K/V context arena on the
+ * device (the target's page ids: kd_drafter_pages), grow-only device scratch, one stream. feats and logits are HOST arrays, as in the CPU build: one H2D
  * of the context rows per extend, one D2H of the block's logits per sequence. Its linears are fw_linear_kernel's
  * warp dots; the attention is one block per (query, head) over the cached + block keys (scores in scratch,
  * softmax, weighted values: kd_forward.c's formulas in a different summation order, so parity is within the
@@ -1597,13 +1520,6 @@ typedef struct {
   fw_mlp mlp;
 } fw_dlayer;
 
-typedef struct {
-  float *k, *v;   /* device [n_layers][cap][Hkv*hd] each */
-  int64_t cap;    /* rows per layer of the allocation (>= max_len when reused) */
-  int64_t max_len, length;
-  int used;       /* 0 with k != NULL: a freed slot whose allocation waits to be reused */
-} fw_dslot;
-
 struct kd_drafter {
   kd_drafter_desc d; /* sizes only: the caller's pointers are read during create */
   fw_dlayer *layers; /* host array of device pointers */
@@ -1612,8 +1528,8 @@ struct kd_drafter {
   const __nv_bfloat16 *embed_bf16;
   char *arena;
   size_t arena_bytes;
-  fw_dslot *slots;
-  int64_t n_slots, kvw, inter;
+  float *k, *v;   /* kd_drafter_pages: device [n_layers][n_pages * page_rows][Hkv*hd] each */
+  int64_t n_pages, page_rows, kvw, inter;
   cudaStream_t stream;
   char *scratch; /* device, grow-only */
   size_t scratch_bytes;
@@ -1633,8 +1549,10 @@ __global__ void fw_rope_half_kernel(float *__restrict__ x, const float *__restri
   }
 }
 
-/* the drafter's non-causal GQA: block u = (query t, head hh) over n cached + B block keys; p: ps floats per block */
-__global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__restrict__ kc, const float *__restrict__ vc,
+/* the drafter's non-causal GQA: block u = (query t, head hh) over n cached (layer li of the arenas ka / va, through
+ * the page table pt) + B block keys; p: ps floats per block */
+__global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__restrict__ ka, const float *__restrict__ va,
+                                const int32_t *__restrict__ pt, int64_t page_rows, int64_t layer_rows, int64_t li,
                                 const float *__restrict__ kb, const float *__restrict__ vb, int64_t n, int64_t B,
                                 int64_t hq, int64_t hkv, int64_t hd, float scale, float *__restrict__ p, int64_t ps,
                                 float *__restrict__ o) {
@@ -1644,7 +1562,7 @@ __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__rest
   float *pr = p + u * ps;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = FW_ATT_THREADS / 32;
   for (int64_t j = warp; j < S; j += nwarps) {
-    const float *kr = (j < n ? kc + j * W : kb + (j - n) * W) + kvh * hd;
+    const float *kr = (j < n ? ka + kd_page_row(pt, page_rows, layer_rows, W, li, j) : kb + (j - n) * W) + kvh * hd;
     float s = 0.0f;
     for (int64_t d = lane; d < hd; d += 32) s += qr[d] * kr[d];
     s = fw_warp_sum(s);
@@ -1678,7 +1596,7 @@ __global__ void fw_dattn_kernel(const float *__restrict__ q, const float *__rest
   for (int64_t d = tid; d < hd; d += FW_ATT_THREADS) {
     float acc = 0.0f;
     for (int64_t j = 0; j < S; j++) {
-      const float *vr = (j < n ? vc + j * W : vb + (j - n) * W) + kvh * hd;
+      const float *vr = (j < n ? va + kd_page_row(pt, page_rows, layer_rows, W, li, j) : vb + (j - n) * W) + kvh * hd;
       acc += (pr[j] / sum) * vr[d];
     }
     orow[d] = acc;
@@ -1718,11 +1636,8 @@ static int fw_dupload(kd_drafter *dr, const kd_drafter_desc *d, fw_up *u) {
 extern "C" int kd_drafter_destroy(kd_drafter *dr) {
   if (!dr) return KD_OK;
   if (dr->stream) cudaStreamSynchronize(dr->stream);
-  for (int64_t s = 0; s < dr->n_slots; s++) {
-    if (dr->slots[s].k) cudaFree(dr->slots[s].k);
-    if (dr->slots[s].v) cudaFree(dr->slots[s].v);
-  }
-  free(dr->slots);
+  if (dr->k) cudaFree(dr->k);
+  if (dr->v) cudaFree(dr->v);
   if (dr->scratch) cudaFree(dr->scratch);
   if (dr->arena) cudaFree(dr->arena);
   if (dr->stream) cudaStreamDestroy(dr->stream);
@@ -1792,96 +1707,23 @@ extern "C" int kd_drafter_create(const kd_drafter_desc *desc, kd_drafter **out) 
   return KD_OK;
 }
 
-static fw_dslot *fw_dslot_get(kd_drafter *dr, int64_t slot, const char *fn) {
-  if (!dr || slot < 0 || slot >= dr->n_slots || !dr->slots[slot].used) {
-    kd_fail(KD_EINVAL, "%s: drafter cache slot %lld is not allocated", fn, (long long)slot);
-    return NULL;
-  }
-  return &dr->slots[slot];
-}
-
-extern "C" int kd_drafter_cache_alloc(kd_drafter *dr, int64_t max_len, int64_t *slot) {
+extern "C" int kd_drafter_pages(kd_drafter *dr, int64_t n_pages, int64_t page_rows) {
+  static const char *fn = "kd_drafter_pages";
   kd_clear_error();
-  KD_CHECK_PTR("kd_drafter_cache_alloc", dr);
-  KD_CHECK_PTR("kd_drafter_cache_alloc", slot);
-  if (max_len <= 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_alloc: max_len=%lld must be > 0", (long long)max_len);
-  int64_t s = 0; /* a free entry for a new allocation: an empty one first, else a cached one, else a new one */
-  while (s < dr->n_slots && (dr->slots[s].used || dr->slots[s].k)) s++;
-  if (s == dr->n_slots) {
-    s = 0;
-    while (s < dr->n_slots && dr->slots[s].used) s++;
+  KD_CHECK_PTR(fn, dr);
+  if (n_pages < 0 || page_rows <= 0)
+    return kd_fail(KD_EINVAL, "%s: n_pages=%lld, page_rows=%lld; give n_pages >= 0 and page_rows >= 1", fn,
+                   (long long)n_pages, (long long)page_rows);
+  size_t page = sizeof(float) * (size_t)(page_rows * dr->kvw);   /* one layer's rows of a page */
+  int keep = page_rows == dr->page_rows;
+  FW_TRY(fw_arena_resize(&dr->k, dr->n_pages, n_pages, dr->d.n_layers, page, keep, dr->stream, fn));
+  int rc = fw_arena_resize(&dr->v, dr->n_pages, n_pages, dr->d.n_layers, page, keep, dr->stream, fn);
+  if (rc) { /* K resized, V not: drop both (no sequence may use a half-sized arena) */
+    if (dr->k) cudaFree(dr->k);
+    dr->k = NULL, dr->n_pages = 0;
+    return rc;
   }
-  if (s == dr->n_slots) {
-    fw_dslot *grown = (fw_dslot *)realloc(dr->slots, sizeof(fw_dslot) * (size_t)(dr->n_slots + 1));
-    if (!grown) return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: out of memory");
-    dr->slots = grown;
-    memset(&dr->slots[dr->n_slots++], 0, sizeof(fw_dslot));
-  }
-  /* a freed allocation that is large enough (the smallest such) is reused: a server allocates one context per
-   * request, and cudaFree would wait for the whole device (the target's forwards too) at every request's end */
-  int64_t best = -1;
-  for (int64_t i = 0; i < dr->n_slots; i++)
-    if (!dr->slots[i].used && dr->slots[i].k && dr->slots[i].cap >= max_len &&
-        (best < 0 || dr->slots[i].cap < dr->slots[best].cap))
-      best = i;
-  if (best >= 0) {
-    fw_dslot *c = &dr->slots[best];
-    c->max_len = max_len, c->length = 0, c->used = 1;
-    *slot = best;
-    return KD_OK;
-  }
-  if (dr->slots[s].k) { /* s is free but too small: release it for a new allocation */
-    cudaFree(dr->slots[s].k), cudaFree(dr->slots[s].v);
-    memset(&dr->slots[s], 0, sizeof(fw_dslot));
-  }
-  size_t bytes = sizeof(float) * (size_t)(dr->d.n_layers * max_len * dr->kvw);
-  float *k = NULL, *v = NULL;
-  cudaError_t e = cudaSuccess;
-  for (int attempt = 0; attempt < 2; attempt++) {
-    k = v = NULL;
-    e = cudaMalloc((void **)&k, bytes);
-    if (e != cudaSuccess) k = NULL; /* a failed cudaMalloc does not promise to leave the pointer alone */
-    if (e == cudaSuccess) e = cudaMalloc((void **)&v, bytes);
-    if (e == cudaSuccess) break;
-    cudaGetLastError();
-    if (k) cudaFree(k);
-    for (int64_t i = 0; i < dr->n_slots; i++) /* out of memory: give the cached free allocations back, retry */
-      if (!dr->slots[i].used && dr->slots[i].k) {
-        cudaFree(dr->slots[i].k), cudaFree(dr->slots[i].v);
-        memset(&dr->slots[i], 0, sizeof(fw_dslot));
-      }
-  }
-  if (e != cudaSuccess)
-    return kd_fail(KD_ENOMEM, "kd_drafter_cache_alloc: 2 x %zu bytes of device memory for a drafter context of %lld "
-                              "rows: %s", bytes, (long long)max_len, cudaGetErrorString(e));
-  fw_dslot c = {k, v, max_len, max_len, 0, 1};
-  dr->slots[s] = c;
-  *slot = s;
-  return KD_OK;
-}
-
-extern "C" int kd_drafter_cache_free(kd_drafter *dr, int64_t slot) {
-  kd_clear_error();
-  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_free");
-  if (!c) return KD_EINVAL;
-  c->used = 0, c->length = 0; /* the allocation stays for the next kd_drafter_cache_alloc (every call that reads it
-                                 has synchronized before returning); kd_drafter_destroy frees it */
-  return KD_OK;
-}
-
-extern "C" int kd_drafter_cache_length(kd_drafter *dr, int64_t slot, int64_t *length) {
-  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_length");
-  if (!c) return KD_EINVAL;
-  KD_CHECK_PTR("kd_drafter_cache_length", length);
-  *length = c->length;
-  return KD_OK;
-}
-
-extern "C" int kd_drafter_cache_truncate(kd_drafter *dr, int64_t slot, int64_t n) {
-  fw_dslot *c = fw_dslot_get(dr, slot, "kd_drafter_cache_truncate");
-  if (!c) return KD_EINVAL;
-  if (n < 0) return kd_fail(KD_EINVAL, "kd_drafter_cache_truncate(%lld): n must be >= 0", (long long)n);
-  if (n < c->length) c->length = n;
+  dr->n_pages = n_pages, dr->page_rows = page_rows;
   return KD_OK;
 }
 
@@ -1919,108 +1761,108 @@ static int fw_dkv(kd_drafter *dr, const char *fn, const fw_dlayer *ly, const flo
   return fw_err_in(fn, cudaGetLastError(), "rope");
 }
 
-extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int64_t *row_start,
-                                 const float *feats) {
+extern "C" int kd_drafter_extend(kd_drafter *dr, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                                 const int64_t *lengths, const int64_t *row_start, const float *feats) {
   static const char *fn = "kd_drafter_extend";
   kd_clear_error();
   KD_CHECK_PTR("kd_drafter_extend", dr);
-  if (n_seqs <= 0 || !slots || !row_start || row_start[0] != 0)
-    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with slots and row_start from 0 required",
-                   (long long)n_seqs);
+  if (n_seqs <= 0 || !row_start || row_start[0] != 0)
+    return kd_fail(KD_EINVAL, "kd_drafter_extend: n_seqs=%lld with row_start from 0 required", (long long)n_seqs);
+  FW_TRY(kd_page_tables_check(fn, n_seqs, pages, page_start, lengths, row_start, dr->n_pages, dr->page_rows));
   const kd_drafter_desc *d = &dr->d;
   int64_t N = row_start[n_seqs], D = d->hidden, W = dr->kvw, hd = d->head_dim, F = dr->fc.n_in;
-  for (int64_t s = 0; s < n_seqs; s++) {
-    fw_dslot *c = fw_dslot_get(dr, slots[s], fn);
-    if (!c) return KD_EINVAL;
-    int64_t T = row_start[s + 1] - row_start[s];
-    if (T < 0 || c->length + T > c->max_len)
-      return kd_fail(KD_EINVAL, "kd_drafter_extend: drafter context %lld + %lld exceeds its cache max_len=%lld",
-                     (long long)c->length, (long long)T, (long long)c->max_len);
-  }
+  int64_t n_tab = page_start[n_seqs];
   if (N == 0) return KD_OK;
   KD_CHECK_PTR("kd_drafter_extend", feats);
   size_t o = 0, f_at = fw_take(&o, sizeof(float) * (size_t)(N * F));
   size_t ctx_at = fw_take(&o, sizeof(float) * (size_t)(N * D)), cs_at = fw_take(&o, sizeof(float) * (size_t)(N * hd));
   size_t kb_at = fw_take(&o, sizeof(float) * (size_t)(N * W)), vb_at = fw_take(&o, sizeof(float) * (size_t)(N * W));
-  FW_TRY(fw_dreserve(dr, fn, o, sizeof(float) * (size_t)(N * hd)));
+  size_t pt_at = fw_take(&o, sizeof(int32_t) * (size_t)n_tab);
+  FW_TRY(fw_dreserve(dr, fn, o, sizeof(float) * (size_t)(N * hd) + sizeof(int32_t) * (size_t)n_tab));
   char *sb = dr->scratch;
   float *fd = (float *)(sb + f_at), *ctx = (float *)(sb + ctx_at), *cs = (float *)(sb + cs_at);
   float *kb = (float *)(sb + kb_at), *vb = (float *)(sb + vb_at), *csh = (float *)dr->host;
+  int32_t *pt = (int32_t *)(sb + pt_at), *pth = (int32_t *)(dr->host + sizeof(float) * (size_t)(N * hd));
   for (int64_t s = 0; s < n_seqs; s++)
-    kd_rope_half_table(csh + row_start[s] * hd, dr->slots[slots[s]].length, row_start[s + 1] - row_start[s], hd,
-                       d->rope_theta);
+    kd_rope_half_table(csh + row_start[s] * hd, lengths[s], row_start[s + 1] - row_start[s], hd, d->rope_theta);
+  memcpy(pth, pages, sizeof(int32_t) * (size_t)n_tab);
   cudaStream_t st = dr->stream;
   FW_TRY(fw_err_in(fn, cudaMemcpyAsync(fd, feats, sizeof(float) * (size_t)(N * F), cudaMemcpyHostToDevice, st),
                    "context upload"));
   FW_TRY(fw_err_in(fn, cudaMemcpyAsync(cs, csh, sizeof(float) * (size_t)(N * hd), cudaMemcpyHostToDevice, st),
                    "rope upload"));
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(pt, pth, sizeof(int32_t) * (size_t)n_tab, cudaMemcpyHostToDevice, st),
+                   "page table upload"));
   FW_TRY(fw_lin_on(st, fn, &dr->fc, fd, ctx, N)); /* ctx = hidden_norm(fc(feats)) */
   FW_TRY(kd_rms_norm(ctx, dr->hidden_norm, ctx, N, D, d->eps, st));
   for (int64_t li = 0; li < d->n_layers; li++) {
     FW_TRY(fw_dkv(dr, fn, &dr->layers[li], ctx, kb, vb, N, cs));
-    for (int64_t s = 0; s < n_seqs; s++) {
-      fw_dslot *c = &dr->slots[slots[s]];
+    for (int64_t s = 0; s < n_seqs; s++) { /* context rows lengths[s].. through the sequence's page table */
       int64_t r0 = row_start[s], T = row_start[s + 1] - r0;
-      if (!T) continue;
-      size_t off = (size_t)((li * c->cap + c->length) * W), bytes = sizeof(float) * (size_t)(T * W);
-      cudaError_t e = cudaMemcpyAsync(c->k + off, kb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
-      if (e == cudaSuccess) e = cudaMemcpyAsync(c->v + off, vb + r0 * W, bytes, cudaMemcpyDeviceToDevice, st);
-      FW_TRY(fw_err_in(fn, e, "cache write"));
+      for (int64_t t0 = 0; t0 < T; t0 += 65535) { /* grid.x rows per launch: a long prompt's context too */
+        unsigned rows = (unsigned)(T - t0 < 65535 ? T - t0 : 65535);
+        int64_t lr = dr->n_pages * dr->page_rows;
+        fw_page_scatter_kernel<<<rows, 128, 0, st>>>(kb + (r0 + t0) * W, dr->k, pt + page_start[s], dr->page_rows,
+                                                     lr, W, li, lengths[s] + t0);
+        fw_page_scatter_kernel<<<rows, 128, 0, st>>>(vb + (r0 + t0) * W, dr->v, pt + page_start[s], dr->page_rows,
+                                                     lr, W, li, lengths[s] + t0);
+        FW_TRY(fw_err_in(fn, cudaGetLastError(), "cache write"));
+      }
     }
   }
-  FW_TRY(fw_err_in(fn, cudaStreamSynchronize(st), "synchronize")); /* the host staging is reused by the next call */
-  for (int64_t s = 0; s < n_seqs; s++) dr->slots[slots[s]].length += row_start[s + 1] - row_start[s];
-  return KD_OK;
+  return fw_err_in(fn, cudaStreamSynchronize(st), "synchronize"); /* the host staging is reused by the next call */
 }
 
-extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *slots, const int32_t *bonus,
-                                float *logits) {
+extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int32_t *pages, const int64_t *page_start,
+                                const int64_t *lengths, const int32_t *bonus, float *logits) {
   static const char *fn = "kd_drafter_draft";
   kd_clear_error();
   KD_CHECK_PTR("kd_drafter_draft", dr);
   KD_CHECK_PTR("kd_drafter_draft", logits);
-  if (n_seqs <= 0 || !slots || !bonus)
-    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with slots and bonus required", (long long)n_seqs);
+  if (n_seqs <= 0 || !bonus)
+    return kd_fail(KD_EINVAL, "kd_drafter_draft: n_seqs=%lld with bonus required", (long long)n_seqs);
+  FW_TRY(kd_page_tables_check(fn, n_seqs, pages, page_start, lengths, NULL, dr->n_pages, dr->page_rows));
   const kd_drafter_desc *d = &dr->d;
   int64_t B = d->block_size, D = d->hidden, hd = d->head_dim, W = dr->kvw, QW = d->hq * hd, V = d->vocab, maxn = 0;
+  int64_t n_tab = page_start[n_seqs];
   for (int64_t s = 0; s < n_seqs; s++) {
-    fw_dslot *c = fw_dslot_get(dr, slots[s], fn);
-    if (!c) return KD_EINVAL;
     if (bonus[s] < 0 || bonus[s] >= V)
       return kd_fail(KD_EINVAL, "kd_drafter_draft: bonus token %d outside the vocabulary of %lld", bonus[s],
                      (long long)V);
-    if (c->length > maxn) maxn = c->length;
+    if (lengths[s] > maxn) maxn = lengths[s];
   }
   int64_t I = dr->inter, ps = maxn + B;
   size_t o = 0;
 #define FW_D(name, n) size_t name##_at = fw_take(&o, sizeof(float) * (size_t)(n))
   FW_D(x, B * D); FW_D(hb, B * D); FW_D(q, B * QW); FW_D(kb, B * W); FW_D(vb, B * W); FW_D(ob, B * QW);
   FW_D(t, B * D); FW_D(g, B * I); FW_D(u, B * I); FW_D(p, B * d->hq * ps); FW_D(fo, B * D); FW_D(lg, (B - 1) * V);
-  FW_D(cs, n_seqs * B * hd); FW_D(tok, n_seqs * B);
+  FW_D(cs, n_seqs * B * hd); FW_D(tok, n_seqs * B); FW_D(pt, n_tab);
 #undef FW_D
-  size_t host_bytes = sizeof(float) * (size_t)(n_seqs * B * hd) + sizeof(int32_t) * (size_t)(n_seqs * B);
+  size_t host_bytes = sizeof(float) * (size_t)(n_seqs * B * hd) + sizeof(int32_t) * (size_t)(n_seqs * B + n_tab);
   FW_TRY(fw_dreserve(dr, fn, o, host_bytes));
   char *sb = dr->scratch;
   float *x = (float *)(sb + x_at), *hb = (float *)(sb + hb_at), *q = (float *)(sb + q_at), *kb = (float *)(sb + kb_at);
   float *vb = (float *)(sb + vb_at), *ob = (float *)(sb + ob_at), *t = (float *)(sb + t_at), *g = (float *)(sb + g_at);
   float *u = (float *)(sb + u_at), *p = (float *)(sb + p_at), *fo = (float *)(sb + fo_at), *lg = (float *)(sb + lg_at);
   float *cs = (float *)(sb + cs_at);
-  int32_t *tok = (int32_t *)(sb + tok_at);
+  int32_t *tok = (int32_t *)(sb + tok_at), *pt = (int32_t *)(sb + pt_at);
   float *csh = (float *)dr->host;
-  int32_t *tokh = (int32_t *)(dr->host + sizeof(float) * (size_t)(n_seqs * B * hd));
+  int32_t *tokh = (int32_t *)(dr->host + sizeof(float) * (size_t)(n_seqs * B * hd)), *pth = tokh + n_seqs * B;
   for (int64_t s = 0; s < n_seqs; s++) { /* block = [bonus, MASK x (B-1)] at positions n..n+B-1 */
-    kd_rope_half_table(csh + s * B * hd, dr->slots[slots[s]].length, B, hd, d->rope_theta);
+    kd_rope_half_table(csh + s * B * hd, lengths[s], B, hd, d->rope_theta);
     for (int64_t r = 0; r < B; r++) tokh[s * B + r] = r ? d->mask_token : bonus[s];
   }
+  memcpy(pth, pages, sizeof(int32_t) * (size_t)n_tab);
   cudaStream_t st = dr->stream;
   FW_TRY(fw_err_in(fn, cudaMemcpyAsync(cs, csh, sizeof(float) * (size_t)(n_seqs * B * hd), cudaMemcpyHostToDevice,
                                        st), "rope upload"));
   FW_TRY(fw_err_in(fn, cudaMemcpyAsync(tok, tokh, sizeof(int32_t) * (size_t)(n_seqs * B), cudaMemcpyHostToDevice, st),
                    "token upload"));
+  FW_TRY(fw_err_in(fn, cudaMemcpyAsync(pt, pth, sizeof(int32_t) * (size_t)n_tab, cudaMemcpyHostToDevice, st),
+                   "page table upload"));
   float scale = (float)(1.0 / sqrt((double)hd));
   for (int64_t s = 0; s < n_seqs; s++) {
-    fw_dslot *c = &dr->slots[slots[s]];
-    int64_t n = c->length;
+    int64_t n = lengths[s];
     const float *css = cs + s * B * hd;
     if (dr->embed_bf16)
       fw_embed_kernel<<<fw_blocks(B * D), 256, 0, st>>>(dr->embed_bf16, tok + s * B, x, B, D);
@@ -2035,9 +1877,10 @@ extern "C" int kd_drafter_draft(kd_drafter *dr, int64_t n_seqs, const int64_t *s
       fw_rope_half_kernel<<<(unsigned)(B * d->hq), 64, 0, st>>>(q, css, d->hq, hd);
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "rope"));
       FW_TRY(fw_dkv(dr, fn, ly, hb, kb, vb, B, css));
-      size_t off = (size_t)(li * c->cap * W);
-      fw_dattn_kernel<<<(unsigned)(B * d->hq), FW_ATT_THREADS, 0, st>>>(q, c->k + off, c->v + off, kb, vb, n, B, d->hq,
-                                                                         d->hkv, hd, scale, p, ps, ob);
+      fw_dattn_kernel<<<(unsigned)(B * d->hq), FW_ATT_THREADS, 0, st>>>(q, dr->k, dr->v, pt + page_start[s],
+                                                                         dr->page_rows, dr->n_pages * dr->page_rows,
+                                                                         li, kb, vb, n, B, d->hq, d->hkv, hd, scale,
+                                                                         p, ps, ob);
       FW_TRY(fw_err_in(fn, cudaGetLastError(), "attention"));
       FW_TRY(fw_lin_on(st, fn, &ly->o, ob, t, B));
       fw_add_kernel<<<fw_blocks(B * D), 256, 0, st>>>(x, t, B * D);
