@@ -716,20 +716,24 @@ int kd_forward_args_check(const kd_forward_args *a, int64_t vocab, int64_t n_lay
 
 /* ---- roofs of this host (kdtree.h: kd_roof_read, kd_roof_fma) ------------------------------------------------ */
 #if defined(__x86_64__) && defined(__GNUC__)
+/* four streams side by side (quarters of the range, a cache line of each in turn): the linear kernels read a
+ * panel's weight rows this way, and a core keeps more lines in flight over several streams than over one (a
+ * single stream measured 4-5 % slower here) */
 __attribute__((target("avx2"))) static double kd_roof_read_avx2(const float *p, int64_t n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
-    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
-    a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
-    a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+  const int64_t q = n / 4 / 16 * 16;
+  const float *p0 = p, *p1 = p + q, *p2 = p + 2 * q, *p3 = p + 3 * q;
+  for (int64_t i = 0; i < q; i += 16) {
+    a0 = _mm256_add_ps(a0, _mm256_add_ps(_mm256_loadu_ps(p0 + i), _mm256_loadu_ps(p0 + i + 8)));
+    a1 = _mm256_add_ps(a1, _mm256_add_ps(_mm256_loadu_ps(p1 + i), _mm256_loadu_ps(p1 + i + 8)));
+    a2 = _mm256_add_ps(a2, _mm256_add_ps(_mm256_loadu_ps(p2 + i), _mm256_loadu_ps(p2 + i + 8)));
+    a3 = _mm256_add_ps(a3, _mm256_add_ps(_mm256_loadu_ps(p3 + i), _mm256_loadu_ps(p3 + i + 8)));
   }
   float lanes[8];
   _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
   double s = 0;
   for (int j = 0; j < 8; j++) s += lanes[j];
-  for (; i < n; i++) s += p[i];
+  for (int64_t i = 4 * q; i < n; i++) s += p[i];
   return s;
 }
 
