@@ -732,8 +732,8 @@ static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w1
  * (KD_PR rows) is applied to a block while it is there: the weight bytes stream from memory once per call whatever
  * T is, the tiles' multiply-adds run from L1. Between k blocks a dot's 16 partial lanes wait in P. The next block's
  * weight lines are prefetched evenly over this block's iterations, so the stream keeps going while the tiles
- * compute. BF16 blocks are widened exactly, INT4 blocks dequantized exactly (kd_int4_weight), once per block for all
- * rows. T = 1 runs the same path (a 1-row tile against 6 weight-row streams). */
+ * compute. BF16 weights are widened exactly (in the register, or once per block for many rows); INT4 blocks are
+ * dequantized exactly (kd_int4_weight) once per block for all rows. T = 1 runs the same path (a 1-row tile against 6 weight-row streams). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KD_A512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
 #define KD_PO 6    /* outputs per panel: 6 weight rows x 4 x rows = 24 accumulators + 6 weight registers + 1 x */
@@ -852,8 +852,9 @@ static const char *kd_wsrc_at(const kd_wsrc *s, int64_t o, int64_t k) { /* row o
                   : (const char *)(s->qp + o * s->n_words + k / 8);
 }
 
-/* The row tiles of a call of T rows, as even as possible (9 = 3 + 3 + 3, 33 = 6 x 4 + 3 x 3), and the share of
- * the next block's prefetch lines each one issues: computed once per call, read by every panel and block. */
+/* The row tiles of a call of T rows: full 4-row tiles, the rest last (9 = 4 + 4 + 1; a 4-row tile does 24
+ * multiply-adds per 10 loads, and 3 x 3 measured 1.15-1.2x slower than 4 + 4 + 1 at T = 9), and the share of the next
+ * block's prefetch lines each one issues: computed once per call, read by every panel and block. */
 typedef struct {
   int R;
   int64_t t, l0, npf;
@@ -869,9 +870,12 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
   const int no = n_out - o0 < KD_PO ? (int)(n_out - o0) : KD_PO;
   int64_t rows[KD_PO];
   for (int i = 0; i < KD_PO; i++) rows[i] = o0 + (i < no ? i : no - 1);
-  /* float32 rows are read where they are, at stride n_in; so are BF16 rows when one row tile reads them (widened in
-   * the register: no copy to pay for; more tiles widen each block once into wb) */
-  const int in_place = (s->w || (s->w16 && G == 1)) && no == KD_PO, bf = in_place && !s->w;
+  /* float32 rows are read where they are, at stride n_in; so are BF16 rows up to 4 row tiles (T <= 16), widened in
+   * the register by every tile that reads them (two vector ops per 16 weights: widening a block once into wb and
+   * reading it back measured 1.1-1.2x slower at T = 5-9); more tiles widen each block once into wb (~10 % faster
+   * at T = 17-65, where the widening ops compete with the multiply-adds). INT4 blocks and a last partial panel go
+   * through wb. */
+  const int in_place = (s->w || (s->w16 && G <= 4)) && no == KD_PO, bf = in_place && !s->w;
   for (int64_t k0 = 0; k0 < n_in; k0 += KD_PKC) {
     const int64_t n = n_in - k0 < KD_PKC ? n_in - k0 : KD_PKC, nc = n / 16;
     const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
@@ -946,7 +950,7 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *s, cons
     return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T);
   }
   for (int64_t g = 0, t = 0; g < G; g++) {
-    rt[g].R = (int)((T - t + (G - g) - 1) / (G - g)), rt[g].t = t;
+    rt[g].R = (int)(T - t < KD_PR ? T - t : KD_PR), rt[g].t = t;
     rt[g].l0 = lines * g / G, rt[g].npf = lines * (g + 1) / G - rt[g].l0;
     t += rt[g].R;
   }
