@@ -17,6 +17,8 @@ bench can report the share of decode time spent outside the library.
 """
 from __future__ import annotations
 
+import functools
+
 import os
 import time
 import weakref
@@ -316,6 +318,7 @@ class NativeTarget:
         self._fwd = lib.c.kd_model_forward
         self.pages = PagePool(DEFAULT_PAGE_ROWS)           # the ids of the library's paged arena
         self.pages.add_arena(self._resize_arena)
+        self.pruned: Optional[np.ndarray] = None          # u8[N] of the last forward_batch with values (1 = pruned)
 
     def attach_device_collective(self) -> bool:
         """backend=cuda, tp.collective=auto|nccl: move the all-reduce onto the forward's stream (attach_nccl); True
@@ -383,6 +386,26 @@ class NativeTarget:
         """{matrix name: (bytes the library holds and a forward that uses it streams, elements = multiply-adds
         per row)} for every linear (norms, biases and the embedding are not counted: a forward reads T of its rows)."""
         return dict(self._reg.bytes)
+
+    @functools.cached_property
+    def expert_cost(self) -> Optional[float]:
+        """A routed expert's bytes over an AR step's (the dense linears + top_k experts of every MoE layer), as held:
+        the tokens a draft row must be expected to commit to be worth one more expert in a layer's stream (expert
+        pruning, kd_forward_args.row_value). None where the library cannot prune (CUDA) or the model has no MoE."""
+        if self.lib.kind != "cpu":
+            return None
+        E, k = int(self.cfg.n_routed_experts or 0), int(self.cfg.num_experts_per_tok or 0)
+        dense, experts = 0, {}
+        for name, (b, _n) in self._reg.bytes.items():
+            if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*
+                layer = int(name.split(".")[2])
+                experts[layer] = experts.get(layer, 0) + b
+            else:
+                dense += b
+        if not experts or not E:
+            return None
+        per = sum(experts.values()) / E / len(experts)    # one expert of one layer (the layers' mean)
+        return float(per / (dense + k * per * len(experts)))
 
     def moe_stats(self, reset: bool = False) -> Dict[int, Dict[str, int]]:
         """{MoE layer: {forwards, experts, rows}} since the last reset: forwards of the layer, the distinct routed
@@ -455,11 +478,15 @@ class NativeTarget:
 
 
     def forward_batch(self, seqs: Sequence[Tuple[np.ndarray, np.ndarray, NativeLatentCache, Optional[np.ndarray]]],
-                      hidden_layers: Iterable[int] = ()) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
+                      hidden_layers: Iterable[int] = (), values: Optional[Sequence[Optional[np.ndarray]]] = None
+                      ) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
         """Rows of several sequences in ONE call: seqs = [(tokens i32[T_s], positions i32[T_s], cache, visibility
         u64[T_s, ceil(T_s/64)] | None = causal)], distinct caches. Each row sees its own cache and its own block's
         visible rows (block-diagonal), so its results equal its sequence's forward alone, bit for bit.
-        Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order."""
+        Returns logits f32[N, V], argmax i32[N] and {layer: f32[N, D]}, rows in sequence order.
+        values: per sequence f32[T_s] (the tokens each draft row's subtree is expected to commit; inf = keep) or None:
+        lossless expert pruning (kd_forward_args.row_value) where expert_cost is known; self.pruned = u8[N] then
+        marks the rows pruned (their logits mean nothing), else None."""
         if not seqs:
             raise ValueError("forward_batch: no sequences; pass at least one (tokens, positions, cache, visibility)")
         toks, poss, vis, row_start, caches = [], [], [], [0], []
@@ -499,7 +526,22 @@ class NativeTarget:
         a.row_start, a.visibility = c["row_start"], c["visibility"]
         a.n_out, a.logits, a.argmax = N, c["logits"], c["argmax"]
         a.n_hidden, a.hidden_layers, a.hidden = len(want), c["hidden_layers"], c["hidden"]
+        cost = self.expert_cost if values is not None and any(v is not None for v in values) else None
+        self.pruned = None
+        if cost is not None:
+            vals = np.concatenate([np.full(T, np.inf, np.float32) if v is None else np.asarray(v, np.float32)
+                                   for v, T in zip(values, np.diff(row_start))])
+            if vals.shape != (N,):
+                raise ValueError(f"forward_batch: values give {vals.shape[0]} rows for {N}; one per row of each "
+                                 f"sequence, or None")
+            self.pruned = np.zeros(N, np.uint8)
+            keep = (vals, self.pruned)              # alive through the call
+            a.row_value, a.row_pruned = self.lib.ffi.from_buffer("float[]", vals), self.lib.ffi.from_buffer(
+                "uint8_t[]", self.pruned)
+            a.expert_cost = cost
         self.lib.check(_timed(self._fwd, self.handle, a), "kd_model_forward")
+        if cost is not None:
+            del keep
         for cache, T in zip(caches, np.diff(row_start)):
             cache.length += int(T)
         hid = arrays["hidden"]

@@ -135,6 +135,9 @@ class TreeConfig:
     depth: int = 7
     budget: int = 32
     policy: str = "fixed"  # fixed: verify the whole budget | cost: the prefix with the most expected tokens/s (lossless)
+    # backend=cpu: a verify drops the draft rows whose own MoE experts cost more bytes than their subtree is expected to
+    # commit (lossless: a pruned draft is a rejected one); pays where decoding is memory-bound (tiny_wide, K2.6)
+    prune_experts: bool = False
 
 
 @dataclass

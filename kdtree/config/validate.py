@@ -203,8 +203,9 @@ def validate_bench_peer(cfg: DictConfig) -> None:
 
 
 def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
-    """'ddtree-w4-d7-b6' / 'chain-d7' -> a tree config: the kind, then any of wN (width), dN (depth), bN (budget);
-    what is not given comes from `base` (a chain has width 1 and budget = depth)."""
+    """'ddtree-w4-d7-b6' / 'chain-d7' / 'ddtree-b8-prune' -> a tree config: the kind, then any of wN (width), dN
+    (depth), bN (budget), `prune` (tree.prune_experts=true); what is not given comes from `base` (a chain has width 1
+    and budget = depth)."""
     parts = str(spec).strip().lower().split("-")
     kind = parts[0]
     if kind not in ("chain", "ddtree"):
@@ -212,9 +213,13 @@ def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
     t = {"kind": kind, "width": int(base.width), "depth": int(base.depth) or 7, "budget": int(base.budget)}
     given = set()
     for p in parts[1:]:
+        if p == "prune" and "prune" not in given:
+            t["prune_experts"] = True
+            given.add("prune")
+            continue
         key = {"w": "width", "d": "depth", "b": "budget"}.get(p[:1])
         if key is None or not p[1:].isdigit() or key in given:
-            raise ValueError(f"part {p!r} is not one of wN, dN, bN (each at most once)")
+            raise ValueError(f"part {p!r} is not one of wN, dN, bN, prune (each at most once)")
         t[key] = int(p[1:])
         given.add(key)
     if kind == "chain":
@@ -240,7 +245,8 @@ def tree_shapes(cfg: DictConfig, stage: str = "bench_peer") -> List[DictConfig]:
         except (ValueError, ConfigError) as e:
             raise ConfigError(f"{stage}.trees item {spec!r}: {e}; write a shape as e.g. ddtree-w4-d7-b6 or "
                               f"chain-d7") from None
-        if all(OmegaConf.to_container(t) != {k: s[k] for k in ("kind", "width", "depth", "budget")} for s in shapes):
+        key = ("kind", "width", "depth", "budget", "prune_experts")
+        if all({k: t.get(k, False) for k in key} != {k: s.get(k, False) for k in key} for s in shapes):
             shapes.append(t)
     return shapes
 

@@ -116,6 +116,17 @@ def node_scores(tree: Tree, logp: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return out
 
 
+def subtree_values(tree: Tree, p: np.ndarray) -> np.ndarray:
+    """f32[N + 1]: per verify row the expected tokens its subtree commits (each node's acceptance probability p[i]
+    summed over the node and its descendants); row 0, the root, inf (never pruned). Parents precede children."""
+    val = np.asarray(p, np.float64).copy()
+    parents = np.asarray(tree.parents)
+    for i in range(tree.size - 1, -1, -1):
+        if parents[i] >= 0:
+            val[parents[i]] += val[i]
+    return np.concatenate([[np.inf], val]).astype(np.float32)
+
+
 def best_prefix(tree: Tree, logp: np.ndarray, ids: np.ndarray, costs: ForwardCosts) -> Tuple[int, float]:
     """(b*, the drafted tokens it expects to accept): b* = argmax_b (1 + c sum_{i<b} exp(score_i)) / (t(b + 1) +
     draft) over b = 0..N, c = costs.confidence (how the drafter's probabilities have matched its acceptance)."""
@@ -134,4 +145,4 @@ def prefix_tree(tree: Tree, b: int) -> Tree:
                 np.ascontiguousarray(tree.visibility[:b + 1, :words]))
 
 
-__all__ = ["ForwardCosts", "best_prefix", "node_scores", "policy_of", "prefix_tree"]
+__all__ = ["ForwardCosts", "best_prefix", "node_scores", "policy_of", "prefix_tree", "subtree_values"]

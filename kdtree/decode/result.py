@@ -22,6 +22,7 @@ class GenerationResult:
     cached_tokens: int = 0                 # prompt tokens served from the prefix cache (not prefilled)
     prefilled_tokens: int = 0              # prompt rows this request computed (prefill forwards)
     prefix_queried_tokens: int = 0         # prompt tokens looked up in the prefix cache (0: not looked up)
+    pruned_drafts: int = 0                 # tree.prune_experts: draft rows the verify forwards pruned
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -272,9 +272,17 @@ class Scheduler:
         states = [self._state[id(req)] for req, _ in plan]
         seqs = [(b.tokens, b.positions, st.cache, b.visibility) for (_, b), st in zip(plan, states)]
         layers = next((st.layers for st in states if st.layers), ())
+        values = [b.values for _, b in plan]
         t0 = time.perf_counter()
         try:
-            logits, argmax, hid = forward_batch(self.model, seqs, layers)
+            if any(v is not None for v in values):      # tree.prune_experts: the native forward may prune drafts
+                logits, argmax, hid = self.model.forward_batch(seqs, layers, values=values)
+                pruned = getattr(self.model, "pruned", None)
+                r0 = 0
+                for _, b in plan:
+                    b.pruned, r0 = None if pruned is None else pruned[r0:r0 + b.rows], r0 + b.rows
+            else:
+                logits, argmax, hid = forward_batch(self.model, seqs, layers)
         except Exception as e:                        # every request of the step ends with the error
             for req, _ in plan:
                 self._finish(req, e)

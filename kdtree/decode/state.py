@@ -30,13 +30,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kdtree.decode.cost import EXPLORE, best_prefix, policy_of, prefix_tree
+from kdtree.decode.cost import EXPLORE, best_prefix, node_scores, policy_of, prefix_tree, subtree_values
 from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
 from kdtree.decode.sampling import Sampler, prompt_logprobs, sampled_walk, token_logprob
 from kdtree.errors import ConfigError
 from kdtree.tree import Tree
+
+
+# tree.prune_experts: a verify's bytes in AR steps where pruning matters (tiny_wide: 1.7-2.0 for 8-33 draft rows)
+PRUNE_VERIFY_STEPS = 2.0
 
 
 def tree_shape(tree_cfg, block_size: int) -> Tuple[int, int, int]:
@@ -95,6 +99,8 @@ class Block:
     start: int                             # cache rows before the block (prefill: prompt rows already in)
     tree: Optional[Tree] = None
     masks: Optional[np.ndarray] = None     # tree under a grammar: u32[T, ceil(V/32)] the tokens each row may choose
+    values: Optional[np.ndarray] = None    # tree.prune_experts: f32[T] tokens each row's subtree should commit (root inf)
+    pruned: Optional[np.ndarray] = None    # set by the scheduler after the forward: u8[T], 1 = the forward pruned it
 
     @property
     def rows(self) -> int:
@@ -144,6 +150,10 @@ class DecodeState:
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
         self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
         self.policy = policy_of(tree_cfg) if self.budget else "fixed"
+        get = getattr(tree_cfg, "get", None)
+        self.prune = bool(self.budget and (get("prune_experts", False) if get is not None
+                                           else getattr(tree_cfg, "prune_experts", False))
+                          and getattr(model, "expert_cost", None) is not None)
         self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
         self.solo = False                      # set by the scheduler: this round's forward is this request's alone
         self.plain_steps = 0                   # tree.policy=cost: AR steps taken since plain steps were faster
@@ -273,9 +283,17 @@ class DecodeState:
             self._grammar_time(t2)
         tokens = np.concatenate([[self.bonus], tree.tokens]).astype(np.int32)                # [N+1]
         positions = (start + np.concatenate([[0], tree.depths])).astype(np.int32)           # [N+1]
+        values = None
+        if self.prune and masks is None:       # (a grammar's forced nodes have no drafter probability: kept)
+            conf = self.costs.confidence if self.costs is not None else 1.0
+            p = conf * np.exp(node_scores(tree, logp, ids))
+            # a draft row is worth its experts while it commits tokens per byte at the round's own rate at least: the
+            # round expects 1 + sum(p) tokens for about PRUNE_VERIFY_STEPS AR steps' bytes, and expert_cost is in
+            # tokens at one token per AR step, so the values are scaled down by that rate
+            values = subtree_values(tree, p) / max(1.0, (1.0 + float(p.sum())) / PRUNE_VERIFY_STEPS)
         res.stage_seconds["draft"] += t1 - t0
         res.stage_seconds["tree_build"] += time.perf_counter() - t1
-        return Block("tree", tokens, positions, tree.visibility, start, tree, masks)
+        return Block("tree", tokens, positions, tree.visibility, start, tree, masks, values)
 
     # -- advance: the forward's rows back -> committed tokens ------------------------------------------------
     def advance(self, block: Block, logits: np.ndarray, argmax: np.ndarray, hid: Dict[int, np.ndarray],
@@ -329,6 +347,10 @@ class DecodeState:
     def _advance_tree(self, block: Block, logits, argmax, hid, seconds: float = 0.0) -> bool:
         res, tree, t0 = self.req.result, block.tree, time.perf_counter()
         masks = block.masks                    # under a grammar: each row masked by its own path's state
+        if block.pruned is not None and block.pruned[1:].any():    # drafts the forward pruned: never followed
+            tree = Tree(np.where(block.pruned[1:] != 0, -1, tree.tokens).astype(np.int32), tree.parents, tree.depths,
+                        tree.visibility)
+            res.pruned_drafts += int(np.count_nonzero(block.pruned))
         if self.sampler is None:
             if masks is not None:
                 argmax = choose_rows(self.ops, logits, masks, True)

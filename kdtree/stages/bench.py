@@ -43,8 +43,8 @@ class BenchConfig:
     repeats: int = 3  # AR and tree runs alternate; the fastest of the repeats is kept
     # structured output on every prompt: "" none | json (any JSON object) | a .json schema file | a .lark grammar file
     grammar: str = ""
-    # more tree shapes measured in the same alternating rounds, e.g. [chain-d7,ddtree-w4-d7-b8] (kind, then any of
-    # wN/dN/bN; the rest from tree.*): each row's tokens/s, speedup, acceptance and MoE columns in bench.json "trees"
+    # more tree shapes measured in the same alternating rounds, e.g. [chain-d7,ddtree-w4-d7-b8,ddtree-b8-prune] (kind,
+    # then any of wN/dN/bN/prune; the rest from tree.*): tokens/s, speedup, acceptance, MoE columns in "trees"
     trees: List[str] = field(default_factory=list)
 
 
@@ -299,7 +299,7 @@ def run(ctx, conf: BenchConfig) -> dict:
     t = cfg.tree
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
     how += f" grammar={conf.grammar}" if conf.grammar else ""
-    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
+    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}{' prune_experts' if t.get('prune_experts') else ''} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (decode alone "
           f"{out['decode_speedup_vs_ar']:.2f}x, CPU time "
           f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "
@@ -313,7 +313,8 @@ def run(ctx, conf: BenchConfig) -> dict:
               f"{out['mean_acceptance_length']:.2f} vs {fixed['mean_acceptance_length']:.2f})")
     for row in out["trees"]:
         t2 = row["tree"]
-        print(f"bench {t2['kind']} w={t2['width']} d={t2['depth']} b={t2['budget']} policy={t2.get('policy', 'fixed')}: "
+        print(f"bench {t2['kind']} w={t2['width']} d={t2['depth']} b={t2['budget']} policy={t2.get('policy', 'fixed')}"
+              f"{' prune_experts' if t2.get('prune_experts') else ''}: "
               f"{row['tokens_per_s']:.1f} tok/s -> speedup {row['speedup_vs_ar']:.2f}x (decode alone "
               f"{row['decode_speedup_vs_ar']:.2f}x), acceptance "
               f"{row['mean_acceptance_length']:.2f}, lossless={row['outputs_equal_ar']}")

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 14  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 15  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -244,6 +244,17 @@ typedef struct {
   int64_t n_hidden;
   const int64_t *hidden_layers;/* [n_hidden] */
   float *hidden;               /* [n_rows, n_hidden * D]: residual stream after each listed layer, concatenated */
+  /* Lossless expert pruning of draft rows (CPU build; NULL = none). row_value[r] = the tokens row r and the rows that
+   * see it (its subtree) are expected to commit (+inf: never pruned -- a tree's root, AR and prefill rows);
+   * expert_cost = a routed expert's bytes over an AR step's bytes (the tokens a row must be worth to bring one more
+   * expert into a layer's weight stream). At each MoE layer the live rows are taken by descending value (then
+   * ascending row); a row whose experts not yet chosen cost more than its value is pruned, with every row of its
+   * sequence whose visibility shows it, and takes no routed expert from then on. row_pruned[r] = 1 for the pruned
+   * rows: their logits mean nothing, the caller treats them as rejected drafts -- the other rows' results are the
+   * same bits as without pruning (a row's computation never depends on another row's). */
+  const float *row_value;      /* [n_rows] or NULL */
+  float expert_cost;
+  uint8_t *row_pruned;         /* [n_rows] out; required with row_value */
 } kd_forward_args;
 
 int kd_model_create(const kd_model_desc *desc, kd_model **out);

@@ -707,6 +707,9 @@ int kd_forward_args_check(const kd_forward_args *a, int64_t vocab, int64_t n_lay
                      (long long)a->out_rows[i], (long long)a->n_rows);
   if (a->n_hidden < 0 || (a->n_hidden && (!a->hidden_layers || !a->hidden)))
     return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld needs hidden_layers and hidden", (long long)a->n_hidden);
+  if (a->row_value && (!a->row_pruned || !(a->expert_cost >= 0.0f)))
+    return kd_fail(KD_EINVAL, "kd_model_forward: row_value needs row_pruned and an expert_cost >= 0 (got %g)",
+                   (double)a->expert_cost);
   for (int64_t j = 0; j < a->n_hidden; j++) /* a layer that never comes would leave its column unwritten */
     if (a->hidden_layers[j] < 0 || a->hidden_layers[j] >= n_layers)
       return kd_fail(KD_EINVAL, "kd_model_forward: hidden_layers[%lld]=%lld is not a layer of this model (0..%lld)",

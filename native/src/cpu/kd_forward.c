@@ -90,7 +90,8 @@ struct kd_model {
   float *arena;         /* kd_model_pages: [n_pages][n_layers][page_rows][L+R], the latent rows of every sequence */
   int64_t n_pages, page_rows;
   int64_t E, q_lora, inter; /* latent row width, q_lora, largest MLP intermediate */
-  kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, attn, work, tg;
+  kd_buf h, x, t, qa, q, kva, qf, olat, o, cs, rl, ex, ew, cnt, pos, xs, ys, g, u, sh, fo, lg, taken, attn, work, tg,
+      prune;
   int64_t *moe_stats; /* [n_layers][3]: MoE forwards, distinct routed experts summed, rows summed (kd_model_moe_stats) */
 };
 
@@ -105,7 +106,7 @@ int kd_model_destroy(kd_model *m) {
   free(m->arena);
   kd_buf *bufs[] = {&m->h, &m->x, &m->t, &m->qa, &m->q, &m->kva, &m->qf, &m->olat, &m->o, &m->cs, &m->rl, &m->ex,
                     &m->ew, &m->cnt, &m->pos, &m->xs, &m->ys, &m->g, &m->u, &m->sh, &m->fo, &m->lg, &m->taken, &m->attn,
-                    &m->work, &m->tg};
+                    &m->work, &m->tg, &m->prune};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]->p);
   free(m);
   return KD_OK;
@@ -342,9 +343,71 @@ static int kd_moe_unit(const kd_layer *ly, int64_t i, const float *x, float *sh,
   return kd_mlp_rows(&ly->experts[e], xs + cnt[e] * D, ys + cnt[e] * D, cnt[e + 1] - cnt[e], g, u);
 }
 
+/* ---- lossless expert pruning (kd_forward_args.row_value) --------------------------------------------------------
+ * A forward's draft rows, each worth the tokens its subtree is expected to commit, may each bring experts into a MoE
+ * layer that no other row needs: the layer then streams those experts for that row alone (MoE-Spec's and EVICT's
+ * tax). Pruning a row whose new experts cost more than it is worth leaves its descendants nothing to see, so they go
+ * too; the rows that stay compute exactly what they would have (every kernel is row-wise), and a pruned draft is
+ * only a draft the accept walk does not follow. */
+typedef struct {
+  const kd_forward_args *a;
+  int64_t *order;       /* [N] rows by descending value, then ascending row (an ancestor before its subtree) */
+  int64_t *seq;         /* [N] row -> its sequence */
+  uint8_t *dead;        /* [N] */
+  unsigned char *chosen;/* [E] experts of this layer's weight stream so far */
+} kd_prune;
+
+static int kd_prune_begin(kd_model *m, const kd_forward_args *a, kd_prune *p) {
+  int64_t N = a->n_rows, E = m->d.n_experts;
+  memset(p, 0, sizeof *p);
+  if (!a->row_value) return KD_OK;
+  p->a = a;
+  char *b = (char *)kd_reserve(&m->prune, (size_t)(2 * N) * sizeof(int64_t) + (size_t)N + (size_t)E);
+  if (!b) return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (pruning, %lld rows)", (long long)N);
+  p->order = (int64_t *)b, p->seq = p->order + N, p->dead = (uint8_t *)(p->seq + N), p->chosen = p->dead + N;
+  memset(p->dead, 0, (size_t)N);
+  for (int64_t s = 0; s < a->n_seqs; s++)
+    for (int64_t r = a->row_start[s]; r < a->row_start[s + 1]; r++) p->seq[r] = s;
+  for (int64_t i = 0; i < N; i++) { /* insertion sort: pruned forwards are tree verifies of tens of rows */
+    int64_t j = i;
+    float v = a->row_value[i];
+    for (; j > 0 && a->row_value[p->order[j - 1]] < v; j--) p->order[j] = p->order[j - 1];
+    p->order[j] = i;
+  }
+  return KD_OK;
+}
+
+/* row r and every row of its sequence that sees it (its subtree) */
+static void kd_prune_subtree(kd_prune *p, int64_t r) {
+  const kd_forward_args *a = p->a;
+  int64_t s = p->seq[r], r0 = a->row_start[s], T = a->row_start[s + 1] - r0, words = (T + 63) / 64, vo = 0;
+  for (int64_t q = 0; q < s && a->visibility; q++) {
+    int64_t Tq = a->row_start[q + 1] - a->row_start[q];
+    vo += Tq * ((Tq + 63) / 64);
+  }
+  for (int64_t q = r; q < r0 + T; q++)
+    if (q == r || (a->visibility ? kd_visible(a->visibility + vo + (q - r0) * words, r - r0) : 1)) p->dead[q] = 1;
+}
+
+/* this MoE layer's choice: rows in value order keep their experts while each new expert is worth its bytes */
+static void kd_prune_layer(kd_prune *p, const int32_t *ex, int64_t k, int64_t E) {
+  const kd_forward_args *a = p->a;
+  memset(p->chosen, 0, (size_t)E);
+  for (int64_t i = 0; i < a->n_rows; i++) {
+    int64_t r = p->order[i], fresh = 0;
+    if (p->dead[r]) continue;
+    for (int64_t j = 0; j < k; j++) fresh += !p->chosen[ex[r * k + j]]; /* a row's top-k experts are distinct */
+    if (fresh && !(a->row_value[r] >= (float)fresh * a->expert_cost)) {
+      kd_prune_subtree(p, r);
+      continue;
+    }
+    for (int64_t j = 0; j < k; j++) p->chosen[ex[r * k + j]] = 1;
+  }
+}
+
 /* MoE of N rows (k2.K2Model._moe): router, routing, experts grouped by expert (slot order kept), then per token
  * out = (((0 + w_0 y_0) + w_1 y_1) + ...) + shared(x) */
-static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *out, int64_t N) {
+static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *out, int64_t N, kd_prune *pr) {
   const kd_model_desc *d = &m->d;
   int64_t D = d->hidden, E = d->n_experts, k = d->top_k, S = N * k, I = m->inter;
   float *rl = (float *)kd_reserve(&m->rl, sizeof(float) * (size_t)(N * E + E + d->n_group));
@@ -366,10 +429,19 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   for (int64_t i = 0; i < N * E; i++) rl[i] = kd_sigmoid_cpu(rl[i]);
   for (int64_t t = 0; t < N; t++)
     kd_route(d, rl + t * E, ly->router_bias, choice, gscore, taken, ex + t * k, ew + t * k);
+  const uint8_t *dead = NULL;
+  if (pr && pr->a) {
+    kd_prune_layer(pr, ex, k, E);
+    dead = pr->dead;
+  }
   memset(cnt, 0, sizeof(int64_t) * (size_t)(E + 1));
-  for (int64_t i = 0; i < S; i++) cnt[ex[i] + 1]++;
+  for (int64_t i = 0; i < S; i++) cnt[ex[i] + 1] += !(dead && dead[i / k]);
   for (int64_t e = 0; e < E; e++) cnt[e + 1] += cnt[e];
   for (int64_t i = 0; i < S; i++) {
+    if (dead && dead[i / k]) { /* a pruned row takes no expert (its row of out is zeroed below) */
+      pos[i] = 0, ew[i] = 0.0f;
+      continue;
+    }
     int64_t p = cnt[ex[i]]++;
     pos[i] = p;
     memcpy(xs + p * D, x + (i / k) * D, sizeof(float) * (size_t)D);
@@ -408,6 +480,8 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
     for (int64_t i = 0; i < units; i++) KD_TRY(kd_moe_unit(ly, i, x, sh, N, xs, ys, cnt, D, g, u));
   }
   kd_moe_combine(out, ys, pos, ew, ly->has_shared ? sh : NULL, N, k, D);
+  for (int64_t t = 0; dead && t < N; t++)
+    if (dead[t]) memset(out + t * D, 0, sizeof(float) * (size_t)D);
   return KD_OK;
 }
 
@@ -481,6 +555,8 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
   float *cs = (float *)kd_reserve(&m->cs, sizeof(float) * (size_t)(N * R)); /* per row: cos[R/2], sin[R/2] */
   if (!h || !x || !t || !qa || !q || !kva || !qf || !olat || !o || !cs)
     return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (%lld rows)", (long long)N);
+  kd_prune prune;
+  KD_TRY(kd_prune_begin(m, a, &prune));
 
   /* YaRN cos/sin of each row's position (float64, rounded once: rope.RotaryTable), shared by the layers */
   for (int64_t r = 0; r < N; r++)
@@ -525,7 +601,7 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
     /* MLP / MoE: h = h + mlp(norm(h)) */
     KD_TRY(kd_rms_norm(h, ly->post_norm, x, N, D, d->eps, NULL));
     if (ly->is_moe) {
-      KD_TRY(kd_moe_rows(m, ly, x, t, N));
+      KD_TRY(kd_moe_rows(m, ly, x, t, N, &prune));
     } else {
       int64_t I = ly->mlp.gate.n_out;
       float *g = (float *)kd_reserve(&m->g, sizeof(float) * (size_t)(N * I));
@@ -540,6 +616,8 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
         for (int64_t r = 0; r < N; r++)
           memcpy(a->hidden + (r * a->n_hidden + j) * D, h + r * D, sizeof(float) * (size_t)D);
   }
+
+  if (prune.a) memcpy(a->row_pruned, prune.dead, (size_t)N);
 
   /* final norm + lm_head of the asked rows only (row-wise: the same bits as over all rows) */
   int64_t n_out = a->n_out, V = d->vocab;

@@ -1344,6 +1344,8 @@ static int fw_check(kd_model *m, const kd_forward_args *a) {
   if (a->n_hidden > FW_MAX_HIDDEN)
     return kd_fail(KD_EINVAL, "kd_model_forward: n_hidden=%lld > %d hidden layers per call on CUDA",
                    (long long)a->n_hidden, FW_MAX_HIDDEN);
+  /* expert pruning is the CPU build's (its routing runs on the host): here no row is pruned, which is lossless too */
+  if (a->row_value) memset(a->row_pruned, 0, (size_t)a->n_rows);
   return KD_OK;
 }
 
