@@ -78,7 +78,7 @@ def test_missing_parameter(compose_cfg, tmp_path):
 
 def test_params_override_the_section_and_the_rest_comes_from_it(compose_cfg):
     spec = load_pipeline("bench", compose_cfg("pipeline=bench", "bench.repeats=5"))
-    assert spec.stages[1].params == {"prompts": "", "max_new_tokens": 48, "repeats": 5, "grammar": ""}
+    assert spec.stages[1].params == {"prompts": "", "max_new_tokens": 48, "repeats": 5, "grammar": "", "trees": []}
 
 
 def test_a_stage_without_config_takes_no_params(compose_cfg, tmp_path):
