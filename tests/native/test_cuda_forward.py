@@ -175,7 +175,7 @@ def test_cuda_nccl_on_the_stream_one_rank_equals_the_plain_forward(tiny_cfg, tin
     rank-ordered sum on the forward's stream, and the forward's bits, eager and replayed from CUDA graphs that now
     contain the NCCL calls, are those of the model without it. (tp >= 2 needs a GPU per rank: the same code, with
     the rank-ordered sum equal to kdtree/parallel/comm.py's by construction.)"""
-    from kdtree.backends.native_forward import nccl_library_path
+    from kdtree.backends.native_nccl import nccl_library_path
     plain, nccl = _cuda_model(tiny_cfg, tiny_weights), _cuda_model(tiny_cfg, tiny_weights)
     lib, ffi = nccl.lib, nccl.lib.ffi
     path = ffi.new("char[]", nccl_library_path().encode())

@@ -273,7 +273,7 @@ def test_nccl_setup_falls_back_together_or_fails_when_asked_for(capfd):
     is missing: the group agrees to keep the host all-reduce and says why once; with tp.collective=nccl (strict)
     it is an error naming the rank and the fix. The CPU build refuses both NCCL calls in one line."""
     import torch.distributed as dist
-    from kdtree.backends.native_forward import attach_nccl
+    from kdtree.backends.native_nccl import attach_nccl
     cpu = native.load_library("cpu")
     assert cpu.c.kd_model_set_nccl(cpu.ffi.NULL, cpu.ffi.NULL, cpu.ffi.NULL, 0, 0) == -1
     assert "NCCL is the CUDA build's" in cpu.last_error()
