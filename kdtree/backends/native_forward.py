@@ -18,7 +18,6 @@ bench can report the share of decode time spent outside the library.
 from __future__ import annotations
 
 import functools
-
 import time
 import weakref
 from types import SimpleNamespace
