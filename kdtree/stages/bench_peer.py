@@ -146,7 +146,10 @@ def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> 
 
 
 def _shape_name(t) -> str:
-    return "ar" if t.kind == "ar" else f"{t.kind} w{t.width} d{t.depth} b{t.budget}"
+    if t.kind == "ar":
+        return "ar"
+    extra = (f" {t.policy}" if t.get("policy", "fixed") != "fixed" else "") + (" prune" if t.get("prune_experts") else "")
+    return f"{t.kind} w{t.width} d{t.depth} b{t.budget}{extra}"
 
 
 def run(ctx, conf: BenchPeerConfig) -> dict:

@@ -99,3 +99,17 @@ def test_an_unknown_peer_dtype_names_the_key(tmp_path):
     r = _run(tmp_path, "backend=cpu", "tree=ar", "bench_peer.rounds=1", "bench_peer.peer_dtypes=[q3_k]")
     assert r.returncode != 0 and "bench_peer.peer_dtypes has 'q3_k'" in r.stderr and "q8_0" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not list((tmp_path / "runs").rglob("*.gguf"))
+
+
+def test_every_measured_shape_has_its_own_row():
+    # the rows are keyed by these names: a pruned and a plain chain of one depth once shared a row (and a figure)
+    from omegaconf import OmegaConf
+
+    from kdtree.config.validate import tree_shapes
+    from kdtree.stages.bench_peer import _shape_name
+    cfg = OmegaConf.create({"tree": {"kind": "chain", "width": 1, "depth": 7, "budget": 7, "policy": "fixed",
+                                     "prune_experts": True},
+                            "model": {"drafter": {"block_size": 8}},
+                            "bench_peer": {"trees": ["chain-d7", "ddtree-w4-d7-b8", "ddtree-w4-d7-b8-prune"]}})
+    names = [_shape_name(t) for t in tree_shapes(cfg, "bench_peer")]
+    assert names == ["chain w1 d7 b7 prune", "chain w1 d7 b7", "ddtree w4 d7 b8", "ddtree w4 d7 b8 prune"]
