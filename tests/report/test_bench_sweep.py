@@ -80,3 +80,12 @@ def test_a_row_rerun_from_its_provenance_reproduces_tokens_and_acceptance(sweep,
     assert [p["acceptance_lengths"] for p in again["result"]["per_prompt"]] == \
         [p["acceptance_lengths"] for p in row["result"]["per_prompt"]]
     assert OmegaConf.create(again["provenance"]["config"]).tree == OmegaConf.create(row["provenance"]["config"]).tree
+
+
+def test_a_pruned_shape_is_its_own_line_in_the_report():
+    # bench.trees may hold ddtree-b8 and ddtree-b8-prune: one line each in the table and the plot, not one mixed line
+    from kdtree.report import _row
+    b = {"model": "tiny_wide", "quant": "fp32", "ar_tokens_per_s": 8.0, "ar_target_forwards_per_token": 1.0}
+    shape = {"kind": "ddtree", "width": 4, "depth": 7, "budget": 8, "policy": "fixed"}
+    plain, pruned = _row(b, shape, "r"), _row(b, {**shape, "prune_experts": True}, "r")
+    assert (plain["kind"], pruned["kind"]) == ("ddtree", "ddtree prune")
