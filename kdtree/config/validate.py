@@ -204,13 +204,14 @@ def validate_bench_peer(cfg: DictConfig) -> None:
 
 def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
     """'ddtree-w4-d7-b6' / 'chain-d7' / 'ddtree-b8-prune' -> a tree config: the kind, then any of wN (width), dN
-    (depth), bN (budget), `prune` (tree.prune_experts=true); what is not given comes from `base` (a chain has width 1
-    and budget = depth)."""
+    (depth), bN (budget), `prune` (tree.prune_experts=true, else false); the width, depth and budget not given come
+    from `base` (a chain has width 1 and budget = depth)."""
     parts = str(spec).strip().lower().split("-")
     kind = parts[0]
     if kind not in ("chain", "ddtree"):
         raise ValueError(f"starts with {kind!r}; a shape starts with chain or ddtree")
-    t = {"kind": kind, "width": int(base.width), "depth": int(base.depth) or 7, "budget": int(base.budget)}
+    t = {"kind": kind, "width": int(base.width), "depth": int(base.depth) or 7, "budget": int(base.budget),
+         "prune_experts": False}                   # a shape without `prune` does not prune, whatever `tree` says
     given = set()
     for p in parts[1:]:
         if p == "prune" and "prune" not in given:

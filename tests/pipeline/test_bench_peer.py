@@ -111,5 +111,9 @@ def test_every_measured_shape_has_its_own_row():
                                      "prune_experts": True},
                             "model": {"drafter": {"block_size": 8}},
                             "bench_peer": {"trees": ["chain-d7", "ddtree-w4-d7-b8", "ddtree-w4-d7-b8-prune"]}})
-    names = [_shape_name(t) for t in tree_shapes(cfg, "bench_peer")]
+    shapes = tree_shapes(cfg, "bench_peer")
+    names = [_shape_name(t) for t in shapes]
     assert names == ["chain w1 d7 b7 prune", "chain w1 d7 b7", "ddtree w4 d7 b8", "ddtree w4 d7 b8 prune"]
+    # and each runs as named: a shape without `prune` does not inherit tree.prune_experts=true (bench merges it over
+    # `tree`; it once did, so 'chain-d7' beside a pruned tree measured a pruned chain)
+    assert [bool(OmegaConf.merge(cfg.tree, t).prune_experts) for t in shapes] == [True, False, False, True]
