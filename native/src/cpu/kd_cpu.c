@@ -1094,24 +1094,44 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4
     if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
 }
 
-__attribute__((target("avx2,fma"))) static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
-                                                            int64_t n_groups, int64_t wpg, const float *x, float *out,
-                                                            int64_t n_in, int64_t n_out, int parallel) {
-  int64_t nc = n_in / KD_LANES;
-  float *xp = (float *)aligned_alloc(32, sizeof(float) * (size_t)(nc * KD_LANES + 8));
+/* The W4A16 GEMV drivers (AVX2 below, AVX-512 further down): x permuted once into xp, the kernel's lane order
+ * (xp[16 c + j] = x[16 c + perm[j]]), then `rows` over `step` outputs at a time, on the threads when parallel (no
+ * OpenMP region at all for small matrices, see kd_gemv_f32_avx2). */
+typedef void (*kd_gemv_w4_rows_fn)(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups,
+                                   int64_t wpg, const float *xp, const float *x, float *out, int64_t n_in,
+                                   int64_t n_out, int64_t o);
+
+static int kd_gemv_w4_drive(kd_gemv_w4_rows_fn rows, const unsigned char perm[KD_LANES], int64_t step,
+                            const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                            const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
+  const int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nc * KD_LANES + KD_LANES));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
   for (int64_t c = 0; c < nc; c++)
-    for (int i = 0; i < 8; i++) xp[16 * c + i] = x[16 * c + 2 * i], xp[16 * c + 8 + i] = x[16 * c + 2 * i + 1];
-  if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
+    for (int j = 0; j < KD_LANES; j++) xp[KD_LANES * c + j] = x[KD_LANES * c + perm[j]];
+  if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += KD_W4_ROWS)
-      kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += step) rows(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   } else {
-    for (int64_t o = 0; o < n_out; o += KD_W4_ROWS)
-      kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += step) rows(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
   }
   free(xp);
   return KD_OK;
+}
+
+/* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
+static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+
+__attribute__((target("avx2,fma"))) static void kd_gemv_w4_rows_avx2_call(
+    const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
+  kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+}
+
+static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                           const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
+  return kd_gemv_w4_drive(kd_gemv_w4_rows_avx2_call, kd_w4_perm_avx2, KD_W4_ROWS, qp, qs, n_words, n_groups, wpg,
+                          x, out, n_in, n_out, parallel);
 }
 #endif
 
@@ -1173,24 +1193,13 @@ __attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *
 }
 
 /* the AVX-512 W4A16 GEMV for an even number of words per group (whole chunks per group: K2's group 32) */
-__attribute__((target(KD_A512))) static int kd_gemv_w4_512(const uint32_t *qp, const float *qs, int64_t n_words,
-                                                           int64_t n_groups, int64_t wpg, const float *x, float *out,
-                                                           int64_t n_in, int64_t n_out, int parallel) {
-  const int64_t nc = n_in / KD_LANES;
-  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nc * KD_LANES + 16));
-  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
-  for (int64_t c = 0; c < nc; c++) /* register lane 2m = logical lane m, 2m + 1 = lane 8 + m */
-    for (int m = 0; m < 8; m++) xp[16 * c + 2 * m] = x[16 * c + m], xp[16 * c + 2 * m + 1] = x[16 * c + 8 + m];
-  if (parallel) { /* no OpenMP region at all for small matrices (see kd_gemv_f32_avx2) */
-#pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += KD_W4R512)
-      kd_gemv_w4_rows512(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
-  } else {
-    for (int64_t o = 0; o < n_out; o += KD_W4R512)
-      kd_gemv_w4_rows512(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
-  }
-  free(xp);
-  return KD_OK;
+/* register lane 2m = logical lane m, 2m + 1 = logical lane 8 + m */
+static const unsigned char kd_w4_perm_512[KD_LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+
+static int kd_gemv_w4_512(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                          const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
+  return kd_gemv_w4_drive(kd_gemv_w4_rows512, kd_w4_perm_512, KD_W4R512, qp, qs, n_words, n_groups, wpg, x, out,
+                          n_in, n_out, parallel);
 }
 #endif
 
