@@ -12,11 +12,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdtree.decode.cost import ForwardCosts, best_prefix, node_scores, policy_of, prefix_tree
-from kdtree.decode.request import Request
 from kdtree.decode.sampling import SamplingParams
 from kdtree.engine import AR_TREE, Engine
 from kdtree.errors import ConfigError
 from kdtree.tree import draft_topk, tree_build, unpack_visibility
+from tests.lossless import assert_batched_equals_ar
 from tests.native_lib import CPU_SKIPPED
 
 COST = OmegaConf.create({"kind": "ddtree", "width": 4, "depth": 7, "budget": 32, "policy": "cost"})
@@ -66,12 +66,7 @@ def test_cost_policy_is_lossless_alone_and_batched(compose_cfg, backend, sampled
     assert alone.tokens == want
     assert engine.scheduler.costs is not None and engine.scheduler.costs.calibrated      # measured on this model
     assert alone.target_forwards < len(want)                     # still speculating
-    reqs = [engine.submit(Request(ids, 48, sampling=sp, tree=COST)),
-            engine.submit(Request(ids[3:], 24, sampling=sp, tree=COST))]
-    for r in reqs:
-        engine.drive(r)
-    assert reqs[0].result.tokens == want
-    assert reqs[1].result.tokens == engine.generate(ids[3:], 24, tree=AR_TREE, sampling=sp).tokens
+    assert_batched_equals_ar(engine, ids, COST, sp, want)
 
 
 def test_plain_steps_when_tree_rounds_are_slower():

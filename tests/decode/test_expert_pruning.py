@@ -1,8 +1,8 @@
 """tree.prune_experts (kd_forward_args.row_value): a verify forward drops the draft rows whose own MoE experts cost more
 bytes than their subtree is expected to commit. Lossless by construction -- a pruned draft is a rejected one and the
 other rows compute the same bits -- and tested so: the native forward's kept rows equal an unpruned forward bit for
-bit, a pruned row takes its subtree with it, and decoding with pruning (greedy and seeded, alone and batched, pruning
-nothing or everything) gives AR's tokens.
+bit, a pruned row takes its subtree with it, and decoding with pruning (greedy and seeded, alone and batched, with
+and without a prefix-cache hit, pruning nothing or everything) gives AR's tokens.
 
 Run: .venv/bin/python -m pytest -q tests/decode/test_expert_pruning.py
 """
@@ -19,6 +19,7 @@ from kdtree.decode.request import Request
 from kdtree.decode.sampling import SamplingParams
 from kdtree.engine import AR_TREE, Engine
 from kdtree.tree import draft_topk, tree_build, unpack_visibility
+from tests.lossless import assert_batched_equals_ar
 from tests.native_lib import needs_cpu_library
 
 pytestmark = needs_cpu_library
@@ -114,12 +115,25 @@ def test_pruned_decoding_is_lossless_alone_and_batched(engine, sampled):
     assert got.tokens == want
     assert got.target_forwards < len(want)                      # still speculating
     assert got.pruned_drafts > 0                                # and pruning (tiny's experts are half an AR step)
-    reqs = [engine.submit(Request(ids, 48, sampling=sp, tree=PRUNE)),
-            engine.submit(Request(ids[3:], 24, sampling=sp, tree=PRUNE))]
-    for r in reqs:
-        engine.drive(r)
-    assert reqs[0].result.tokens == want
-    assert reqs[1].result.tokens == engine.generate(ids[3:], 24, tree=AR_TREE, sampling=sp).tokens
+    assert_batched_equals_ar(engine, ids, PRUNE, sp, want)
+
+
+def test_pruned_decoding_with_and_without_a_prefix_cache_hit_is_lossless(engine):
+    """The same prompt twice through a scheduler with a prefix cache: a miss, then a hit (the prompt's whole pages
+    mapped, the drafter's context with them) -- AR's tokens both times, pruning both times."""
+    from kdtree.decode.prefix_cache import PrefixCache
+    from kdtree.decode.scheduler import Scheduler
+    ids = engine.tokenizer.encode(TEXT)
+    want = engine.generate(ids, 32, tree=AR_TREE).tokens
+    sched = Scheduler(engine.model, engine.drafter, PRUNE, engine.eos_id, engine.max_context, max_batch_tokens=48,
+                      pool_tokens=4096, prefix_cache=PrefixCache(page_tokens=16))
+    for hit in (False, True):
+        req = sched.submit(Request(list(ids), 32, tree=PRUNE))
+        sched.drive(req)
+        assert req.error is None, req.error
+        assert req.result.tokens == want
+        assert req.result.cached_tokens == ((len(ids) - 1) // 16 * 16 if hit else 0)
+        assert req.result.pruned_drafts > 0
 
 
 def test_pruning_every_draft_still_commits_ar_tokens(engine):
