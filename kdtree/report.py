@@ -88,8 +88,8 @@ def write_report(sweep_dir: Path) -> dict:
              "| greedy acceptance | target fwd/token | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
-        lines.append(f"| {'**best**' if r is best else ''} | {r['model']} | {r['kind']} | {r['width']} | {r['depth']} | "
-                     f"{r['budget']} | {r['temperature']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
+        lines.append(f"| {'**best**' if r is best else ''} | {r['model']} | {r['kind']} | {r['width']} | "
+                     f"{r['depth']} | {r['budget']} | {r['temperature']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
                      f"{r['mean_acceptance_length']:.2f} | {r['greedy_mean_acceptance_length']:.2f} | "
                      f"{r['target_forwards_per_token']:.3f} | "
                      f"{'yes' if r['outputs_equal_ar'] else 'NO'} |")

@@ -29,9 +29,14 @@ SMOOTH = 0.2                 # weight of a new measurement in a size's running e
 EXPLORE = 8                  # while plain steps are faster: one tree round every this many steps
 
 
-def policy_of(tree_cfg) -> str:
+def tree_option(tree_cfg, key: str, default):
+    """tree_cfg's `key` (a DictConfig, a dict or an object with attributes), `default` where it has none."""
     get = getattr(tree_cfg, "get", None)
-    policy = str(get("policy", "fixed") if get is not None else getattr(tree_cfg, "policy", "fixed"))
+    return get(key, default) if get is not None else getattr(tree_cfg, key, default)
+
+
+def policy_of(tree_cfg) -> str:
+    policy = str(tree_option(tree_cfg, "policy", "fixed"))
     if policy not in ("fixed", "cost"):
         from kdtree.errors import ConfigError
         raise ConfigError(f"tree.policy={policy} is unknown; use tree.policy=fixed (always the whole budget) or "

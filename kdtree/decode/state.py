@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from kdtree.decode.cost import EXPLORE, best_prefix, node_scores, policy_of, prefix_tree, subtree_values
+from kdtree.decode.cost import (EXPLORE, best_prefix, node_scores, policy_of, prefix_tree, subtree_values,
+                                tree_option)
 from kdtree.decode.grammar import choose_rows, constrain_tree
 from kdtree.decode.request import ContextLengthExceeded, Request
 from kdtree.decode.result import commit_tokens
@@ -99,7 +100,7 @@ class Block:
     start: int                             # cache rows before the block (prefill: prompt rows already in)
     tree: Optional[Tree] = None
     masks: Optional[np.ndarray] = None     # tree under a grammar: u32[T, ceil(V/32)] the tokens each row may choose
-    values: Optional[np.ndarray] = None    # tree.prune_experts: f32[T] tokens each row's subtree should commit (root inf)
+    values: Optional[np.ndarray] = None    # tree.prune_experts: f32[T] the tokens each row's subtree should commit
     pruned: Optional[np.ndarray] = None    # set by the scheduler after the forward: u8[T], 1 = the forward pruned it
 
     @property
@@ -150,9 +151,7 @@ class DecodeState:
         self.prefix = prefix if prefix is not None and not self.echo and self.max_new > 0 else None
         self.grammar = req.grammar             # a GrammarState: each row's choice is masked by the state it reached
         self.policy = policy_of(tree_cfg) if self.budget else "fixed"
-        get = getattr(tree_cfg, "get", None)
-        self.prune = bool(self.budget and (get("prune_experts", False) if get is not None
-                                           else getattr(tree_cfg, "prune_experts", False))
+        self.prune = bool(self.budget and tree_option(tree_cfg, "prune_experts", False)
                           and getattr(model, "expert_cost", None) is not None)
         self.costs = None                      # tree.policy=cost: the scheduler's ForwardCosts (kdtree/decode/cost.py)
         self.solo = False                      # set by the scheduler: this round's forward is this request's alone

@@ -220,6 +220,16 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, gramm
     }
 
 
+def _faster(best, run):
+    """The faster of the best run so far (None at first) and this one: the best of the alternating repeats."""
+    return run if best is None or run["seconds"] < best["seconds"] else best
+
+
+def _same_tokens(ar, run) -> bool:
+    """Every prompt's tokens of `run` equal AR's (the lossless property the bench reports)."""
+    return all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], run["per_prompt"]))
+
+
 def run(ctx, conf: BenchConfig) -> dict:
     prompts, max_new_tokens, repeats = conf.prompts, conf.max_new_tokens, conf.repeats
     cfg = ctx.cfg
@@ -243,16 +253,14 @@ def run(ctx, conf: BenchConfig) -> dict:
     for _ in range(max(1, repeats)):
         a = _run_set(engine, prompts_ids, max_new_tokens, AR_TREE, sampling, grammar)
         t = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, sampling, grammar) if cfg.tree.kind != "ar" else a
-        ar = a if ar is None or a["seconds"] < ar["seconds"] else ar
-        tree = t if tree is None or t["seconds"] < tree["seconds"] else tree
+        ar, tree = _faster(ar, a), _faster(tree, t)
         if fixed_tree is not None:                 # the same tree with the whole budget every round
-            f = _run_set(engine, prompts_ids, max_new_tokens, fixed_tree, sampling, grammar)
-            fixed = f if fixed is None or f["seconds"] < fixed["seconds"] else fixed
+            fixed = _faster(fixed, _run_set(engine, prompts_ids, max_new_tokens, fixed_tree, sampling, grammar))
         for i, shape in enumerate(extra):
-            e = _run_set(engine, prompts_ids, max_new_tokens, shape, sampling, grammar)
-            best_extra[i] = e if best_extra[i] is None or e["seconds"] < best_extra[i]["seconds"] else best_extra[i]
+            best_extra[i] = _faster(best_extra[i], _run_set(engine, prompts_ids, max_new_tokens, shape, sampling,
+                                                            grammar))
     runs = [tree] + ([fixed] if fixed is not None else []) + best_extra
-    lossless = all(p["tokens"] == q["tokens"] for r in runs for p, q in zip(ar["per_prompt"], r["per_prompt"]))
+    lossless = all(_same_tokens(ar, r) for r in runs)
     greedy_acc = tree["mean_acceptance_length"]
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
@@ -288,7 +296,7 @@ def run(ctx, conf: BenchConfig) -> dict:
                    "decode_speedup_vs_ar": r["decode_tokens_per_s"] / max(ar["decode_tokens_per_s"], 1e-9),
                    "mean_acceptance_length": r["mean_acceptance_length"],
                    "target_forwards_per_token": r["target_forwards_per_token"], "moe": r["moe"],
-                   "outputs_equal_ar": all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], r["per_prompt"]))}
+                   "outputs_equal_ar": _same_tokens(ar, r)}
                   for shape, r in zip(extra, best_extra)],
         "grammar": conf.grammar,
         "grammar_seconds_per_token": tree["stage_seconds"].get("grammar", 0.0) / max(tree["tokens"], 1),
@@ -299,7 +307,8 @@ def run(ctx, conf: BenchConfig) -> dict:
     t = cfg.tree
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
     how += f" grammar={conf.grammar}" if conf.grammar else ""
-    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}{' prune_experts' if t.get('prune_experts') else ''} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
+    prune = " prune_experts" if t.get("prune_experts") else ""
+    print(f"bench {t.kind} w={t.width} d={t.depth} b={t.budget}{prune} {how}: {out['tokens_per_s']:.1f} tok/s vs AR "
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (decode alone "
           f"{out['decode_speedup_vs_ar']:.2f}x, CPU time "
           f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests.native_lib import needs_cpu_library
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -89,3 +91,27 @@ def test_a_pruned_shape_is_its_own_line_in_the_report():
     shape = {"kind": "ddtree", "width": 4, "depth": 7, "budget": 8, "policy": "fixed"}
     plain, pruned = _row(b, shape, "r"), _row(b, {**shape, "prune_experts": True}, "r")
     assert (plain["kind"], pruned["kind"]) == ("ddtree", "ddtree prune")
+
+
+@needs_cpu_library
+def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdtree_cache):
+    """bench.trees: more shapes in the same alternating rounds as AR and `tree`, each a row of bench.json and of
+    the report; a shape runs as its spec says (`prune` or not, whatever tree.prune_experts is)."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main(", "import os\n"]}))
+    run = tmp_path / "runs" / "one"
+    _kdtree("-m", "kdtree.run", "pipeline=bench", "backend=cpu", "tree=ddtree", "tree.width=2", "tree.depth=3",
+            "tree.budget=4", "tree.prune_experts=true", "bench.max_new_tokens=12", "bench.repeats=1",
+            f"bench.prompts={prompts}", "bench.trees=[chain-d3,ddtree-w2-d3-b6-prune]", f"cache_dir={kdtree_cache}",
+            f"hydra.run.dir={run}", "load.progress=false")
+    b = json.loads((run / "bench.json").read_text())
+    assert b["tree"]["prune_experts"] is True and b["decode_speedup_vs_ar"] > 0
+    shapes = [(t["tree"]["kind"], t["tree"]["budget"], t["tree"]["prune_experts"]) for t in b["trees"]]
+    assert shapes == [("chain", 3, False), ("ddtree", 6, True)]
+    assert b["outputs_equal_ar"] is True and all(t["outputs_equal_ar"] for t in b["trees"])
+    for t in b["trees"]:
+        assert t["speedup_vs_ar"] == pytest.approx(t["tokens_per_s"] / b["ar_tokens_per_s"])
+    _kdtree("-m", "kdtree.report", str(tmp_path / "runs"))
+    with open(tmp_path / "runs" / "report.csv") as f:
+        kinds = [(row["kind"], row["budget"]) for row in csv.DictReader(f)]
+    assert kinds == [("ar", "0"), ("chain", "3"), ("ddtree prune", "4"), ("ddtree prune", "6")]
