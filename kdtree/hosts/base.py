@@ -106,7 +106,11 @@ class Host:
             raise
         except Exception as e:  # the connection died under the command (ssh)
             raise HostError(f"command failed on {self.label}: {type(e).__name__}: {e}; {brief(script)}") from None
-        if time.monotonic() - t0 > t + 0.5:  # invoke's timer lost the race with the command's end (seen under load)
+        elapsed = time.monotonic() - t0
+        # invoke's timer lost a race: with the command's end (seen under load), or with its own kill -- the timer
+        # thread still inside kill() when invoke asks whether it fired, so the killed command comes back as a result
+        # without an exit status (None; paramiko's -1: the channel closed without one) instead of CommandTimedOut
+        if elapsed > t + 0.5 or (r.exited in (None, -1) and elapsed >= t):
             raise timed_out
         return Result(command=script, returncode=int(r.exited if r.exited is not None else -1),
                       stdout=r.stdout, stderr=r.stderr)
