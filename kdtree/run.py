@@ -40,7 +40,10 @@ def _fail(message: str, code: int = 2) -> None:
 def _main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     _redact_hydra_files(run_dir, cfg)
-    for sig in (signal.SIGTERM, signal.SIGHUP):     # a supervisor's stop, a closed terminal: stop like Ctrl-C
+    # Ctrl-C, a supervisor's stop, a closed terminal: each stops the run the same way. SIGINT too, explicitly: a
+    # process started with SIGINT ignored (a script's background job, a test runner launched so) would otherwise
+    # inherit the ignore -- Python installs its Ctrl-C handler only where SIGINT is not ignored -- and never stop
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         validate(cfg)

@@ -141,14 +141,19 @@ def test_stop_kills_an_engine_that_ignores_sigterm(compose_cfg, tmp_path, run_di
     assert not host.is_alive(pid)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
-def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache, sig):
+@pytest.mark.parametrize("sig, inherit_ignored_int", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                                     (signal.SIGHUP, False), (signal.SIGINT, True)],
+                         ids=["ctrl-c", "sigterm", "sighup", "sigint-to-a-background-job"])
+def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache, sig,
+                                                                          inherit_ignored_int):
+    # inherit_ignored_int: started as a script's background job is (SIGINT ignored on entry), which Python keeps
     path = _pipeline(tmp_path, LONG_ENGINE)
     run_dir = tmp_path / "fg"
     env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherit_ignored_int else None
     proc = subprocess.Popen([sys.executable, "-m", "kdtree.run", f"pipeline={path}", f"hydra.run.dir={run_dir}",
                              "stop.timeout_s=5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
     try:
         for _ in range(300):  # until the controller is past its last stage, waiting on the engine
             kinds = {e["kind"] for e in read_events(run_dir)}
