@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="18432x7168,2048x7168")   # n_out x n_in
     ap.add_argument("--T", default="1,2,5,9,17,33")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--resident", action="store_true",
+                    help="one weight copy, read again and again (cache-resident when small): the compute-only time")
     a = ap.parse_args()
     lib = native.load_library("cpu", a.lib)
     rng = np.random.default_rng(0)
@@ -62,7 +64,7 @@ def main() -> None:
                 packed, scale, _ = int4.quantize_weight(w0, 32)
                 scale = int4.bf16_to_f32(scale)
                 nbytes = packed.nbytes + scale.nbytes
-            copies = max(1, -(-2 * L3_BYTES // nbytes) + (1 if nbytes < 4 * L3_BYTES else 0))
+            copies = 1 if a.resident else max(1, -(-2 * L3_BYTES // nbytes) + (1 if nbytes < 4 * L3_BYTES else 0))
             if kind == "f32":
                 ws = [w0] + [w0 + np.float32(i) for i in range(1, copies)]
                 call = lambda x, i: lib.linear_f32(x, ws[i % copies])   # noqa: E731

@@ -16,6 +16,7 @@ stream and copies the result back. Callers holding torch CUDA tensors call the C
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import threading
@@ -31,7 +32,7 @@ from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.tree import Tree as _Tree
 from kdtree.errors import ConfigError, NativeError
 
-ABI_VERSION = 15  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
+ABI_VERSION = 16  # = KD_ABI_VERSION of native/include/kdtree.h; a library of another version is refused
 BUILD_DIR = Path(__file__).resolve().parents[2] / "native" / "build"
 
 HEADER = Path(__file__).resolve().parents[2] / "native" / "include" / "kdtree.h"
@@ -85,6 +86,20 @@ def load_library(kind: str = "cpu", path: str = "") -> "NativeLibrary":
     return _LIBS[key]
 
 
+def library_info(kind: str = "cpu", path: str = "") -> dict:
+    """What a benchmark ran on (bench.json's provenance): the library file (path, size, sha256 prefix), its ABI
+    version, the host kernels chosen at load (avx512 / avx2 / generic: KDTREE_CPU_ISA, KDTREE_CPU_GENERIC and the
+    CPU's flags), the threads a region uses, and the devices (cuda: 0 with the reason when none)."""
+    lib = load_library(kind, path)
+    data = lib.path.read_bytes()
+    out = {"library": str(lib.path), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()[:16],
+           "abi": lib.version, "host_kernels": lib.host_kernels, "threads": lib.threads,
+           "device_count": lib.device_count}
+    if lib.device_reason:
+        out["device_reason"] = lib.device_reason
+    return out
+
+
 def cuda_device_count(path: str = "") -> int:
     """Number of CUDA devices the CUDA library sees; 0 (reason in CUDA_REASON) when the library, the driver or
     a device is missing. Never raises."""
@@ -125,6 +140,7 @@ class NativeLibrary:
         self.backend = ffi.string(c.kd_backend()).decode()
         self.device_count = int(c.kd_device_count())
         self.device_reason = self.last_error() if self.device_count == 0 else ""
+        self.host_kernels = ffi.string(c.kd_host_kernels()).decode()   # avx512 / avx2 / generic
         self._local = threading.local()  # per-thread tree_build / tree_accept output buffers
         self._tree_job = c.kd_tree_build_job
         self._fb_raw = ffi._backend.from_buffer                         # skips ffi's type-string parsing
@@ -796,5 +812,5 @@ def make_ops(kind: str, backend_cfg: Any) -> Ops:
     return ops
 
 
-__all__ = ["ABI_VERSION", "auto_threads", "set_loaded_threads", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "cuda_device_count", "make_ops",
+__all__ = ["ABI_VERSION", "auto_threads", "set_loaded_threads", "NativeLibrary", "NativeOps", "DeviceArray", "load_library", "library_info", "cuda_device_count", "make_ops",
            "library_path"]

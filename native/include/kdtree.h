@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 15  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 16  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -40,6 +40,8 @@ int kd_device_count(void);          /* cpu: 1; cuda: number of devices, 0 if non
 int kd_set_threads(int n);          /* cpu: OpenMP threads of every parallel region, process-wide (0 = OpenMP's
                                        default: OMP_NUM_THREADS, else every core); cuda: accepted, no effect */
 int kd_threads(void);               /* cpu: threads a parallel region uses now; cuda: 1 */
+const char *kd_host_kernels(void);  /* the host SIMD kernels this process runs: "avx512" (CPU build's linears),
+                                       "avx2" or "generic" (KDTREE_CPU_ISA / KDTREE_CPU_GENERIC and the CPU's flags) */
 
 /* ---- memory (cuda: device memory; cpu: host memory) --------------------------------------------------- */
 int kd_malloc(void **ptr, size_t bytes);

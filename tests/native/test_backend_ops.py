@@ -11,7 +11,12 @@ must survive the call. A case id re-runs one case:
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -346,6 +351,27 @@ def test_errors_carry_the_library_message():
     assert lib.version == native.ABI_VERSION and lib.backend == "cpu" and lib.device_count == 1
     with pytest.raises(NativeError, match="not found; build it with `make native`"):
         native.load_library("cpu", "/nonexistent/libkdtree_cpu.so")
+
+
+@needs_cpu_library
+def test_library_info_names_the_host_kernels_the_knobs_select():
+    """bench.json's provenance says which kernels ran: KDTREE_CPU_GENERIC=1 and KDTREE_CPU_ISA=avx2 are read at
+    load, so each case is its own process."""
+    flags = set(re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M).group(1).split())
+    has2, has512 = {"avx2", "fma"} <= flags, {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    want = {"": "avx512" if has2 and has512 else "avx2" if has2 else "generic",
+            "KDTREE_CPU_ISA=avx2": "avx2" if has2 else "generic", "KDTREE_CPU_GENERIC=1": "generic"}
+    for knob, kernels in want.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("KDTREE_CPU_ISA", "KDTREE_CPU_GENERIC")}
+        if knob:
+            env[knob.split("=")[0]] = knob.split("=")[1]
+        r = subprocess.run([sys.executable, "-c", "import json; from kdtree.backends import native; "
+                            "print(json.dumps(native.library_info('cpu')))"], capture_output=True, text=True,
+                           env=env, timeout=60)
+        assert r.returncode == 0, r.stderr[-2000:]
+        info = json.loads(r.stdout)
+        assert info["host_kernels"] == kernels, (knob, info)
+        assert info["abi"] == native.ABI_VERSION and info["library"].endswith("libkdtree_cpu.so")
 
 
 def test_cuda_library_without_device_fails_cleanly():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from kdtree.backends import native
 from tests.native_lib import needs_cpu_library
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +110,10 @@ def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdt
     shapes = [(t["tree"]["kind"], t["tree"]["budget"], t["tree"]["prune_experts"]) for t in b["trees"]]
     assert shapes == [("chain", 3, False), ("ddtree", 6, True)]
     assert b["outputs_equal_ar"] is True and all(t["outputs_equal_ar"] for t in b["trees"])
+    build = b["provenance"]["backend_build"]          # which library and kernels the figures came from
+    assert "error" not in build, build
+    assert build["name"] == "cpu" and build["abi"] == native.ABI_VERSION and len(build["sha256"]) == 16
+    assert build["host_kernels"] in ("avx512", "avx2", "generic")
     for t in b["trees"]:
         assert t["speedup_vs_ar"] == pytest.approx(t["tokens_per_s"] / b["ar_tokens_per_s"])
     _kdtree("-m", "kdtree.report", str(tmp_path / "runs"))

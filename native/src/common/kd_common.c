@@ -132,6 +132,16 @@ int kd_host_avx512(void) {
   return use;
 }
 
+/* which of the host loops run: the CPU build's linears have all three; the CUDA build's host code (top-k, exp) has
+ * AVX2 and portable loops only, so it never says avx512 */
+const char *kd_host_kernels(void) {
+#ifdef KD_CUDA_BUILD
+  return kd_host_avx2() ? "avx2" : "generic";
+#else
+  return kd_host_avx512() ? "avx512" : kd_host_avx2() ? "avx2" : "generic";
+#endif
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KD_TOPK_X86 1
