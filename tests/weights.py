@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 def int4_experts(weights, group: int = 32):
-    """`weights` with every routed expert's gate/up/down projection INT4-quantized (group `group`, scales widened
-    from BF16 to fp32 as the loader holds them); every other tensor unchanged."""
+    """`weights` with every routed expert's gate/up/down projection INT4-quantized (group `group`; the scales are
+    bfloat16 values, so the weight holds their BF16 bits as the loader does); every other tensor unchanged."""
     from kdtree.quant import int4
     w = dict(weights)
     for name in list(w):

@@ -372,14 +372,16 @@ class NativeLibrary:
                      out: Optional[np.ndarray] = None) -> np.ndarray:
         _c_contig(x, np.float32, "linear_w4a16 x", 2)
         _c_contig(packed, np.int32, "linear_w4a16 packed", 2)
-        _c_contig(scales, np.float32, "linear_w4a16 scales", 2)
+        bf16_scales = isinstance(scales, np.ndarray) and scales.dtype == np.uint16   # BF16 bits, as checkpoints hold
+        _c_contig(scales, np.uint16 if bf16_scales else np.float32, "linear_w4a16 scales", 2)
         n_out = packed.shape[0]
         if x.shape[1] != n_in or packed.shape[1] != (n_in + 7) // 8 or group <= 0 or \
                 scales.shape != (n_out, (n_in + group - 1) // group):
             raise NativeError(f"linear_w4a16: x {x.shape}, packed {packed.shape}, scales {scales.shape} do not "
                               f"match in={n_in}, group={group}")
         out = self._out(out, (x.shape[0], n_out), "linear_w4a16 out")
-        self._run("kd_linear_w4a16", (x, packed, scales, out), x.shape[0], n_in, n_out, group, weights=(1, 2))
+        self._run("kd_linear_w4a16_bf16_scales" if bf16_scales else "kd_linear_w4a16", (x, packed, scales, out),
+                  x.shape[0], n_in, n_out, group, weights=(1, 2))
         return out
 
     def linear_w4a16_half(self, x: np.ndarray, act_dtype: str, packed: np.ndarray, scales: np.ndarray, n_in: int,
@@ -533,12 +535,14 @@ def _weakrefable(obj: Any) -> bool:
 
 
 def _int4_parts(w: Any) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
-    """(packed i32[out, in/8], scale f32[out, in/group], in_features, group) of a quantized weight
-    (kdtree.quant.int4.Int4Weight: .packed, .scale, .shape, .group_size), else None."""
+    """(packed i32[out, in/8], scale [out, in/group], in_features, group) of a quantized weight
+    (kdtree.quant.int4.Int4Weight: .packed, .scale / .scale_bf16, .shape, .group_size), else None. The scale is
+    the BF16 bits (uint16) where the weight holds them so, else float32."""
     if isinstance(w, np.ndarray) or not hasattr(w, "packed"):
         return None
     packed = np.ascontiguousarray(w.packed, np.int32)
-    scale = np.ascontiguousarray(w.scale, np.float32)
+    bits = getattr(w, "scale_bf16", None)
+    scale = np.ascontiguousarray(bits, np.uint16) if bits is not None else np.ascontiguousarray(w.scale, np.float32)
     return packed, scale, int(w.shape[1]), int(w.group_size)
 
 
@@ -556,6 +560,7 @@ class NativeOps(Ops):
         self._c, self._null = self.lib.c, ffi.NULL
         self._fb_raw, self._f32a = ffi._backend.from_buffer, ffi.typeof("float[]")   # skips ffi's str parsing
         self._i32a, self._u64a = ffi.typeof("int32_t[]"), ffi.typeof("uint64_t[]")
+        self._u16a = ffi.typeof("uint16_t[]")
         self._head_linear = self._c.kd_head_linear_f32
         self.has_head_linear = self._host
         self._moe_tables: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -592,11 +597,14 @@ class NativeOps(Ops):
                     and scale.shape == (n_out, (n_in + group - 1) // group)):
                 out = np.empty((x.shape[0], n_out), _F32)
                 fb = self._fb_raw
-                rc = self._c.kd_linear_w4a16(fb(self._f32a, x, False), fb(self._i32a, packed, False),
-                                             fb(self._f32a, scale, False), fb(self._f32a, out, False), x.shape[0],
-                                             n_in, n_out, group, self._null)
+                if scale.dtype == np.uint16:            # BF16 scales, as the checkpoint holds them
+                    fn, sp = "kd_linear_w4a16_bf16_scales", fb(self._u16a, scale, False)
+                else:
+                    fn, sp = "kd_linear_w4a16", fb(self._f32a, scale, False)
+                rc = getattr(self._c, fn)(fb(self._f32a, x, False), fb(self._i32a, packed, False), sp,
+                                          fb(self._f32a, out, False), x.shape[0], n_in, n_out, group, self._null)
                 if rc:
-                    self.lib.check(rc, "kd_linear_w4a16")
+                    self.lib.check(rc, fn)
                 return out
         if parts is None:
             raise NativeError(f"linear: weight of type {type(w).__name__} is neither a float32 ndarray nor an "

@@ -113,11 +113,17 @@ class _Registry:
         if not supports(w):
             raise NativeError(f"{name}: weight of type {type(w).__name__} is neither a float32 ndarray nor an "
                               f"Int4Weight")
-        dst.packed = self.ptr(np.ascontiguousarray(w.packed, np.int32), "int32_t[]")
-        dst.scales = self.ptr(np.ascontiguousarray(w.scale, np.float32))
+        packed = np.ascontiguousarray(w.packed, np.int32)
+        dst.packed = self.ptr(packed, "int32_t[]")
+        bits = getattr(w, "scale_bf16", None)      # BF16 scales (the checkpoint's) stay BF16: half the scale bytes
+        scale = np.ascontiguousarray(bits, np.uint16) if bits is not None else np.ascontiguousarray(w.scale, np.float32)
+        if bits is not None:
+            dst.scales_bf16 = self.ptr(scale, "uint16_t[]")
+        else:
+            dst.scales = self.ptr(scale)
         dst.n_out, dst.n_in = int(w.shape[0]), int(w.shape[1])
         dst.group = int(w.group_size)
-        self.bytes[name] = (int(self.keep[-4].nbytes + self.keep[-2].nbytes),   # packed + scales as held
+        self.bytes[name] = (int(packed.nbytes + scale.nbytes),   # packed + scales as held
                             int(w.shape[0]) * int(w.shape[1]))
 
     def mlp(self, dst, m: Any, name: str) -> None:

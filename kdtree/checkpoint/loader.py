@@ -228,13 +228,13 @@ class _Job:
     info: TensorInfo
     shape: Tuple[int, ...]          # output shape (the slice's)
     raw: bool = False               # keep the stored dtype (BF16 as uint16 bits)
-    bf16: bool = False              # keep BF16 as uint16 bits unless an INT4 part (its scales are widened)
+    bf16: bool = False              # keep BF16 as uint16 bits (INT4 scales are kept so always)
     pieces: int = 0
     result: Optional[np.ndarray] = None
 
     def __post_init__(self):
-        # INT4 scales too: Int4Weight keeps float32 scales
-        keep = self.raw or (self.bf16 and self.info.dtype == "BF16" and self.want.module is None)
+        # INT4 scales (an INT4 module's BF16 part) stay BF16 bits whatever bf16 says: Int4Weight holds them so
+        keep = self.raw or (self.info.dtype == "BF16" and (self.bf16 or self.want.module is not None))
         self.widen = self.info.dtype in ("BF16", "F16") and not keep
         self.count = math.prod(self.shape)
         self.nbytes = self.count * self.info.storage.itemsize    # bytes read from the file

@@ -15,7 +15,9 @@ Edge cases (decided here, tested in tests/quant):
 * The scale is rounded to bf16 (round-to-nearest-even) BEFORE q is computed, so q is chosen against the scale that
   is stored; |w - q*scale| <= scale/2 for every element.
 
-In memory an `Int4Weight` keeps the packed words and float32 scales (exact copies of the bf16 values); the unpacked
+In memory an `Int4Weight` keeps the packed words and the scales as BF16 bits (the checkpoint's bytes; `.scale` widens
+them exactly to float32, `.scale_bf16` hands the bits to the native kernels), or float32 scales where a value is not a
+bfloat16 (hand-built weights); the unpacked
 q values of recently used weights live in one LRU cache bounded in bytes (`UNPACKED`, $KDTREE_INT4_CACHE_MB). `matvec`/`linear` compute per group (integer q times x summed over the group, times the group's
 scale, summed over groups); an output element never depends on the other rows of x or of the weight (batch- and
 row-invariant, bit for bit).
@@ -27,7 +29,7 @@ import re
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -110,6 +112,17 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, shape) -> np.ndarray:
     return q * np.repeat(scale, n // scale.shape[1], axis=1)
 
 
+def _scale_held(scale) -> np.ndarray:
+    """The scales as an Int4Weight holds them: BF16 bits (uint16) as given, or float32 values narrowed to their
+    BF16 bits when every one is a bfloat16 value (exact: 2 bytes a scale, not 4), else float32."""
+    if isinstance(scale, np.ndarray) and scale.dtype == np.uint16:
+        return np.ascontiguousarray(scale)
+    f = np.ascontiguousarray(_scale_f32(scale), np.float32)
+    if f.size and not (f.view(np.uint32) & np.uint32(0xFFFF)).any():
+        return np.ascontiguousarray((f.view(np.uint32) >> np.uint32(16)).astype(np.uint16))
+    return f
+
+
 def _scale_f32(scale) -> np.ndarray:
     """bf16 bits (uint16/int16), float16/32 numpy, or a torch tensor -> float32 numpy."""
     if hasattr(scale, "detach"):                                            # torch tensor, no torch import needed
@@ -126,11 +139,11 @@ def _scale_f32(scale) -> np.ndarray:
 class Int4Weight:
     """A packed W4A16 Linear weight: packed int32[out, ceil(in/8)], scale f32[out, in/g], shape (out, in)."""
 
-    __slots__ = ("packed", "scale", "shape", "group_size", "__weakref__")
+    __slots__ = ("packed", "_scale", "shape", "group_size", "__weakref__")
 
     def __init__(self, packed: np.ndarray, scale: np.ndarray, shape, group_size: int):
         self.packed = np.ascontiguousarray(packed, dtype=np.int32)           # [out, ceil(in/8)]
-        self.scale = np.ascontiguousarray(scale, dtype=np.float32)           # [out, in/g]
+        self._scale = _scale_held(scale)                                     # [out, in/g]: bf16 bits or f32
         self.shape = (int(shape[0]), int(shape[1]))
         self.group_size = int(group_size)
         _check(self, "Int4Weight")
@@ -171,12 +184,24 @@ class Int4Weight:
                                   f"quant.group_size against the checkpoint's quantization_config)")
         if not np.isfinite(scale).all():
             raise CheckpointError(f"{name}.weight_scale holds NaN/inf; the checkpoint is corrupt, re-quantize it")
-        return cls(packed, scale, (out, n), group_size)
+        bits = isinstance(scale_raw, np.ndarray) and scale_raw.dtype == np.uint16
+        return cls(packed, scale_raw if bits else scale, (out, n), group_size)   # BF16 bits kept as they are
+
+    @property
+    def scale(self) -> np.ndarray:
+        """float32 [out, in/g]: the scales' values (widened exactly from the BF16 bits where those are held)."""
+        return bf16_to_f32(self._scale) if self._scale.dtype == np.uint16 else self._scale
+
+    @property
+    def scale_bf16(self) -> Optional[np.ndarray]:
+        """uint16 [out, in/g]: the scales as BF16 bits when every one is a bfloat16 value (a compressed-tensors
+        checkpoint's, this quantizer's) -- what the native kernels read then -- else None (float32 scales)."""
+        return self._scale if self._scale.dtype == np.uint16 else None
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes: packed words + float32 scales."""
-        return self.packed.nbytes + self.scale.nbytes
+        """Resident bytes: packed words + scales as held (2 bytes each when BF16, else 4)."""
+        return self.packed.nbytes + self._scale.nbytes
 
     def dequantize(self) -> np.ndarray:
         """-> f32[out, in] (a fresh array; the weight itself stays packed)."""
@@ -196,10 +221,11 @@ class Int4Weight:
             raise ValueError(f"Int4Weight[{out}, {n}].linear expects x [T, {n}], got {list(x.shape)}")
         G, g = n // self.group_size, self.group_size
         q = UNPACKED.get(self)                                                     # [out, G, g] f32, cached
+        scale = self.scale
         y = np.empty((x.shape[0], out), np.float32)
         for t in range(x.shape[0]):
             part = np.einsum("ojk,jk->oj", q, x[t].reshape(G, g))                  # [out, G]: group dots
-            part *= self.scale                                                     # x scale[o, j]
+            part *= scale                                                          # x scale[o, j]
             y[t] = part.sum(axis=-1)                                               # [out]: over groups
         return y
 
@@ -213,7 +239,7 @@ class Int4Weight:
     def rows(self, s: slice) -> "Int4Weight":
         """Output rows `s` (tensor parallel, column-parallel layers): a copy that owns its memory."""
         start, stop = _bounds(s, self.shape[0], "rows")
-        return Int4Weight(self.packed[start:stop].copy(), self.scale[start:stop].copy(),
+        return Int4Weight(self.packed[start:stop].copy(), self._scale[start:stop].copy(),
                           (stop - start, self.shape[1]), self.group_size)
 
     def cols(self, s: slice) -> "Int4Weight":
@@ -228,7 +254,7 @@ class Int4Weight:
             packed = self.packed[:, start // PACK: -(-stop // PACK)].copy()  # whole words: no repacking
         else:
             packed = pack_int4(unpack_int4(self.packed, n)[:, start:stop])
-        return Int4Weight(packed, self.scale[:, start // g: stop // g].copy(), (out, stop - start), g)
+        return Int4Weight(packed, self._scale[:, start // g: stop // g].copy(), (out, stop - start), g)
 
     def __repr__(self) -> str:
         return f"Int4Weight(shape={self.shape}, group_size={self.group_size}, nbytes={self.nbytes})"
@@ -284,8 +310,8 @@ UNPACKED = UnpackedCache(int(float(os.environ.get("KDTREE_INT4_CACHE_MB", "2048"
 def _check(w: Int4Weight, name: str) -> None:
     out, n = w.shape
     g = w.group_size
-    if g <= 0 or n % g or w.packed.shape != (out, -(-n // PACK)) or w.scale.shape != (out, n // g):
-        raise ValueError(f"{name}: inconsistent packed {list(w.packed.shape)} / scale {list(w.scale.shape)} for "
+    if g <= 0 or n % g or w.packed.shape != (out, -(-n // PACK)) or w._scale.shape != (out, n // g):
+        raise ValueError(f"{name}: inconsistent packed {list(w.packed.shape)} / scale {list(w._scale.shape)} for "
                          f"shape [{out}, {n}] and group_size={g}")
 
 

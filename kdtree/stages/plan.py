@@ -134,15 +134,15 @@ def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_r
     Float tensors are held as float32 (numpy): fp32 whole tensors and row slices are views of the mapped
     pages, bf16 ones are widened copies; column slices are gathered copies, and their pages are mapped whole
     when the row gap is under the loader's _SPAN_GAP (runs that close are read as one). keep_bf16 (backend=cpu:
-    load_checkpoint(bf16=True)): bf16 tensors are held as stored (views), only INT4 group scales widened."""
+    load_checkpoint(bf16=True)): bf16 tensors are held as stored (views). INT4 group scales stay bf16 either way."""
     read = mapped = copied = 0
     for name, _, nbytes in layout:
         axis = split_axis(name)
         share = nbytes / tp if axis else nbytes
         read += share
         part = name.rpartition(".")[2]
-        widen = stored_float == 2 and part not in ("weight_packed", "weight_shape") and \
-            (not keep_bf16 or part == "weight_scale")                             # bf16 -> float32
+        widen = stored_float == 2 and part not in ("weight_packed", "weight_shape", "weight_scale") and \
+            not keep_bf16                                                         # bf16 -> float32
         held = share * (2 if widen else 1)
         if strategy == "eager":
             copied += held
@@ -461,8 +461,8 @@ def format_plan(p: dict) -> str:
     lines += [
         "  read: tensor bytes read (rank 0: + the whole drafter); mapped: page cache pages each rank maps and keeps",
         "  (column slices of o_proj/down_proj map whole rows where the row gap is < 64 KiB: the loader reads runs that",
-        "  close as one); copied: float32 widening of bf16 (backend=cpu: INT4 scales only, bf16 weights held as",
-        "  stored), gathered column slices, W_uk/W_uv; resident = mapped +",
+        "  close as one); copied: float32 widening of bf16 (backend=cpu: none, bf16 weights and INT4 scales held",
+        "  as stored), gathered column slices, W_uk/W_uv; resident = mapped +",
         "  copied + drafter, after the load; then + KV per token + scratch (one forward of the tree's rows)"
         + (f" + up to {_fmt_bytes(r0['int4_unpacked_bytes'])} of unpacked INT4 (numpy, $KDTREE_INT4_CACHE_MB caps it)"
            if r0["int4_unpacked_bytes"] else ""),

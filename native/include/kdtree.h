@@ -113,6 +113,10 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
  * Computes exactly kd_linear_f32 on the dequantized float32 weight (same products, same order). */
 int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
                     int64_t n_in, int64_t n_out, int64_t group, void *stream);
+/* kd_linear_w4a16 with the scales as BF16 bits [out, ceil(in/group)] (the checkpoint's dtype: half the scale bytes),
+ * widened exactly where they are read: the same result, bit for bit, as kd_linear_w4a16 on the widened scales. */
+int kd_linear_w4a16_bf16_scales(const float *x, const int32_t *packed, const uint16_t *scales, float *out, int64_t T,
+                                int64_t n_in, int64_t n_out, int64_t group, void *stream);
 
 /* fp16 / bf16 activations variant (CUDA build only; the CPU build returns KD_EINVAL). act_dtype: 1 = fp16,
  * 2 = bf16. x [T, in] of that dtype; out f32 [T, out]. */
@@ -176,10 +180,11 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
 typedef struct {
   const float *f32;        /* f32 [n_out, n_in], or NULL when packed or bf16 is set */
   const int32_t *packed;   /* W4A16 [n_out, ceil(n_in/8)] (kd_linear_w4a16), or NULL */
-  const float *scales;     /* f32 [n_out, ceil(n_in/group)] with packed */
+  const float *scales;     /* f32 [n_out, ceil(n_in/group)] with packed, or NULL when scales_bf16 is set */
   int64_t n_out, n_in, group;
   const uint16_t *bf16;    /* BF16 bits [n_out, n_in] (kd_linear_bf16: the same bits as f32 of the widened values),
                               or NULL; exactly one of f32 / packed / bf16 is set */
+  const uint16_t *scales_bf16; /* with packed: the scales as BF16 bits (kd_linear_w4a16_bf16_scales), or NULL */
 } kd_weight;
 
 typedef struct {

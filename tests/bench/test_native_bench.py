@@ -125,7 +125,7 @@ def gemv_data(request):
     rng = np.random.default_rng(0)
     group = 32
     w4 = []   # random nibbles and bf16-valued scales: exactly what a checkpoint holds
-    while sum(w.packed.nbytes + w.scale.nbytes for w in w4) < 2 * L3_BYTES:
+    while sum(w.nbytes for w in w4) < 2 * L3_BYTES:
         packed = rng.integers(-2 ** 31, 2 ** 31, (n_out, n_in // 8), dtype=np.int64).astype(np.int32)
         scale = int4.bf16_to_f32(int4.f32_to_bf16(rng.uniform(0.005, 0.05, (n_out, n_in // group)).astype(np.float32)))
         w4.append(int4.Int4Weight(packed, scale, (n_out, n_in), group))
@@ -145,7 +145,7 @@ def test_gemv(benchmark, gemv_data, impl, threads):
     ops = native.NativeOps("cpu")
     out_bytes = 4 * n_out + x.nbytes
     if impl == "native_w4a16":
-        ws, nbytes = w4, w4[0].packed.nbytes + w4[0].scale.nbytes + out_bytes
+        ws, nbytes = w4, w4[0].nbytes + out_bytes
         call = lambda w: ops.linear(x, w)[0]           # noqa: E731
     elif impl == "native_f32":
         ws, nbytes = deq, deq[0].nbytes + out_bytes
@@ -185,7 +185,7 @@ def test_linear(benchmark, linear_data, impl, T, threads):
     elif impl == "native_f32":
         fn, nbytes = (lambda: ops.linear(x, w)), w.nbytes + io
     else:
-        fn, nbytes = (lambda: ops.linear(x, w4)), w4.packed.nbytes + w4.scale.nbytes + io
+        fn, nbytes = (lambda: ops.linear(x, w4)), w4.nbytes + io
     got = bench(benchmark, fn, threads, nbytes, "numpy_blas")
     want = x.astype(np.float64) @ w.T.astype(np.float64)
     assert (np.abs(got - want) <= 2 * LIN * EPS * (np.abs(x) @ np.abs(w).T)).all()

@@ -114,6 +114,35 @@ def test_native_forward_of_bf16_weights_is_bit_identical_to_widened(tiny_cfg, ti
         np.testing.assert_array_equal(ca.kv[layer][:ca.length], cb.kv[layer][:cb.length])
 
 
+def test_int4_scales_held_as_bf16_give_the_bits_of_float32_scales(tiny_cfg, tiny_weights):
+    """K2.6's INT4 experts keep their BF16 group scales (half the scale bytes the forward streams): the native
+    forward over them equals, bit for bit, the same weights with the scales widened to float32 -- logits, hidden
+    states and caches over prefill, an AR step, a tree verify and a keep."""
+    from kdtree.backends.native_forward import NativeTarget
+    from kdtree.quant.int4 import Int4Weight
+    from tests.native.test_native_forward import _steps
+    held = int4_experts(tiny_weights)
+    wide = dict(held)
+    for k, v in held.items():
+        if isinstance(v, Int4Weight):
+            assert v.scale_bf16 is not None                      # what the loader and the quantizer hold
+            wide[k] = w = Int4Weight(v.packed, v.scale, v.shape, v.group_size)
+            w._scale = v.scale                                   # the same values held as float32
+            assert w.scale_bf16 is None and w.nbytes > v.nbytes
+    ops = native.NativeOps("cpu")
+    a, b = NativeTarget(tiny_cfg, held, ops), NativeTarget(tiny_cfg, wide, ops)
+    ffi = native.load_library("cpu").ffi
+    e = a._desc.layers[1].experts[0].gate
+    assert e.scales_bf16 != ffi.NULL and e.scales == ffi.NULL
+    (oa, ca), (ob, cb) = _steps(a), _steps(b)
+    for step, ((la, ha), (lb, hb)) in enumerate(zip(oa, ob)):
+        np.testing.assert_array_equal(la, lb, err_msg=f"logits of step {step}")
+        for layer in ha:
+            np.testing.assert_array_equal(ha[layer], hb[layer], err_msg=f"hidden {layer} of step {step}")
+    for layer in range(tiny_cfg.num_hidden_layers):
+        np.testing.assert_array_equal(ca.kv[layer][:ca.length], cb.kv[layer][:cb.length])
+
+
 def test_native_drafter_of_bf16_weights_is_bit_identical_to_widened(tiny_cfg, tiny_weights):
     from kdtree.backends.native_drafter import NativeDrafter
     from kdtree.model.names import drafter_tensor_shapes, init_weights

@@ -96,9 +96,10 @@ for n_in, n_out in %r:
         out[f"bf16_{n_in}_{n_out}_{T}"] = native.load_library("cpu").linear_bf16(x[:T], w16)
         for group in (8, 32):   # odd and even words per group (the AVX-512 GEMV takes whole chunks per group)
             if n_in %% group == 0:
-                packed, scale, shape = int4.quantize_weight(w, group)
-                out[f"w4_{group}_{n_in}_{n_out}_{T}"] = ops.linear(
-                    x[:T], int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, group))
+                packed, scale, shape = int4.quantize_weight(w, group)   # scale: BF16 bits
+                out[f"w4_{group}_{n_in}_{n_out}_{T}"] = ops.linear(x[:T], int4.Int4Weight(packed, scale, shape, group))
+                out[f"w4f_{group}_{n_in}_{n_out}_{T}"] = native.load_library("cpu").linear_w4a16(
+                    x[:T], packed, int4.bf16_to_f32(scale), n_in, group)      # the same scales as float32
 for H, L, R, P, T in [(8, 32, 8, 20, 9), (3, 16, 1, 5, 6), (5, 9, 8, 0, 4), (4, 64, 0, 7, 3)]:
     q = rng.standard_normal((T, H, L + R), dtype=np.float32)
     kv = rng.standard_normal((P + T, L + R), dtype=np.float32)
@@ -123,6 +124,12 @@ def test_avx512_avx2_and_portable_multirow_paths_agree_bitwise(tmp_path):
         got = np.load(files[isa])
         for k in ref.files:
             np.testing.assert_array_equal(got[k], ref[k], err_msg=f"{isa} {k}")
+    for isa in ISAS:   # BF16 scales (as held) and the same scales widened to float32: the same bits on every path
+        got = np.load(files[isa])
+        w4 = [k for k in got.files if k.startswith("w4_")]
+        assert w4
+        for k in w4:
+            np.testing.assert_array_equal(got[k], got["w4f_" + k[3:]], err_msg=f"{isa} {k}: BF16 vs f32 scales")
 
 
 def test_head_linear_equals_linear_per_head_on_strided_views():

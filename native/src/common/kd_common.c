@@ -627,7 +627,8 @@ int kd_tree_build_job(kd_tree_job *j) {
 /* ---- weight and drafter-descriptor checks, the drafter's RoPE table (both builds) --------------------------- */
 int kd_weight_ok(const kd_weight *w, int64_t n_out, int64_t n_in) {
   if (w->n_out != n_out || w->n_in != n_in) return 0;
-  if (w->packed) return w->scales != NULL && w->group > 0 && w->group % 8 == 0 && !w->f32 && !w->bf16;
+  if (w->packed)
+    return (w->scales != NULL) != (w->scales_bf16 != NULL) && w->group > 0 && w->group % 8 == 0 && !w->f32 && !w->bf16;
   return (w->f32 != NULL) != (w->bf16 != NULL); /* exactly one of f32 / bf16 */
 }
 

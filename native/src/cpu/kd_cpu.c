@@ -96,24 +96,47 @@ static void kd_bf16_widen_generic(const uint16_t *s, float *d, int64_t n) {
   }
 }
 
+/* A W4A16 weight's group scales [n_out, n_groups]: float32 (f), or BF16 bits (h) as compressed-tensors stores them --
+ * half the bytes, widened exactly (bits << 16) where a group's scale is read, so both give the same weights. Exactly
+ * one is set; kd_qs_row offsets whichever it is (a row, or a row's group). */
+typedef struct {
+  const float *f;
+  const uint16_t *h;
+} kd_qs;
+
+static const kd_qs kd_qs_none = {NULL, NULL}; /* float32 and BF16 weights: no scales */
+
+static inline kd_qs kd_qs_row(kd_qs s, int64_t off) {
+  kd_qs r = {s.f ? s.f + off : NULL, s.h ? s.h + off : NULL};
+  return r;
+}
+
+static inline float kd_qs_at(kd_qs s, int64_t g) {
+  if (s.f) return s.f[g];
+  uint32_t b = (uint32_t)s.h[g] << 16;
+  float v;
+  memcpy(&v, &b, 4);
+  return v;
+}
+
 /* Dequantize one packed row: w[k] = q_k * scale_(k / group), exactly numpy's q.astype(float32) * scale. */
-static void kd_dequant_row(const uint32_t *wr, const float *sr, float *w, int64_t n_in, int64_t words_per_group) {
+static void kd_dequant_row(const uint32_t *wr, kd_qs sr, float *w, int64_t n_in, int64_t words_per_group) {
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
   for (int64_t wi = 0; wi < n_words; wi++) {
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, sr[g]);
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, kd_qs_at(sr, g));
     if (--left == 0) g++, left = words_per_group;
   }
 }
 
 /* One output of W4A16, fused: the same products (q * s) * x and the same lanes (k % 16) as kd_dot_f32 on the
  * dequantized row, so both paths agree bit for bit. The portable path; the AVX2 one is kd_gemv_w4_avx2. */
-static float kd_dot_w4_generic(const uint32_t *wr, const float *sr, const float *x, int64_t n_in,
+static float kd_dot_w4_generic(const uint32_t *wr, kd_qs sr, const float *x, int64_t n_in,
                                int64_t words_per_group) {
   float acc[KD_LANES] = {0};
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
   for (int64_t wi = 0; wi < n_words; wi++) {
     float *a = acc + ((wi & 1) << 3); /* k = 8 wi + j -> lane k % 16 */
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] = fmaf(kd_int4_weight(wr[wi], j, sr[g]), x[8 * wi + j], a[j]);
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] = fmaf(kd_int4_weight(wr[wi], j, kd_qs_at(sr, g)), x[8 * wi + j], a[j]);
     if (--left == 0) g++, left = words_per_group;
   }
   return kd_lanes_sum(acc);
@@ -562,14 +585,14 @@ __attribute__((target("avx2,fma"))) static void kd_linear_direct(const float *x,
 }
 
 /* Elements [k0, k1) of one packed row -> w[0 .. k1 - k0), each kd_int4_weight (the exact dequantized value). */
-__attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint32_t *wr, const float *sr, float *w,
+__attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint32_t *wr, kd_qs sr, float *w,
                                                                   int64_t k0, int64_t k1, int64_t wpg) {
   int64_t wi = k0 / 8, g = wi / wpg, left = wpg - wi % wpg; /* k0 is a multiple of 16; one division per slice */
   for (; 8 * wi + 8 <= k1; wi++) {
-    _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], sr[g]));
+    _mm256_storeu_ps(w + 8 * wi - k0, kd_w8_avx2(wr[wi], kd_qs_at(sr, g)));
     if (--left == 0) g++, left = wpg;
   }
-  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, sr[g]);
+  for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, kd_qs_at(sr, g));
 }
 
 /* Output rows o .. o + O - 1 (O <= 3) of out [T, n_out] = x . w^T for all T rows of x (xa: 64-byte aligned rows,
@@ -583,7 +606,7 @@ __attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint
  * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
  * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
 __attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
-                                                            const uint16_t *w16, const uint32_t *qp, const float *qs, int64_t n_words,
+                                                            const uint16_t *w16, const uint32_t *qp, kd_qs qs, int64_t n_words,
                                                             int64_t n_groups, int64_t wpg, float *out, int64_t T,
                                                             int64_t n_in, int64_t n_out, int64_t o, float *P,
                                                             float *wb) {
@@ -605,7 +628,7 @@ __attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, 
       for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w16 + (o + i) * n_in + k0, wb + i * KD_KC, n);
     } else if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
       for (int i = 0; i < O; i++)
-        kd_dequant_slice_avx2(qp + (o + i) * n_words, qs + (o + i) * n_groups, wb + i * KD_KC, k0, k0 + n, wpg);
+        kd_dequant_slice_avx2(qp + (o + i) * n_words, kd_qs_row(qs, (o + i) * n_groups), wb + i * KD_KC, k0, k0 + n, wpg);
     }
     for (int64_t t = 0; t < T; t += 2, it += (n + KD_LANES - 1) / KD_LANES)
       kd_tiles[PF][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wk, ws, n, P + t * 48, 3, pf + it * pfs, pfs);
@@ -623,7 +646,7 @@ __attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, 
  * not depend on the number of threads, nor on T. */
 __attribute__((target("avx2,fma"))) static int kd_linear_rows(const float *x, const float *w, const uint16_t *w16,
                                                            const uint32_t *qp,
-                                                           const float *qs, int64_t n_words, int64_t n_groups,
+                                                           kd_qs qs, int64_t n_words, int64_t n_groups,
                                                            int64_t wpg, float *out, int64_t T, int64_t n_in,
                                                            int64_t n_out, int parallel) {
   /* x rows copied once to 64-byte aligned rows (numpy's large arrays sit 16 bytes past a line, and a 32-byte load
@@ -658,7 +681,7 @@ __attribute__((target("avx2,fma"))) static int kd_linear_rows(const float *x, co
 #define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
 __attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x, const float *w, const uint16_t *w16,
                                                                const uint32_t *qp,
-                                                               const float *qs, int64_t n_words, int64_t n_groups,
+                                                               kd_qs qs, int64_t n_words, int64_t n_groups,
                                                                int64_t wpg, float *out, int64_t T, int64_t n_in,
                                                                int64_t n_out, int parallel) {
   /* x rows copied once to 64-byte aligned rows: numpy's large arrays sit 16 bytes past a line, and a 32-byte load
@@ -691,7 +714,7 @@ __attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x,
             else if (w16) /* BF16: widened exactly into the same slice, so the tiles see kd_linear_f32's weights */
               kd_bf16_widen_avx2(w16 + (ob + o + i) * n_in + k0, wb + i * KD_KC, n);
             else
-              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, qs + (ob + o + i) * n_groups, wb + i * KD_KC, k0,
+              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, kd_qs_row(qs, (ob + o + i) * n_groups), wb + i * KD_KC, k0,
                                     k0 + n, wpg);
           for (int64_t t = 0; t < T; t += 2)
             kd_tiles[0][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB,
@@ -716,7 +739,7 @@ __attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x,
  * Both compute every output as kd_dot_f32, so the switch never changes a bit. */
 #define KD_ROWS_X_BYTES (384 << 10)
 
-static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w16, const uint32_t *qp, const float *qs,
+static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w16, const uint32_t *qp, kd_qs qs,
                               int64_t n_words, int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in,
                               int64_t n_out, int parallel) {
   if (T * n_in * (int64_t)sizeof(float) <= KD_ROWS_X_BYTES)
@@ -837,7 +860,7 @@ typedef struct {
   const float *w;
   const uint16_t *w16;
   const uint32_t *qp;
-  const float *qs;
+  kd_qs qs;
   int64_t n_words, n_groups, wpg, n_in, n_out;
 } kd_wsrc;
 
@@ -894,7 +917,7 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
           for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
           kd_bf16_widen_generic(r + j, d + j, n - j);
         } else {
-          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, s->qs + rows[i] * s->n_groups, d, k0, k0 + n, s->wpg);
+          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n, s->wpg);
         }
       }
     }
@@ -1006,22 +1029,23 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
 }
 
 /* even wpg: a group is cpg = wpg / 2 whole chunks. The scale and -8 * scale of each group are broadcast once per
- * group from memory: -8 * scale is staged KD_W4_GW groups at a time (vector multiplies), so that the first chunk of
- * a group waits on two loads, not a load and a multiply (the group-32 case has only two chunks per group). */
+ * group from memory: both are staged KD_W4_GW groups at a time (the scale widened from BF16 where it is held so),
+ * so that the first chunk of a group waits on two loads, not a load and a multiply (the group-32 case has only two
+ * chunks per group). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_groups_avx2(
-    const uint32_t *const *wr, const float *const *sr, const float *xp, const char *next, int64_t nc, int64_t cpg,
+    const uint32_t *const *wr, const kd_qs *sr, const float *xp, const char *next, int64_t nc, int64_t cpg,
     __m256 *ev, __m256 *od) {
-  float nsb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32)));
+  float scb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32))), nsb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32)));
   const int64_t ng = (nc + cpg - 1) / cpg;
   for (int64_t g0 = 0; g0 < ng; g0 += KD_W4_GW) {
     int64_t gn = ng - g0 < KD_W4_GW ? ng - g0 : KD_W4_GW;
     for (int r = 0; r < KD_W4_ROWS; r++)
-      for (int64_t g = 0; g < gn; g++) nsb[r][g] = -8.0f * sr[r][g0 + g];
+      for (int64_t g = 0; g < gn; g++) scb[r][g] = kd_qs_at(sr[r], g0 + g), nsb[r][g] = -8.0f * scb[r][g];
     for (int64_t g = 0; g < gn; g++) {
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
 #pragma GCC unroll 4
       for (int r = 0; r < KD_W4_ROWS; r++)
-        sc[r] = _mm256_broadcast_ss(sr[r] + g0 + g), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
+        sc[r] = _mm256_broadcast_ss(&scb[r][g]), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
       int64_t c0 = (g0 + g) * cpg;
       if (c0 + cpg <= nc) /* a whole group: a constant trip count (unrolled for cpg = 2) */
         kd_w4_chunks_avx2(wr, xp, next, c0, c0 + cpg, sc, ns, ev, od);
@@ -1038,7 +1062,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
  * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
  * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
 __attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
-                                                               const float *sr, const float *x, int64_t n_in,
+                                                               kd_qs sr, const float *x, int64_t n_in,
                                                                int64_t wpg) {
   float a[KD_LANES];
   _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
@@ -1046,13 +1070,13 @@ __attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __
   float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
                        a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
   for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
-    b[k % KD_LANES] = fmaf(kd_int4_weight(wr[k / 8], (int)(k % 8), sr[k / 8 / wpg]), x[k], b[k % KD_LANES]);
+    b[k % KD_LANES] = fmaf(kd_int4_weight(wr[k / 8], (int)(k % 8), kd_qs_at(sr, k / 8 / wpg)), x[k], b[k % KD_LANES]);
   return kd_lanes_sum(b);
 }
 
 /* outputs o .. o + KD_W4_ROWS - 1 of the fused W4A16 GEMV (x permuted into xp) */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4_rows_avx2(
-    const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
     const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   const int64_t nc = n_in / KD_LANES;
   /* the next rows' words: rows are short streams (2 KB at n_in = 4096), which the hardware prefetcher picks up
@@ -1060,10 +1084,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4
    * prefetch never faults) rather than branch in the loop. */
   const char *next = (const char *)(qp + (o + KD_W4_ROWS < n_out ? o + KD_W4_ROWS : o) * n_words);
   const uint32_t *wr[KD_W4_ROWS];
-  const float *sr[KD_W4_ROWS];
+  kd_qs sr[KD_W4_ROWS];
   for (int r = 0; r < KD_W4_ROWS; r++) { /* past the last output: repeat it, result discarded */
     int64_t oo = o + r < n_out ? o + r : n_out - 1;
-    wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
+    wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
   }
   __m256 ev[KD_W4_ROWS], od[KD_W4_ROWS];
 #pragma GCC unroll 4
@@ -1082,7 +1106,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
 #pragma GCC unroll 4
       for (int r = 0; r < KD_W4_ROWS; r++) {
-        sc[r] = _mm256_blend_ps(_mm256_broadcast_ss(sr[r] + ga), _mm256_broadcast_ss(sr[r] + gb), 0xF0);
+        sc[r] = _mm256_blend_ps(_mm256_set1_ps(kd_qs_at(sr[r], ga)), _mm256_set1_ps(kd_qs_at(sr[r], gb)), 0xF0);
         ns[r] = _mm256_mul_ps(sc[r], mm8);
       }
       kd_w4_chunks_avx2(wr, xp, next, c, c + 1, sc, ns, ev, od);
@@ -1097,12 +1121,12 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4
 /* The W4A16 GEMV drivers (AVX2 below, AVX-512 further down): x permuted once into xp, the kernel's lane order
  * (xp[16 c + j] = x[16 c + perm[j]]), then `rows` over `step` outputs at a time, on the threads when parallel (no
  * OpenMP region at all for small matrices, see kd_gemv_f32_avx2). */
-typedef void (*kd_gemv_w4_rows_fn)(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups,
+typedef void (*kd_gemv_w4_rows_fn)(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups,
                                    int64_t wpg, const float *xp, const float *x, float *out, int64_t n_in,
                                    int64_t n_out, int64_t o);
 
 static int kd_gemv_w4_drive(kd_gemv_w4_rows_fn rows, const unsigned char perm[KD_LANES], int64_t step,
-                            const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                            const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
                             const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
   const int64_t nc = n_in / KD_LANES;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nc * KD_LANES + KD_LANES));
@@ -1123,12 +1147,12 @@ static int kd_gemv_w4_drive(kd_gemv_w4_rows_fn rows, const unsigned char perm[KD
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
 __attribute__((target("avx2,fma"))) static void kd_gemv_w4_rows_avx2_call(
-    const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
     const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
 }
 
-static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+static int kd_gemv_w4_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
                            const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
   return kd_gemv_w4_drive(kd_gemv_w4_rows_avx2_call, kd_w4_perm_avx2, KD_W4_ROWS, qp, qs, n_words, n_groups, wpg,
                           x, out, n_in, n_out, parallel);
@@ -1147,7 +1171,7 @@ static int kd_gemv_w4_avx2(const uint32_t *qp, const float *qs, int64_t n_words,
  * is a whole number of chunks: one table per group and row. */
 #define KD_W4R512 4 /* rows per pass: 4 accumulators + 4 tables + x + the shifts and the (q - 8) ramp */
 
-__attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *qp, const float *qs, int64_t n_words,
+__attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *qp, kd_qs qs, int64_t n_words,
                                                                 int64_t n_groups, int64_t wpg, const float *xp,
                                                                 const float *x, float *out, int64_t n_in,
                                                                 int64_t n_out, int64_t o) {
@@ -1155,10 +1179,10 @@ __attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *
   const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
   const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const uint32_t *wr[KD_W4R512];
-  const float *sr[KD_W4R512];
+  kd_qs sr[KD_W4R512];
   for (int r = 0; r < KD_W4R512; r++) { /* past the last output: repeat it, result discarded */
     int64_t oo = o + r < n_out ? o + r : n_out - 1;
-    wr[r] = qp + oo * n_words, sr[r] = qs + oo * n_groups;
+    wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
   }
   /* the next rows' words, 8 bytes per row per chunk: KD_W4R512 x 8 bytes = half a line a chunk */
   const char *next = (const char *)(qp + (o + KD_W4R512 < n_out ? o + KD_W4R512 : o) * n_words);
@@ -1169,7 +1193,7 @@ __attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *
     const int64_t c1 = c0 + cpg < nc ? c0 + cpg : nc, g = c0 / cpg;
     __m512 tab[KD_W4R512];
 #pragma GCC unroll 4
-    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(sr[r][g]));
+    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr[r], g)));
     for (int64_t c = c0; c < c1; c++) {
       const __m512 xv = _mm512_load_ps(xp + 16 * c);
       if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
@@ -1187,7 +1211,7 @@ __attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *
     _mm512_storeu_ps(a, acc[r]);
     for (int m = 0; m < 8; m++) b[m] = a[2 * m], b[8 + m] = a[2 * m + 1];
     for (int64_t k = nc * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
-      b[k % KD_LANES] = fmaf(kd_int4_weight(wr[r][k / 8], (int)(k % 8), sr[r][k / 8 / wpg]), x[k], b[k % KD_LANES]);
+      b[k % KD_LANES] = fmaf(kd_int4_weight(wr[r][k / 8], (int)(k % 8), kd_qs_at(sr[r], k / 8 / wpg)), x[k], b[k % KD_LANES]);
     out[o + r] = kd_lanes_sum(b);
   }
 }
@@ -1196,7 +1220,7 @@ __attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *
 /* register lane 2m = logical lane m, 2m + 1 = logical lane 8 + m */
 static const unsigned char kd_w4_perm_512[KD_LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 
-static int kd_gemv_w4_512(const uint32_t *qp, const float *qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+static int kd_gemv_w4_512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
                           const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
   return kd_gemv_w4_drive(kd_gemv_w4_rows512, kd_w4_perm_512, KD_W4R512, qp, qs, n_words, n_groups, wpg, x, out,
                           n_in, n_out, parallel);
@@ -1237,7 +1261,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx512()) {
-    kd_wsrc src = {w, NULL, NULL, NULL, 0, 0, 1, n_in, n_out};
+    kd_wsrc src = {w, NULL, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out};
     return kd_linear_512(&src, x, out, T, parallel);
   }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
@@ -1245,7 +1269,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
     return KD_OK;
   }
   if (T >= 2 && kd_host_avx2()) /* register tiles over k blocks; T = 1 below is bound by reading w anyway */
-    return kd_linear_multirow(x, w, NULL, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, w, NULL, NULL, kd_qs_none, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
     kd_gemv_f32_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
@@ -1292,7 +1316,7 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx512()) {
-    kd_wsrc src = {NULL, w, NULL, NULL, 0, 0, 1, n_in, n_out};
+    kd_wsrc src = {NULL, w, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out};
     return kd_linear_512(&src, x, out, T, parallel);
   }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* as kd_linear_direct: whole triples per thread */
@@ -1306,7 +1330,7 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
     return KD_OK;
   }
   if (T >= 2 && kd_host_avx2())
-    return kd_linear_multirow(x, NULL, w, NULL, NULL, 0, 0, 1, out, T, n_in, n_out, parallel);
+    return kd_linear_multirow(x, NULL, w, NULL, kd_qs_none, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
     kd_gemv_bf16_avx2(x, w, out, n_in, n_out, parallel);
     return KD_OK;
@@ -1327,29 +1351,29 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
 #if defined(__x86_64__) && defined(__GNUC__)
 /* output triple o of the short-row W4A16 path: its three rows dequantized into L1 (this thread's stack), then the
  * direct tiles over every row of x */
-__attribute__((target("avx2,fma"))) static void kd_w4_direct_col(const uint32_t *qp, const float *scales, int64_t n_words,
+__attribute__((target("avx2,fma"))) static void kd_w4_direct_col(const uint32_t *qp, kd_qs scales, int64_t n_words,
                                                               int64_t n_groups, int64_t wpg, const float *x, float *out,
                                                               int64_t T, int64_t n_in, int64_t n_out, int64_t o) {
   float wb[3 * KD_KC] __attribute__((aligned(64)));
   int O = n_out - o < 3 ? (int)(n_out - o) : 3;
   for (int i = 0; i < O; i++)
-    kd_dequant_slice_avx2(qp + (o + i) * n_words, scales + (o + i) * n_groups, wb + i * KD_KC, 0, n_in, wpg);
+    kd_dequant_slice_avx2(qp + (o + i) * n_words, kd_qs_row(scales, (o + i) * n_groups), wb + i * KD_KC, 0, n_in, wpg);
   kd_linear_direct(x, n_in, wb, KD_KC, out + o, n_out, T, n_in, O);
 }
 #endif
 
-int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
-                    int64_t n_in, int64_t n_out, int64_t group, void *stream) {
-  (void)stream;
+/* the W4A16 linear over either kind of scales (kd_linear_w4a16: float32; kd_linear_w4a16_bf16_scales: BF16 bits) */
+static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *packed, kd_qs scales, float *out,
+                             int64_t T, int64_t n_in, int64_t n_out, int64_t group) {
   kd_clear_error();
-  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_linear_w4a16: negative size");
+  if (T < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "%s: negative size", op);
   if (group <= 0 || group % 8 != 0)
-    return kd_fail(KD_EINVAL, "kd_linear_w4a16: group=%lld must be a positive multiple of 8", (long long)group);
+    return kd_fail(KD_EINVAL, "%s: group=%lld must be a positive multiple of 8", op, (long long)group);
   if (T == 0 || n_out == 0) return KD_OK;
-  KD_CHECK_PTR("kd_linear_w4a16", x);
-  KD_CHECK_PTR("kd_linear_w4a16", packed);
-  KD_CHECK_PTR("kd_linear_w4a16", scales);
-  KD_CHECK_PTR("kd_linear_w4a16", out);
+  KD_CHECK_PTR(op, x);
+  KD_CHECK_PTR(op, packed);
+  if (!scales.f && !scales.h) return kd_fail(KD_EINVAL, "%s: scales is NULL", op);
+  KD_CHECK_PTR(op, out);
   int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + group - 1) / group, wpg = group / 8;
   const uint32_t *qp = (const uint32_t *)packed;
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
@@ -1379,10 +1403,10 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
     if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
       for (int64_t o = 0; o < n_out; o++)
-        out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+        out[o] = kd_dot_w4_generic(qp + o * n_words, kd_qs_row(scales, o * n_groups), x, n_in, wpg);
     } else {
       for (int64_t o = 0; o < n_out; o++)
-        out[o] = kd_dot_w4_generic(qp + o * n_words, scales + o * n_groups, x, n_in, wpg);
+        out[o] = kd_dot_w4_generic(qp + o * n_words, kd_qs_row(scales, o * n_groups), x, n_in, wpg);
     }
     return KD_OK;
   }
@@ -1392,11 +1416,25 @@ int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, 
   for (int64_t o = 0; o < n_out; o += 4) {
     int no = (int)(n_out - o < 4 ? n_out - o : 4);
     for (int i = 0; i < no; i++)
-      kd_dequant_row(qp + (o + i) * n_words, scales + (o + i) * n_groups, w + i * n_in, n_in, wpg);
+      kd_dequant_row(qp + (o + i) * n_words, kd_qs_row(scales, (o + i) * n_groups), w + i * n_in, n_in, wpg);
     kd_linear_block(x, w, no, out, T, n_in, n_out, o);
   }
   free(w);
   return KD_OK;
+}
+
+int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
+                    int64_t n_in, int64_t n_out, int64_t group, void *stream) {
+  (void)stream;
+  kd_qs s = {scales, NULL};
+  return kd_linear_w4a16_q("kd_linear_w4a16", x, packed, s, out, T, n_in, n_out, group);
+}
+
+int kd_linear_w4a16_bf16_scales(const float *x, const int32_t *packed, const uint16_t *scales, float *out, int64_t T,
+                                int64_t n_in, int64_t n_out, int64_t group, void *stream) {
+  (void)stream;
+  kd_qs s = {NULL, scales};
+  return kd_linear_w4a16_q("kd_linear_w4a16_bf16_scales", x, packed, s, out, T, n_in, n_out, group);
 }
 
 int kd_linear_w4a16_half(const void *x, int act_dtype, const int32_t *packed, const float *scales, float *out,

@@ -48,6 +48,8 @@ static void kd_embed_row(const float *f32, const uint16_t *bf16, int64_t tok, in
 }
 
 static int kd_lin(const kd_weight *w, const float *x, float *out, int64_t T) {
+  if (w->packed && w->scales_bf16)
+    return kd_linear_w4a16_bf16_scales(x, w->packed, w->scales_bf16, out, T, w->n_in, w->n_out, w->group, NULL);
   if (w->packed)
     return kd_linear_w4a16(x, w->packed, w->scales, out, T, w->n_in, w->n_out, w->group, NULL);
   if (w->bf16) return kd_linear_bf16(x, w->bf16, out, T, w->n_in, w->n_out, NULL);

@@ -175,21 +175,21 @@ extern "C" int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int
 /* ---- W4A16: one warp per output, kd_linear_f32_kernel's lane order (lane l sums k = 128 i + 4 l + j in order),
  * so the result is exactly kd_linear_f32 on the dequantized weight (kdtree.h). k and k+1..k+3 share a word half
  * and a group (group % 8 == 0). */
-template <typename X>
+template <typename X, typename S>
 __global__ void kd_w4a16_kernel(const X *__restrict__ x, const uint32_t *__restrict__ packed,
-                                const float *__restrict__ scales, float *__restrict__ out, int64_t n_in,
+                                const S *__restrict__ scales, float *__restrict__ out, int64_t n_in,
                                 int64_t n_out, int64_t words_per_group) {
   int lane = threadIdx.x & 31;
   int64_t o = (int64_t)blockIdx.x * KD_WARPS + (threadIdx.x >> 5), t = blockIdx.y;
   if (o >= n_out) return;
   int64_t n_words = (n_in + 7) / 8, n_groups = (n_in + 8 * words_per_group - 1) / (8 * words_per_group);
   const uint32_t *wr = packed + o * n_words;
-  const float *sr = scales + o * n_groups;
+  const S *sr = scales + o * n_groups; /* float32 or BF16 (widened exactly) */
   const X *xr = x + t * n_in;
   float acc = 0.0f;
   for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128) {
     uint32_t u = wr[k0 / 8];
-    float s = sr[k0 / (8 * words_per_group)];
+    float s = kd_load(sr + k0 / (8 * words_per_group));
     for (int j = 0; j < 4 && k0 + j < n_in; j++)
       acc += kd_int4_weight(u, (int)(k0 % 8) + j, s) * kd_load(xr + k0 + j);
   }
@@ -197,8 +197,8 @@ __global__ void kd_w4a16_kernel(const X *__restrict__ x, const uint32_t *__restr
   if (lane == 0) out[t * n_out + o] = acc;
 }
 
-template <typename X>
-static int kd_w4a16_launch(const char *op, const X *x, const int32_t *packed, const float *scales, float *out,
+template <typename X, typename S>
+static int kd_w4a16_launch(const char *op, const X *x, const int32_t *packed, const S *scales, float *out,
                            int64_t T, int64_t n_in, int64_t n_out, int64_t group, void *stream) {
   int rc = kd_need_device(op);
   if (rc) return rc;
@@ -209,23 +209,31 @@ static int kd_w4a16_launch(const char *op, const X *x, const int32_t *packed, co
   if (T > 65535) return kd_fail(KD_EINVAL, "%s: T=%lld > 65535 rows per call", op, (long long)T);
   if (!x || !packed || !scales || !out) return kd_fail(KD_EINVAL, "%s: NULL pointer", op);
   dim3 grid((unsigned)((n_out + KD_WARPS - 1) / KD_WARPS), (unsigned)T);
-  kd_w4a16_kernel<X><<<grid, 32 * KD_WARPS, 0, KD_STREAM(stream)>>>(x, (const uint32_t *)packed, scales, out, n_in,
+  kd_w4a16_kernel<X, S><<<grid, 32 * KD_WARPS, 0, KD_STREAM(stream)>>>(x, (const uint32_t *)packed, scales, out, n_in,
                                                                      n_out, group / 8);
   return kd_cuda_status(op);
 }
 
 extern "C" int kd_linear_w4a16(const float *x, const int32_t *packed, const float *scales, float *out, int64_t T,
                                int64_t n_in, int64_t n_out, int64_t group, void *stream) {
-  return kd_w4a16_launch<float>("kd_linear_w4a16", x, packed, scales, out, T, n_in, n_out, group, stream);
+  return kd_w4a16_launch<float, float>("kd_linear_w4a16", x, packed, scales, out, T, n_in, n_out, group, stream);
+}
+
+/* BF16 scales (device BF16 bits), read and widened exactly in the kernel: the same result as kd_linear_w4a16 on the
+ * widened scales */
+extern "C" int kd_linear_w4a16_bf16_scales(const float *x, const int32_t *packed, const uint16_t *scales, float *out,
+                                           int64_t T, int64_t n_in, int64_t n_out, int64_t group, void *stream) {
+  return kd_w4a16_launch<float, __nv_bfloat16>("kd_linear_w4a16_bf16_scales", x, packed,
+                                               (const __nv_bfloat16 *)scales, out, T, n_in, n_out, group, stream);
 }
 
 extern "C" int kd_linear_w4a16_half(const void *x, int act_dtype, const int32_t *packed, const float *scales,
                                     float *out, int64_t T, int64_t n_in, int64_t n_out, int64_t group, void *stream) {
   if (act_dtype == KD_DTYPE_F16)
-    return kd_w4a16_launch<__half>("kd_linear_w4a16_half", (const __half *)x, packed, scales, out, T, n_in, n_out,
+    return kd_w4a16_launch<__half, float>("kd_linear_w4a16_half", (const __half *)x, packed, scales, out, T, n_in, n_out,
                                    group, stream);
   if (act_dtype == KD_DTYPE_BF16)
-    return kd_w4a16_launch<__nv_bfloat16>("kd_linear_w4a16_half", (const __nv_bfloat16 *)x, packed, scales, out, T,
+    return kd_w4a16_launch<__nv_bfloat16, float>("kd_linear_w4a16_half", (const __nv_bfloat16 *)x, packed, scales, out, T,
                                           n_in, n_out, group, stream);
   return kd_fail(KD_EINVAL, "kd_linear_w4a16_half: act_dtype=%d; use KD_DTYPE_F16 (1) or KD_DTYPE_BF16 (2)",
                  act_dtype);

@@ -679,7 +679,11 @@ static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
   int bf;
   if (hw->packed) {
     dw->w = fw_put(u, hw->packed, sizeof(int32_t) * (size_t)(hw->n_out * ((hw->n_in + 7) / 8)));
-    dw->scales = fw_put_f32(u, hw->scales, hw->n_out * ((hw->n_in + hw->group - 1) / hw->group), 1, &bf);
+    const int64_t ns = hw->n_out * ((hw->n_in + hw->group - 1) / hw->group);
+    if (hw->scales_bf16) /* BF16 scales from the host (the checkpoint's): uploaded as is */
+      dw->scales = fw_put(u, hw->scales_bf16, 2 * (size_t)ns), bf = 1;
+    else
+      dw->scales = fw_put_f32(u, hw->scales, ns, 1, &bf);
     dw->kind = bf ? FW_INT4_BF16 : FW_INT4_F32;
   } else if (hw->bf16) { /* BF16 from the host (backend=cpu's loader layout): uploaded as is */
     dw->w = fw_put(u, hw->bf16, 2 * (size_t)(hw->n_out * hw->n_in));
@@ -691,7 +695,7 @@ static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
 }
 
 static void fw_dense(fw_up *u, const float *src, int64_t n_out, int64_t n_in, fw_w *dw) {
-  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0, NULL};
+  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0, NULL, NULL};
   fw_weight(u, &hw, dw);
 }
 
