@@ -104,7 +104,7 @@ typedef struct {
   const uint16_t *h;
 } kd_qs;
 
-static const kd_qs kd_qs_none = {NULL, NULL}; /* float32 and BF16 weights: no scales */
+__attribute__((unused)) static const kd_qs kd_qs_none = {NULL, NULL}; /* float32 and BF16 weights: no scales */
 
 static inline kd_qs kd_qs_row(kd_qs s, int64_t off) {
   kd_qs r = {s.f ? s.f + off : NULL, s.h ? s.h + off : NULL};
@@ -123,7 +123,8 @@ static inline float kd_qs_at(kd_qs s, int64_t g) {
 static void kd_dequant_row(const uint32_t *wr, kd_qs sr, float *w, int64_t n_in, int64_t words_per_group) {
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
   for (int64_t wi = 0; wi < n_words; wi++) {
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, kd_qs_at(sr, g));
+    const float s = kd_qs_at(sr, g);
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) w[8 * wi + j] = kd_int4_weight(wr[wi], j, s);
     if (--left == 0) g++, left = words_per_group;
   }
 }
@@ -136,7 +137,8 @@ static float kd_dot_w4_generic(const uint32_t *wr, kd_qs sr, const float *x, int
   int64_t n_words = (n_in + 7) / 8, g = 0, left = words_per_group;
   for (int64_t wi = 0; wi < n_words; wi++) {
     float *a = acc + ((wi & 1) << 3); /* k = 8 wi + j -> lane k % 16 */
-    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] = fmaf(kd_int4_weight(wr[wi], j, kd_qs_at(sr, g)), x[8 * wi + j], a[j]);
+    const float s = kd_qs_at(sr, g);
+    for (int j = 0; j < 8 && 8 * wi + j < n_in; j++) a[j] = fmaf(kd_int4_weight(wr[wi], j, s), x[8 * wi + j], a[j]);
     if (--left == 0) g++, left = words_per_group;
   }
   return kd_lanes_sum(acc);
@@ -628,7 +630,8 @@ __attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, 
       for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w16 + (o + i) * n_in + k0, wb + i * KD_KC, n);
     } else if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
       for (int i = 0; i < O; i++)
-        kd_dequant_slice_avx2(qp + (o + i) * n_words, kd_qs_row(qs, (o + i) * n_groups), wb + i * KD_KC, k0, k0 + n, wpg);
+        kd_dequant_slice_avx2(qp + (o + i) * n_words, kd_qs_row(qs, (o + i) * n_groups), wb + i * KD_KC, k0, k0 + n,
+                              wpg);
     }
     for (int64_t t = 0; t < T; t += 2, it += (n + KD_LANES - 1) / KD_LANES)
       kd_tiles[PF][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wk, ws, n, P + t * 48, 3, pf + it * pfs, pfs);
@@ -714,8 +717,8 @@ __attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x,
             else if (w16) /* BF16: widened exactly into the same slice, so the tiles see kd_linear_f32's weights */
               kd_bf16_widen_avx2(w16 + (ob + o + i) * n_in + k0, wb + i * KD_KC, n);
             else
-              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, kd_qs_row(qs, (ob + o + i) * n_groups), wb + i * KD_KC, k0,
-                                    k0 + n, wpg);
+              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, kd_qs_row(qs, (ob + o + i) * n_groups),
+                                    wb + i * KD_KC, k0, k0 + n, wpg);
           for (int64_t t = 0; t < T; t += 2)
             kd_tiles[0][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB,
                                           NULL, 0);
@@ -917,7 +920,8 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
           for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
           kd_bf16_widen_generic(r + j, d + j, n - j);
         } else {
-          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n, s->wpg);
+          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n,
+                                s->wpg);
         }
       }
     }
