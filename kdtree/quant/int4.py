@@ -17,8 +17,8 @@ Edge cases (decided here, tested in tests/quant):
 
 In memory an `Int4Weight` keeps the packed words and the scales as BF16 bits (the checkpoint's bytes; `.scale` widens
 them exactly to float32, `.scale_bf16` hands the bits to the native kernels), or float32 scales where a value is not a
-bfloat16 (hand-built weights); the unpacked
-q values of recently used weights live in one LRU cache bounded in bytes (`UNPACKED`, $KDTREE_INT4_CACHE_MB). `matvec`/`linear` compute per group (integer q times x summed over the group, times the group's
+bfloat16 (hand-built weights). The unpacked q values of recently used weights live in one LRU cache bounded in bytes
+(`UNPACKED`, $KDTREE_INT4_CACHE_MB). `matvec`/`linear` compute per group (integer q times x summed over the group, times the group's
 scale, summed over groups); an output element never depends on the other rows of x or of the weight (batch- and
 row-invariant, bit for bit).
 """
@@ -137,7 +137,8 @@ def _scale_f32(scale) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------- the weight
 class Int4Weight:
-    """A packed W4A16 Linear weight: packed int32[out, ceil(in/8)], scale f32[out, in/g], shape (out, in)."""
+    """A packed W4A16 Linear weight: packed int32[out, ceil(in/8)], scales [out, in/g] held as BF16 bits (float32 when
+    they are not bfloat16 values; `.scale` is always float32), shape (out, in)."""
 
     __slots__ = ("packed", "_scale", "shape", "group_size", "__weakref__")
 
