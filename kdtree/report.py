@@ -89,9 +89,9 @@ def write_report(sweep_dir: Path) -> dict:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         lines.append(f"| {'**best**' if r is best else ''} | {r['model']} | {r['kind']} | {r['width']} | "
-                     f"{r['depth']} | {r['budget']} | {r['temperature']} | {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f} | "
-                     f"{r['mean_acceptance_length']:.2f} | {r['greedy_mean_acceptance_length']:.2f} | "
-                     f"{r['target_forwards_per_token']:.3f} | "
+                     f"{r['depth']} | {r['budget']} | {r['temperature']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup_vs_ar']:.2f} | {r['mean_acceptance_length']:.2f} | "
+                     f"{r['greedy_mean_acceptance_length']:.2f} | {r['target_forwards_per_token']:.3f} | "
                      f"{'yes' if r['outputs_equal_ar'] else 'NO'} |")
     lines += ["", "![speedup and acceptance vs budget](report.png)", ""]
     (sweep_dir / "report.md").write_text("\n".join(lines))

@@ -536,14 +536,12 @@ def _weakrefable(obj: Any) -> bool:
 
 def _int4_parts(w: Any) -> Optional[Tuple[np.ndarray, np.ndarray, int, int]]:
     """(packed i32[out, in/8], scale [out, in/group], in_features, group) of a quantized weight
-    (kdtree.quant.int4.Int4Weight: .packed, .scale / .scale_bf16, .shape, .group_size), else None. The scale is
-    the BF16 bits (uint16) where the weight holds them so, else float32."""
+    (kdtree.quant.int4.Int4Weight: .packed, .scale_held, .shape, .group_size), else None. The scale is as held:
+    BF16 bits (uint16), else float32."""
     if isinstance(w, np.ndarray) or not hasattr(w, "packed"):
         return None
     packed = np.ascontiguousarray(w.packed, np.int32)
-    bits = getattr(w, "scale_bf16", None)
-    scale = np.ascontiguousarray(bits, np.uint16) if bits is not None else np.ascontiguousarray(w.scale, np.float32)
-    return packed, scale, int(w.shape[1]), int(w.group_size)
+    return packed, w.scale_held, int(w.shape[1]), int(w.group_size)
 
 
 class NativeOps(Ops):

@@ -67,7 +67,7 @@ def supports(w: Any) -> bool:
     Int4Weight."""
     if isinstance(w, np.ndarray):
         return w.dtype in (_F32, np.dtype(np.uint16)) and w.ndim == 2
-    return hasattr(w, "packed") and hasattr(w, "scale") and hasattr(w, "group_size")
+    return hasattr(w, "packed") and hasattr(w, "scale_held") and hasattr(w, "group_size")
 
 
 class _Registry:
@@ -115,9 +115,8 @@ class _Registry:
                               f"Int4Weight")
         packed = np.ascontiguousarray(w.packed, np.int32)
         dst.packed = self.ptr(packed, "int32_t[]")
-        bits = getattr(w, "scale_bf16", None)      # BF16 scales (the checkpoint's) stay BF16: half the scale bytes
-        scale = np.ascontiguousarray(bits, np.uint16) if bits is not None else np.ascontiguousarray(w.scale, np.float32)
-        if bits is not None:
+        scale = w.scale_held                       # BF16 scales (the checkpoint's) stay BF16: half the scale bytes
+        if scale.dtype == np.uint16:
             dst.scales_bf16 = self.ptr(scale, "uint16_t[]")
         else:
             dst.scales = self.ptr(scale)

@@ -16,11 +16,11 @@ Edge cases (decided here, tested in tests/quant):
   is stored; |w - q*scale| <= scale/2 for every element.
 
 In memory an `Int4Weight` keeps the packed words and the scales as BF16 bits (the checkpoint's bytes; `.scale` widens
-them exactly to float32, `.scale_bf16` hands the bits to the native kernels), or float32 scales where a value is not a
+them exactly to float32, `.scale_held` hands the bits to the native kernels), or float32 scales where a value is not a
 bfloat16 (hand-built weights). The unpacked q values of recently used weights live in one LRU cache bounded in bytes
-(`UNPACKED`, $KDTREE_INT4_CACHE_MB). `matvec`/`linear` compute per group (integer q times x summed over the group, times the group's
-scale, summed over groups); an output element never depends on the other rows of x or of the weight (batch- and
-row-invariant, bit for bit).
+(`UNPACKED`, $KDTREE_INT4_CACHE_MB). `matvec`/`linear` compute per group (integer q times x summed over the group,
+times the group's scale, summed over groups); an output element never depends on the other rows of x or of the
+weight (batch- and row-invariant, bit for bit).
 """
 from __future__ import annotations
 
@@ -194,10 +194,10 @@ class Int4Weight:
         return bf16_to_f32(self._scale) if self._scale.dtype == np.uint16 else self._scale
 
     @property
-    def scale_bf16(self) -> Optional[np.ndarray]:
-        """uint16 [out, in/g]: the scales as BF16 bits when every one is a bfloat16 value (a compressed-tensors
-        checkpoint's, this quantizer's) -- what the native kernels read then -- else None (float32 scales)."""
-        return self._scale if self._scale.dtype == np.uint16 else None
+    def scale_held(self) -> np.ndarray:
+        """[out, in/g] the scales as held and as the native kernels take them: BF16 bits (uint16) when every one is a
+        bfloat16 value (a compressed-tensors checkpoint's, this quantizer's), else float32."""
+        return self._scale
 
     @property
     def nbytes(self) -> int:

@@ -34,7 +34,7 @@ from kdtree.config.validate import peer_tree_shapes
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
-from kdtree.stages.bench import _run_set, load_prompts, provenance
+from kdtree.stages.bench import _faster, _run_set, _same_tokens, load_prompts, provenance
 from kdtree.checkpoint.to_gguf import DTYPES, file_dtype
 from kdtree.stages.export_gguf import export
 
@@ -200,8 +200,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         for name, t in zip(names, shapes):
             runs[name] = _run_set(engine, prompts_ids, max_new_tokens, t)
         for k, r in runs.items():
-            if k not in best or r["seconds"] < best[k]["seconds"]:
-                best[k] = r
+            best[k] = _faster(best.get(k), r)
     peer, ar = best["peer"], best["ar"]
     fastest = max(range(len(names)), key=lambda i: best[names[i]]["tokens_per_s"]) if names else None
     tree = ar if fastest is None else best[names[fastest]]
@@ -209,8 +208,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads)
     first_diff = [_first_difference(p["tokens"], a["tokens"]) for p, a in zip(peer["per_prompt"], ar["per_prompt"])]
     tokens_equal = all(d < 0 for d in first_diff)
-    lossless_by = {n: all(t["tokens"] == a["tokens"] for t, a in zip(best[n]["per_prompt"], ar["per_prompt"]))
-                   for n in names}
+    lossless_by = {n: _same_tokens(ar, best[n]) for n in names}
     lossless = all(lossless_by.values())
     out = {
         "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 {dtype} GGUF, greedy",

@@ -31,7 +31,7 @@ def test_int4_resident_bytes_and_linear(benchmark, name):
     benchmark.extra_info.update(
         shape=[out, n], fp32_bytes=w.nbytes, int4_resident_bytes=W.nbytes, int4_disk_bytes=disk,
         resident_ratio=W.nbytes / w.nbytes, disk_ratio=disk / w.nbytes,
-        scale_in_memory="bf16" if W.scale_bf16 is not None else "float32")
+        scale_in_memory=str(W.scale_held.dtype))
     assert W.nbytes / w.nbytes == pytest.approx(4.5 / 32)                  # BF16 scales in memory, as on disk
     assert (disk - 8) / w.nbytes == pytest.approx(4.5 / 32)                # bf16 scales on disk
     benchmark(NumpyOps().linear, x, W)

@@ -125,10 +125,10 @@ def test_int4_scales_held_as_bf16_give_the_bits_of_float32_scales(tiny_cfg, tiny
     wide = dict(held)
     for k, v in held.items():
         if isinstance(v, Int4Weight):
-            assert v.scale_bf16 is not None                      # what the loader and the quantizer hold
+            assert v.scale_held.dtype == np.uint16                      # what the loader and the quantizer hold
             wide[k] = w = Int4Weight(v.packed, v.scale, v.shape, v.group_size)
             w._scale = v.scale                                   # the same values held as float32
-            assert w.scale_bf16 is None and w.nbytes > v.nbytes
+            assert w.scale_held.dtype == np.float32 and w.nbytes > v.nbytes
     ops = native.NativeOps("cpu")
     a, b = NativeTarget(tiny_cfg, held, ops), NativeTarget(tiny_cfg, wide, ops)
     ffi = native.load_library("cpu").ffi

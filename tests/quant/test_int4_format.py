@@ -118,11 +118,12 @@ def _weight(out=48, n=128, g=32, seed=0):
 def test_from_tensors_keeps_weight_packed_with_bf16_scale_bits():
     W, w = _weight()
     assert W.shape == (48, 128) and W.packed.dtype == np.int32 and W.scale.dtype == np.float32
-    assert W.scale_bf16.dtype == np.uint16 and np.array_equal(bf16_to_f32(W.scale_bf16), W.scale)
+    assert W.scale_held.dtype == np.uint16 and np.array_equal(bf16_to_f32(W.scale_held), W.scale)
     assert W.nbytes == 48 * 16 * 4 + 48 * 4 * 2                          # packed words + BF16 scales, as on disk
-    assert W.rows(slice(0, 8)).scale_bf16.shape == (8, 4) and W.cols(slice(32, 96)).scale_bf16.shape == (48, 2)
+    assert W.rows(slice(0, 8)).scale_held.shape == (8, 4) and W.cols(slice(32, 96)).scale_held.shape == (48, 2)
+    assert W.rows(slice(0, 8)).scale_held.dtype == W.cols(slice(32, 96)).scale_held.dtype == np.uint16
     odd = Int4Weight(W.packed, W.scale * np.float32(1 + 2 ** -20), W.shape, 32)   # not bfloat16 values: kept f32
-    assert odd.scale_bf16 is None and odd.nbytes == 48 * 16 * 4 + 48 * 4 * 4
+    assert odd.scale_held.dtype == np.float32 and odd.nbytes == 48 * 16 * 4 + 48 * 4 * 4
     assert np.abs(W.dequantize() - w).max() <= 0.5 * W.scale.max() * (1 + 1e-6)
 
 
