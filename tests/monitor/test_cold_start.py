@@ -94,6 +94,21 @@ def wait_loading(run_dir: Path, min_bytes: int = 1, timeout: float = 60) -> int:
     pytest.fail(f"no loading progress in {run_dir}/status.json within {timeout} s")
 
 
+def wait_progressing(run_dir: Path, timeout: float = 60) -> None:
+    """Until the monitor has said PROGRESSING once (health.jsonl): what an operator sees before acting. Without it a
+    slow ssh probe can leave only the first sample (WAITING: nothing to compare with) before the signal lands."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            lines = (run_dir / "health.jsonl").read_text().splitlines()
+            if any(json.loads(line)["verdict"] == "PROGRESSING" for line in lines if line.endswith("}")):
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)
+    pytest.fail(f"the monitor never said PROGRESSING in {run_dir}/health.jsonl within {timeout} s")
+
+
 def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 90) -> dict:
     try:
         proc.wait(timeout)
@@ -158,7 +173,7 @@ def test_frozen_engine_is_stalled_within_its_window(tmp_path, kdtree_cache, host
     proc = launch(kdtree_cache, run_dir, host_cfg, "load.throttle_mb_s=0.5", "health.interval_s=0.5",
                   f"health.stall_window_s={window}", "health.probe_timeout_s=1.5")
     pid = wait_loading(run_dir, min_bytes=256 * 1024)
-    time.sleep(1.0)
+    wait_progressing(run_dir)
     t_stop = operator_signal(host_cfg, pid, signal.SIGSTOP)
     health = finish(proc, run_dir)
     assert proc.returncode == 3, output(run_dir)[-3000:]
@@ -186,6 +201,7 @@ def test_killed_engine_is_crashed_at_the_next_sample(tmp_path, kdtree_cache, hos
     proc = launch(kdtree_cache, run_dir, host_cfg, "load.throttle_mb_s=0.5", "health.interval_s=0.5",
                   "health.stall_window_s=30")
     pid = wait_loading(run_dir)
+    wait_progressing(run_dir)
     t_kill = operator_signal(host_cfg, pid, signal.SIGKILL)
     health = finish(proc, run_dir)
     assert proc.returncode == 4, output(run_dir)[-3000:]
