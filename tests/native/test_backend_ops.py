@@ -404,12 +404,18 @@ from kdtree.quant import int4
 rng = np.random.default_rng(4)
 ops = native.NativeOps("cpu")
 out = {}
-for n_in, group in [(96, 32), (40, 8), (256, 128)]:
+# INT4 rows longer than one k block (512) too: the multi-row path dequantizes block by block (AVX-512: 16 weights
+# per table lookup, whole groups per chunk; odd words per group and tails take the 8-wide path), BF16 and float32
+# scales
+for n_in, group in [(96, 32), (40, 8), (256, 128), (1056, 32), (1152, 128), (1048, 8)]:
     packed, scale, shape = int4.quantize_weight(rng.standard_normal((7, n_in), dtype=np.float32), group)
-    w = int4.Int4Weight(packed, int4.bf16_to_f32(scale), shape, group)
-    x = rng.standard_normal((3, n_in), dtype=np.float32)
-    out[f"w4_{n_in}_T1"] = ops.linear(x[:1], w)
-    out[f"w4_{n_in}_T3"] = ops.linear(x, w)
+    for sk, sc in (("bf16", int4.bf16_to_f32(scale)), ("f32", int4.bf16_to_f32(scale) * np.float32(1.0001))):
+        w = int4.Int4Weight(packed, sc, shape, group)
+        assert (w.scale_held.dtype == np.uint16) == (sk == "bf16")
+        x = rng.standard_normal((9, n_in), dtype=np.float32)
+        out[f"w4_{n_in}_{sk}_T1"] = ops.linear(x[:1], w)
+        out[f"w4_{n_in}_{sk}_T3"] = ops.linear(x[:3], w)
+        out[f"w4_{n_in}_{sk}_T9"] = ops.linear(x, w)
 # exp (silu, the attention's softmax): eight lanes and the tail, the range ends, subnormal results, NaN
 g = (rng.standard_normal((3, 37)) * 30).astype(np.float32)
 g.flat[:10] = [0.0, -90.0, 90.0, -1e-20, 103.5, -103.5, 88.7, -88.8, 95.0, np.nan]

@@ -765,6 +765,7 @@ static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w1
 #define KD_PO 6    /* outputs per panel: 6 weight rows x 4 x rows = 24 accumulators + 6 weight registers + 1 x */
 #define KD_PR 4    /* x rows per register tile */
 #define KD_PKC 512 /* k block (elements): a panel's block is 12 KB of float32 in L1 */
+#define KD_PF_BYTES 8192 /* weight bytes a panel keeps in flight ahead of its tiles (kd_panel512's prefetch distance) */
 
 __attribute__((target(KD_A512), always_inline)) static inline float kd_hsum512(__m512 v) {
   __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
@@ -860,6 +861,36 @@ typedef void (*kd_tile512_fn)(const float *, int64_t, const void *, int64_t, int
 static const kd_tile512_fn kd_tiles512[KD_PR][2][2][2] = { /* [R - 1][FIRST][LAST][BF16 read in place] */
     KD_TILE512_ROW(1), KD_TILE512_ROW(2), KD_TILE512_ROW(3), KD_TILE512_ROW(4)};
 
+/* kd_dequant_slice_avx2 for an even number of words per group (whole 16-element chunks per group: K2's group 32),
+ * 16 weights per step: the chunk's two words go to lanes 0..7 and 8..15 (vpermd), a shift per lane puts element j's
+ * nibble q in the low 4 bits, and vpermps -- which reads only an index's low 4 bits -- looks q up in the group's table
+ * T[q] = (float)(q - 8) * scale: kd_int4_weight's one rounding, so the same floats, in logical order. Three vector
+ * ops per 16 weights where the 8-wide path takes ~20 (the scale broadcast per word included): a multi-row INT4 call
+ * dequantizes each block once for all its rows, and at T = 2-8 that was most of its time (2048 x 7168, 2 threads,
+ * with the prefetch distance below: T = 2 1.50 -> 1.0 ms, T = 8 2.19 -> 1.76 ms; T = 1 is the fused GEMV). */
+__attribute__((target(KD_A512))) static void kd_dequant_slice_512(const uint32_t *wr, kd_qs sr, float *w, int64_t k0,
+                                                                  int64_t k1, int64_t wpg) {
+  if (wpg % 2 || k0 % 16) {
+    kd_dequant_slice_avx2(wr, sr, w, k0, k1, wpg);
+    return;
+  }
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t cpg = wpg / 2, c1 = k1 / 16;
+  int64_t c = k0 / 16, g = c / cpg, ce = (g + 1) * cpg; /* one division per slice: a division per group sat on the
+                                                         * loop's critical path (c -> g -> ce -> c) */
+  for (; c < c1; g++, ce += cpg) {
+    const __m512 tab = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr, g)));
+    for (const int64_t e = ce < c1 ? ce : c1; c < e; c++) {
+      const __m512i v = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(wr + 2 * c)));
+      _mm512_storeu_ps(w + 16 * c - k0, _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, v), sh),
+                                                               tab));
+    }
+  }
+  for (int64_t k = 16 * c; k < k1; k++) w[k - k0] = kd_int4_weight(wr[k / 8], (int)(k % 8), kd_qs_at(sr, k / 8 / wpg));
+}
+
 /* A linear's weights as kd_linear_512 reads them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
  * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
 typedef struct {
@@ -905,6 +936,12 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
    * at T = 17-65, where the widening ops compete with the multiply-adds). INT4 blocks and a last partial panel go
    * through wb. */
   const int in_place = (s->w || (s->w16 && G <= 4)) && no == KD_PO, bf = in_place && !s->w;
+  /* prefetch distance: enough blocks to keep ~KD_PF_BYTES of weights in flight (one DRAM latency at a core's stream
+   * rate); at least the next block. A float32 panel block is 12 KB, BF16 6 KB, INT4 1.9 KB (with its scales): at
+   * small T an INT4 block's tiles take less than a memory latency, and one block ahead left each block waiting */
+  const int64_t nblk = (n_in + KD_PKC - 1) / KD_PKC;
+  const int64_t pbb = KD_PO * ((n_in < KD_PKC ? n_in : KD_PKC) * kd_wsrc_row_bytes(s) / n_in);
+  const int64_t ahead = pbb > 0 && KD_PF_BYTES / pbb > 1 ? KD_PF_BYTES / pbb : 1;
   for (int64_t k0 = 0; k0 < n_in; k0 += KD_PKC) {
     const int64_t n = n_in - k0 < KD_PKC ? n_in - k0 : KD_PKC, nc = n / 16;
     const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1);
@@ -923,15 +960,23 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
           for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
           kd_bf16_widen_generic(r + j, d + j, n - j);
         } else {
-          kd_dequant_slice_avx2(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n,
-                                s->wpg);
+          kd_dequant_slice_512(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n,
+                               s->wpg);
         }
       }
     }
-    /* the next block: this panel's next k block, else the next panel's first (none past this thread's range) */
-    int64_t nk = k0 + KD_PKC, np = o0;
-    if (nk >= n_in) nk = 0, np = o0 + KD_PO;
-    const char *pf = np < o_end ? kd_wsrc_at(s, np, nk) : NULL;
+    /* the block `ahead` blocks on (in this panel, else the next panels'; none past this thread's range): its weight
+     * lines are prefetched over this block's tiles, its INT4 group scales now */
+    int64_t bk = k0 / KD_PKC + ahead, np = o0;
+    np += bk / nblk * KD_PO, bk %= nblk;
+    const char *pf = np < o_end ? kd_wsrc_at(s, np, bk * KD_PKC) : NULL;
+    if (pf && s->qp) {
+      const int64_t g = bk * KD_PKC / (8 * s->wpg), last = (n_out < o_end ? n_out : o_end) - 1;
+      for (int i = 0; i < KD_PO; i++) {
+        const kd_qs q = kd_qs_row(s->qs, (np + i < last ? np + i : last) * s->n_groups + g);
+        _mm_prefetch(q.f ? (const char *)q.f : (const char *)q.h, _MM_HINT_T0);
+      }
+    }
     const int F = k0 == 0, L = k0 + n == n_in;
     for (int64_t g = 0; g < G; g++) {
       kd_pf512 pg = {pf, kd_wsrc_row_bytes(s), rt[g].l0, pf ? rt[g].npf : 0, lsh};
