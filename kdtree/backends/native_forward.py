@@ -337,6 +337,16 @@ class NativeTarget:
         per row)} for every linear (norms, biases and the embedding are not counted: a forward reads T of its rows)."""
         return dict(self._reg.bytes)
 
+    def held_arrays(self, min_bytes: int = 0) -> List[np.ndarray]:
+        """The arrays the library reads (weights, norms, tables: each memory block once), those of at least
+        `min_bytes`: what pipeline=bench_forward's read roof streams (the forward's own pages, not a fresh buffer)."""
+        seen, out = set(), []
+        for a in self._reg.keep:
+            if isinstance(a, np.ndarray) and a.nbytes >= min_bytes and a.ctypes.data not in seen:
+                seen.add(a.ctypes.data)
+                out.append(a)
+        return out
+
     @functools.cached_property
     def expert_cost(self) -> Optional[float]:
         """A routed expert's bytes over an AR step's (the dense linears + top_k experts of every MoE layer), as held:
