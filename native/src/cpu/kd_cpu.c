@@ -891,6 +891,27 @@ __attribute__((target(KD_A512))) static void kd_dequant_slice_512(const uint32_t
   for (int64_t k = 16 * c; k < k1; k++) w[k - k0] = kd_int4_weight(wr[k / 8], (int)(k % 8), kd_qs_at(sr, k / 8 / wpg));
 }
 
+/* kd_dequant_slice_512 in the AVX-512 GEMV's lane order (whole chunks, even wpg; kd_wsrc.perm): the chunk's 8 bytes
+ * broadcast as a qword, so register lane 2m holds word 0 (element m) and lane 2m + 1 word 1 (element 8 + m), one
+ * shift and the table lookup: one shuffle per 16 weights instead of two. The rows of x are copied in the same order,
+ * so every register lane still multiplies matching elements, and the sums are un-permuted before the horizontal sum
+ * (kd_panel512): each logical lane adds the same products in the same order, the same bits. */
+__attribute__((target(KD_A512))) static void kd_dequant_perm_512(const uint32_t *wr, kd_qs sr, float *w, int64_t k0,
+                                                                 int64_t k1, int64_t wpg) {
+  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t cpg = wpg / 2, c1 = k1 / 16;
+  int64_t c = k0 / 16, g = c / cpg, ce = (g + 1) * cpg;
+  for (; c < c1; g++, ce += cpg) {
+    const __m512 tab = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr, g)));
+    for (const int64_t e = ce < c1 ? ce : c1; c < e; c++) {
+      int64_t q;
+      memcpy(&q, wr + 2 * c, 8);
+      _mm512_storeu_ps(w + 16 * c - k0, _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), tab));
+    }
+  }
+}
+
 /* A linear's weights as kd_linear_512 reads them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
  * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
 typedef struct {
@@ -899,6 +920,7 @@ typedef struct {
   const uint32_t *qp;
   kd_qs qs;
   int64_t n_words, n_groups, wpg, n_in, n_out;
+  int perm; /* INT4 in the GEMV's lane order (kd_linear_512 sets it): x copied permuted, blocks dequantized so */
 } kd_wsrc;
 
 /* bytes per weight row in memory (the prefetch stream) */
@@ -960,8 +982,9 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
           for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
           kd_bf16_widen_generic(r + j, d + j, n - j);
         } else {
-          kd_dequant_slice_512(s->qp + rows[i] * s->n_words, kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0, k0 + n,
-                               s->wpg);
+          (s->perm ? kd_dequant_perm_512 : kd_dequant_slice_512)(s->qp + rows[i] * s->n_words,
+                                                                 kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0,
+                                                                 k0 + n, s->wpg);
         }
       }
     }
@@ -977,12 +1000,19 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
         _mm_prefetch(q.f ? (const char *)q.f : (const char *)q.h, _MM_HINT_T0);
       }
     }
-    const int F = k0 == 0, L = k0 + n == n_in;
+    const int F = k0 == 0, L = k0 + n == n_in && !s->perm; /* perm: the sums leave through P, below */
     for (int64_t g = 0; g < G; g++) {
       kd_pf512 pg = {pf, kd_wsrc_row_bytes(s), rt[g].l0, pf ? rt[g].npf : 0, lsh};
       kd_tiles512[rt[g].R - 1][F][L][bf](x + rt[g].t * ldx + k0, ldx, wk, ws, nc, tail, P + rt[g].t * KD_PO * 16,
                                      out + rt[g].t * n_out + o0, n_out, no, &pg);
     }
+  }
+  if (s->perm) { /* register lane j held logical lane (j even: j / 2, odd: 8 + j / 2): back in order, then summed */
+    const __m512i inv = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const int64_t T = rt[G - 1].t + rt[G - 1].R;
+    for (int64_t t = 0; t < T; t++)
+      for (int o = 0; o < no; o++)
+        out[t * n_out + o0 + o] = kd_hsum512(_mm512_permutexvar_ps(inv, _mm512_load_ps(P + (t * KD_PO + o) * 16)));
   }
 }
 
@@ -996,22 +1026,35 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
                                                          int64_t G, int lsh) {
   float wb[KD_PO * KD_PKC] __attribute__((aligned(64)));
   float *P = NULL;
-  if (s->n_in > KD_PKC && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16)))) return 1;
+  if ((s->n_in > KD_PKC || s->perm) && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16))))
+    return 1;
   for (int64_t p = p0; p < p1; p++) kd_panel512(s, x, ldx, out, p * KD_PO, p1 * KD_PO, rt, G, lsh, P, wb);
   free(P);
   return 0;
 }
 
-__attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *s, const float *x, float *out, int64_t T,
+__attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, const float *x, float *out, int64_t T,
                                                           int parallel) {
+  kd_wsrc sp = *src;
+  const kd_wsrc *s = &sp;
   const int64_t n_in = s->n_in, n_out = s->n_out, panels = (n_out + KD_PO - 1) / KD_PO;
+  /* INT4 of whole chunks per group (K2's group 32) and whole chunks per row: blocks dequantized in the GEMV's lane
+   * order (kd_dequant_perm_512), x copied in it */
+  sp.perm = s->qp && s->wpg % 2 == 0 && n_in % 16 == 0;
   int64_t ldx = n_in;
   float *xa = NULL;
-  if (n_in > KD_PKC) {
+  if (n_in > KD_PKC || s->perm) {
     ldx = (n_in + 15) / 16 * 16 + 16;
     xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
     if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-    for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+    if (s->perm) { /* register lane 2m <- element m, 2m + 1 <- element 8 + m of each 16 */
+      const __m512i fwd = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t k = 0; k < n_in; k += 16)
+          _mm512_store_ps(xa + t * ldx + k, _mm512_permutexvar_ps(fwd, _mm512_loadu_ps(x + t * n_in + k)));
+    } else {
+      for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+    }
   }
   const float *xr = xa ? xa : x;
   /* prefetch: the next block's KD_PO rows of 2^lsh lines each (a row's block bytes, rounded up), split over tiles */
@@ -1313,7 +1356,7 @@ int kd_linear_f32(const float *x, const float *w, float *out, int64_t T, int64_t
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx512()) {
-    kd_wsrc src = {w, NULL, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out};
+    kd_wsrc src = {w, NULL, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out, 0};
     return kd_linear_512(&src, x, out, T, parallel);
   }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* short rows: whole dots in register tiles */
@@ -1368,7 +1411,7 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS;
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx512()) {
-    kd_wsrc src = {NULL, w, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out};
+    kd_wsrc src = {NULL, w, NULL, {NULL, NULL}, 0, 0, 1, n_in, n_out, 0};
     return kd_linear_512(&src, x, out, T, parallel);
   }
   if (T >= 2 && kd_host_avx2() && n_in <= KD_KC && !parallel) { /* as kd_linear_direct: whole triples per thread */
@@ -1435,7 +1478,7 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
       return kd_gemv_w4_512(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (kd_host_avx512()) {
-      kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out};
+      kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
       return kd_linear_512(&src, x, out, T, parallel);
     }
     if (n_in <= KD_KC && !parallel) { /* short rows: three rows dequantized into L1, then the direct tiles */
