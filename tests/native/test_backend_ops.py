@@ -413,9 +413,10 @@ for n_in, group in [(96, 32), (40, 8), (256, 128), (1056, 32), (1152, 128), (104
         w = int4.Int4Weight(packed, sc, shape, group)
         assert (w.scale_held.dtype == np.uint16) == (sk == "bf16")
         x = rng.standard_normal((9, n_in), dtype=np.float32)
-        out[f"w4_{n_in}_{sk}_T1"] = ops.linear(x[:1], w)
-        out[f"w4_{n_in}_{sk}_T3"] = ops.linear(x[:3], w)
-        out[f"w4_{n_in}_{sk}_T9"] = ops.linear(x, w)
+        for T in (1, 2, 3, 4, 5, 9):   # the GEMV, the fused few-row kernel (2-4), the block-dequantizing tiles
+            out[f"w4_{n_in}_{sk}_T{T}"] = ops.linear(x[:T], w)
+        for T in (1, 2, 3, 4, 5):      # and a row's bits do not depend on how many rows came with it
+            assert np.array_equal(out[f"w4_{n_in}_{sk}_T{T}"], out[f"w4_{n_in}_{sk}_T9"][:T]), (n_in, sk, T)
 # exp (silu, the attention's softmax): eight lanes and the tail, the range ends, subnormal results, NaN
 g = (rng.standard_normal((3, 37)) * 30).astype(np.float32)
 g.flat[:10] = [0.0, -90.0, 90.0, -1e-20, 103.5, -103.5, 88.7, -88.8, 95.0, np.nan]

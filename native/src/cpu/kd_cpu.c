@@ -1320,6 +1320,97 @@ static int kd_gemv_w4_512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t
   return kd_gemv_w4_drive(kd_gemv_w4_rows512, kd_w4_perm_512, KD_W4R512, qp, qs, n_words, n_groups, wpg, x, out,
                           n_in, n_out, parallel);
 }
+
+/* The fused W4A16 kernel for a few rows of x (T = 2..KD_W4_SMALL_T: a verify's rows routed to one expert, a small
+ * batch): kd_gemv_w4_rows512's pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into all R
+ * rows of x (xp: permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
+ * GEMV's rate: the panel path dequantizes into L1 first, which at 2-3 rows cost 2.3x a one-row call. Each output is
+ * the GEMV's dot -- lanes in ascending k, then the same un-permuted sum -- so the bits do not depend on T. */
+#define KD_W4_SMALL_T 4 /* accumulators KD_W4R512 x 4 + 4 tables + 4 x rows + the shifts, the ramp, a weight: 28 */
+__attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small512(
+    const int R, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
+  const int64_t nc = n_in / KD_LANES, cpg = wpg / 2;
+  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const uint32_t *wr[KD_W4R512];
+  kd_qs sr[KD_W4R512];
+  for (int r = 0; r < KD_W4R512; r++) { /* past the last output: repeat it, result discarded */
+    int64_t oo = o + r < n_out ? o + r : n_out - 1;
+    wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
+  }
+  const char *next = (const char *)(qp + (o + KD_W4R512 < n_out ? o + KD_W4R512 : o) * n_words);
+  __m512 acc[KD_W4R512][KD_W4_SMALL_T];
+#pragma GCC unroll 4
+  for (int r = 0; r < KD_W4R512; r++)
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t c0 = 0, g = 0; c0 < nc; c0 += cpg, g++) {
+    const int64_t c1 = c0 + cpg < nc ? c0 + cpg : nc;
+    __m512 tab[KD_W4R512];
+#pragma GCC unroll 4
+    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr[r], g)));
+    for (int64_t c = c0; c < c1; c++) {
+      __m512 xv[KD_W4_SMALL_T];
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++) xv[t] = _mm512_load_ps(xp + t * ldp + 16 * c);
+      if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int r = 0; r < KD_W4R512; r++) {
+        const __m512 wv = _mm512_permutexvar_ps(
+            _mm512_srlv_epi32(_mm512_set1_epi64(*(const int64_t *)(wr[r] + 2 * c)), sh), tab[r]);
+#pragma GCC unroll 4
+        for (int t = 0; t < R; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < KD_W4R512; r++) {
+    if (o + r >= n_out) break;
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++) {
+      float a[KD_LANES], b[KD_LANES];
+      _mm512_storeu_ps(a, acc[r][t]);
+      for (int m = 0; m < 8; m++) b[m] = a[2 * m], b[8 + m] = a[2 * m + 1];
+      for (int64_t k = nc * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
+        b[k % KD_LANES] = fmaf(kd_int4_weight(wr[r][k / 8], (int)(k % 8), kd_qs_at(sr[r], k / 8 / wpg)),
+                               x[t * n_in + k], b[k % KD_LANES]);
+      out[t * n_out + o + r] = kd_lanes_sum(b);
+    }
+  }
+}
+
+#define KD_W4_SMALL(R)                                                                                            \
+  __attribute__((target(KD_A512))) static void kd_w4_small512_##R(                                               \
+      const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp, int64_t ldp,  \
+      const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
+    kd_w4_small512(R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                          \
+  }
+KD_W4_SMALL(2) KD_W4_SMALL(3) KD_W4_SMALL(4)
+
+/* out [T, n_out] for 2 <= T <= KD_W4_SMALL_T rows of x, even wpg: x permuted once per call (as the GEMV's) */
+static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                                 const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
+  typedef void (*fn_t)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
+                       float *, int64_t, int64_t, int64_t);
+  static const fn_t fns[KD_W4_SMALL_T - 1] = {kd_w4_small512_2, kd_w4_small512_3, kd_w4_small512_4};
+  const fn_t fn = fns[T - 2];
+  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < nc; c++)
+      for (int j = 0; j < KD_LANES; j++)
+        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_512[j]];
+  if (parallel || kd_par_worth(T * n_in * n_out, (n_out + KD_W4R512 - 1) / KD_W4R512)) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n_out; o += KD_W4R512) fn(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += KD_W4R512) fn(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+  }
+  free(xp);
+  return KD_OK;
+}
 #endif
 
 /* out[t, o0 + i] for the `no` (<= 4) weight rows w (stride n_in) and all T rows of x: four x rows per weight
@@ -1477,6 +1568,8 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
     if (T == 1 && kd_host_avx512() && wpg % 2 == 0)
       return kd_gemv_w4_512(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    if (T <= KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
+      return kd_linear_w4_small512(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
     if (kd_host_avx512()) {
       kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
       return kd_linear_512(&src, x, out, T, parallel);
