@@ -867,7 +867,9 @@ static const kd_tile512_fn kd_tiles512[KD_PR][2][2][2] = { /* [R - 1][FIRST][LAS
  * T[q] = (float)(q - 8) * scale: kd_int4_weight's one rounding, so the same floats, in logical order. Three vector
  * ops per 16 weights where the 8-wide path takes ~20 (the scale broadcast per word included): a multi-row INT4 call
  * dequantizes each block once for all its rows, and at T = 2-8 that was most of its time (2048 x 7168, 2 threads,
- * with the prefetch distance below: T = 2 1.50 -> 1.0 ms, T = 8 2.19 -> 1.76 ms; T = 1 is the fused GEMV). */
+ * with the prefetch distance below: T = 2 1.50 -> 1.0 ms, T = 8 2.19 -> 1.76 ms). Since then T = 1..4 take the fused
+ * kernels (kd_gemv_w4_512, kd_linear_w4_small512) and whole-chunk rows kd_dequant_perm_512; this one is left for
+ * rows whose length is not a multiple of 16. */
 __attribute__((target(KD_A512))) static void kd_dequant_slice_512(const uint32_t *wr, kd_qs sr, float *w, int64_t k0,
                                                                   int64_t k1, int64_t wpg) {
   if (wpg % 2 || k0 % 16) {
