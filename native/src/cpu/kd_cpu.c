@@ -1323,9 +1323,9 @@ static int kd_gemv_w4_512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t
                           n_in, n_out, parallel);
 }
 
-/* The fused W4A16 kernel for a few rows of x (T = 2..KD_W4_SMALL_T: a verify's rows routed to one expert, a small
- * batch): kd_gemv_w4_rows512's pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into all R
- * rows of x (xp: permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
+/* The fused W4A16 kernel for a few rows of x (up to KD_W4_SMALL_T per pass: a verify's rows routed to one expert, a
+ * small batch): kd_gemv_w4_rows512's pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into
+ * all R rows of x (xp: permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
  * GEMV's rate: the panel path dequantizes into L1 first, which at 2-3 rows cost 2.3x a one-row call. Each output is
  * the GEMV's dot -- lanes in ascending k, then the same un-permuted sum -- so the bits do not depend on T. */
 #define KD_W4_SMALL_T 4 /* accumulators KD_W4R512 x 4 + 4 tables + 4 x rows + the shifts, the ramp, a weight: 28 */
@@ -1388,15 +1388,16 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
       const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
     kd_w4_small512(R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                          \
   }
-KD_W4_SMALL(2) KD_W4_SMALL(3) KD_W4_SMALL(4)
+KD_W4_SMALL(1) KD_W4_SMALL(2) KD_W4_SMALL(3) KD_W4_SMALL(4)
 
-/* out [T, n_out] for 2 <= T <= KD_W4_SMALL_T rows of x, even wpg: x permuted once per call (as the GEMV's) */
+/* out [T, n_out] for 2 <= T <= 2 x KD_W4_SMALL_T rows of x, even wpg: x permuted once per call (as the GEMV's), then
+ * one pass per KD_W4_SMALL_T rows (2048x7168, 2 threads: T = 5 1.29 -> 1.11 ms, T = 8 1.67 -> 1.43 against the
+ * block path; at T = 9 three passes cost what the block path does, which keeps T > 8) */
 static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
                                  const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
   typedef void (*fn_t)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
                        float *, int64_t, int64_t, int64_t);
-  static const fn_t fns[KD_W4_SMALL_T - 1] = {kd_w4_small512_2, kd_w4_small512_3, kd_w4_small512_4};
-  const fn_t fn = fns[T - 2];
+  static const fn_t fns[KD_W4_SMALL_T] = {kd_w4_small512_1, kd_w4_small512_2, kd_w4_small512_3, kd_w4_small512_4};
   const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
@@ -1404,11 +1405,19 @@ static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, 
     for (int64_t c = 0; c < nc; c++)
       for (int j = 0; j < KD_LANES; j++)
         xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_512[j]];
-  if (parallel || kd_par_worth(T * n_in * n_out, (n_out + KD_W4R512 - 1) / KD_W4R512)) {
+  for (int64_t t0 = 0; t0 < T; t0 += KD_W4_SMALL_T) {
+    const int64_t R = T - t0 < KD_W4_SMALL_T ? T - t0 : KD_W4_SMALL_T;
+    const fn_t fn = fns[R - 1];
+    const float *xq = xp + t0 * ldp, *xt = x + t0 * n_in;
+    float *ot = out + t0 * n_out;
+    if (parallel || kd_par_worth(R * n_in * n_out, (n_out + KD_W4R512 - 1) / KD_W4R512)) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += KD_W4R512) fn(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
-  } else {
-    for (int64_t o = 0; o < n_out; o += KD_W4R512) fn(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+      for (int64_t o = 0; o < n_out; o += KD_W4R512)
+        fn(qp, qs, n_words, n_groups, wpg, xq, ldp, xt, ot, n_in, n_out, o);
+    } else {
+      for (int64_t o = 0; o < n_out; o += KD_W4R512)
+        fn(qp, qs, n_words, n_groups, wpg, xq, ldp, xt, ot, n_in, n_out, o);
+    }
   }
   free(xp);
   return KD_OK;
@@ -1570,7 +1579,7 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
     if (T == 1 && kd_host_avx512() && wpg % 2 == 0)
       return kd_gemv_w4_512(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
-    if (T <= KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
+    if (T <= 2 * KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
       return kd_linear_w4_small512(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
     if (kd_host_avx512()) {
       kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
