@@ -861,43 +861,14 @@ typedef void (*kd_tile512_fn)(const float *, int64_t, const void *, int64_t, int
 static const kd_tile512_fn kd_tiles512[KD_PR][2][2][2] = { /* [R - 1][FIRST][LAST][BF16 read in place] */
     KD_TILE512_ROW(1), KD_TILE512_ROW(2), KD_TILE512_ROW(3), KD_TILE512_ROW(4)};
 
-/* kd_dequant_slice_avx2 for an even number of words per group (whole 16-element chunks per group: K2's group 32),
- * 16 weights per step: the chunk's two words go to lanes 0..7 and 8..15 (vpermd), a shift per lane puts element j's
- * nibble q in the low 4 bits, and vpermps -- which reads only an index's low 4 bits -- looks q up in the group's table
- * T[q] = (float)(q - 8) * scale: kd_int4_weight's one rounding, so the same floats, in logical order. Three vector
- * ops per 16 weights where the 8-wide path takes ~20 (the scale broadcast per word included): a multi-row INT4 call
- * dequantizes each block once for all its rows, and at T = 2-8 that was most of its time (2048 x 7168, 2 threads,
- * with the prefetch distance below: T = 2 1.50 -> 1.0 ms, T = 8 2.19 -> 1.76 ms). Since then T = 1..4 take the fused
- * kernels (kd_gemv_w4_512, kd_linear_w4_small512) and whole-chunk rows kd_dequant_perm_512; this one is left for
- * rows whose length is not a multiple of 16. */
-__attribute__((target(KD_A512))) static void kd_dequant_slice_512(const uint32_t *wr, kd_qs sr, float *w, int64_t k0,
-                                                                  int64_t k1, int64_t wpg) {
-  if (wpg % 2 || k0 % 16) {
-    kd_dequant_slice_avx2(wr, sr, w, k0, k1, wpg);
-    return;
-  }
-  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const int64_t cpg = wpg / 2, c1 = k1 / 16;
-  int64_t c = k0 / 16, g = c / cpg, ce = (g + 1) * cpg; /* one division per slice: a division per group sat on the
-                                                         * loop's critical path (c -> g -> ce -> c) */
-  for (; c < c1; g++, ce += cpg) {
-    const __m512 tab = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr, g)));
-    for (const int64_t e = ce < c1 ? ce : c1; c < e; c++) {
-      const __m512i v = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(wr + 2 * c)));
-      _mm512_storeu_ps(w + 16 * c - k0, _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(idx, v), sh),
-                                                               tab));
-    }
-  }
-  for (int64_t k = 16 * c; k < k1; k++) w[k - k0] = kd_int4_weight(wr[k / 8], (int)(k % 8), kd_qs_at(sr, k / 8 / wpg));
-}
-
-/* kd_dequant_slice_512 in the AVX-512 GEMV's lane order (whole chunks, even wpg; kd_wsrc.perm): the chunk's 8 bytes
- * broadcast as a qword, so register lane 2m holds word 0 (element m) and lane 2m + 1 word 1 (element 8 + m), one
- * shift and the table lookup: one shuffle per 16 weights instead of two. The rows of x are copied in the same order,
- * so every register lane still multiplies matching elements, and the sums are un-permuted before the horizontal sum
- * (kd_panel512): each logical lane adds the same products in the same order, the same bits. */
+/* kd_dequant_slice_avx2 in the AVX-512 GEMV's lane order (whole chunks, even wpg; kd_wsrc.perm), 16 weights per
+ * step: the chunk's 8 bytes broadcast as a qword, so register lane 2m holds word 0 (element m) and lane 2m + 1 word 1
+ * (element 8 + m), one shift, and vpermps looks the nibble up in the group's table (q - 8) * scale -- the same floats
+ * as kd_int4_weight, three vector ops per 16 weights where the 8-wide path takes ~20. One division per slice (one per
+ * group sat on the loop's critical path). The rows of x are copied in the same order, so every register lane still
+ * multiplies matching elements, and the sums are un-permuted before the horizontal sum (kd_panel512): each logical
+ * lane adds the same products in the same order, the same bits. 2048 x 7168, 2 threads, T = 8: 2.19 -> 1.67 ms with
+ * the prefetch distance below (T <= 8 now take kd_linear_w4_small512). */
 __attribute__((target(KD_A512))) static void kd_dequant_perm_512(const uint32_t *wr, kd_qs sr, float *w, int64_t k0,
                                                                  int64_t k1, int64_t wpg) {
   const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
@@ -984,9 +955,9 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
           for (; j + 16 <= n; j += 16) _mm512_store_ps(d + j, kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(r + j))));
           kd_bf16_widen_generic(r + j, d + j, n - j);
         } else {
-          (s->perm ? kd_dequant_perm_512 : kd_dequant_slice_512)(s->qp + rows[i] * s->n_words,
-                                                                 kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0,
-                                                                 k0 + n, s->wpg);
+          (s->perm ? kd_dequant_perm_512 : kd_dequant_slice_avx2)(s->qp + rows[i] * s->n_words,
+                                                                  kd_qs_row(s->qs, rows[i] * s->n_groups), d, k0,
+                                                                  k0 + n, s->wpg);
         }
       }
     }
@@ -1257,7 +1228,7 @@ static int kd_gemv_w4_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
-/* ---- AVX-512 W4A16 GEMV (T = 1) ---------------------------------------------------------------------------
+/* ---- AVX-512 W4A16, 1-8 rows (GEMV) ---------------------------------------------------------------------------
  * A 16-element chunk of a row is 8 bytes (two words). Broadcast as a qword to the eight qword lanes, dword lane 2m
  * holds word 0 (elements 0..7) and lane 2m + 1 word 1 (elements 8..15); shifting lane 2m and 2m + 1 right by 4m
  * puts element m resp. 8 + m in the low nibble, and vpermps -- which reads only an index's low 4 bits -- looks the
@@ -1266,66 +1237,14 @@ static int kd_gemv_w4_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_
  * lane 2m is logical lane m and lane 2m + 1 logical lane 8 + m (x is permuted the same way once per call): every
  * logical lane still adds its elements in ascending k, as kd_dot_f32 on the dequantized row. A group (even wpg)
  * is a whole number of chunks: one table per group and row. */
-#define KD_W4R512 4 /* rows per pass: 4 accumulators + 4 tables + x + the shifts and the (q - 8) ramp */
+#define KD_W4R512 4 /* weight rows per pass */
 
-__attribute__((target(KD_A512))) static void kd_gemv_w4_rows512(const uint32_t *qp, kd_qs qs, int64_t n_words,
-                                                                int64_t n_groups, int64_t wpg, const float *xp,
-                                                                const float *x, float *out, int64_t n_in,
-                                                                int64_t n_out, int64_t o) {
-  const int64_t nc = n_in / KD_LANES, cpg = wpg / 2;
-  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-  const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  const uint32_t *wr[KD_W4R512];
-  kd_qs sr[KD_W4R512];
-  for (int r = 0; r < KD_W4R512; r++) { /* past the last output: repeat it, result discarded */
-    int64_t oo = o + r < n_out ? o + r : n_out - 1;
-    wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
-  }
-  /* the next rows' words, 8 bytes per row per chunk: KD_W4R512 x 8 bytes = half a line a chunk */
-  const char *next = (const char *)(qp + (o + KD_W4R512 < n_out ? o + KD_W4R512 : o) * n_words);
-  __m512 acc[KD_W4R512];
-#pragma GCC unroll 4
-  for (int r = 0; r < KD_W4R512; r++) acc[r] = _mm512_setzero_ps();
-  for (int64_t c0 = 0; c0 < nc; c0 += cpg) {
-    const int64_t c1 = c0 + cpg < nc ? c0 + cpg : nc, g = c0 / cpg;
-    __m512 tab[KD_W4R512];
-#pragma GCC unroll 4
-    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr[r], g)));
-    for (int64_t c = c0; c < c1; c++) {
-      const __m512 xv = _mm512_load_ps(xp + 16 * c);
-      if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int r = 0; r < KD_W4R512; r++) {
-        __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(*(const int64_t *)(wr[r] + 2 * c)), sh);
-        acc[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, tab[r]), xv, acc[r]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < KD_W4R512; r++) {
-    if (o + r >= n_out) break;
-    float a[KD_LANES], b[KD_LANES];
-    _mm512_storeu_ps(a, acc[r]);
-    for (int m = 0; m < 8; m++) b[m] = a[2 * m], b[8 + m] = a[2 * m + 1];
-    for (int64_t k = nc * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
-      b[k % KD_LANES] = fmaf(kd_int4_weight(wr[r][k / 8], (int)(k % 8), kd_qs_at(sr[r], k / 8 / wpg)), x[k], b[k % KD_LANES]);
-    out[o + r] = kd_lanes_sum(b);
-  }
-}
-
-/* the AVX-512 W4A16 GEMV for an even number of words per group (whole chunks per group: K2's group 32) */
 /* register lane 2m = logical lane m, 2m + 1 = logical lane 8 + m */
 static const unsigned char kd_w4_perm_512[KD_LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 
-static int kd_gemv_w4_512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
-                          const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
-  return kd_gemv_w4_drive(kd_gemv_w4_rows512, kd_w4_perm_512, KD_W4R512, qp, qs, n_words, n_groups, wpg, x, out,
-                          n_in, n_out, parallel);
-}
-
-/* The fused W4A16 kernel for a few rows of x (up to KD_W4_SMALL_T per pass: a verify's rows routed to one expert, a
- * small batch): kd_gemv_w4_rows512's pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into
- * all R rows of x (xp: permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
+/* The fused W4A16 kernel for R = 1..KD_W4_SMALL_T rows of x (the GEMV; a verify's rows routed to one expert; a small
+ * batch): one pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into all R rows of x (xp:
+ * permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
  * GEMV's rate: the panel path dequantizes into L1 first, which at 2-3 rows cost 2.3x a one-row call. Each output is
  * the GEMV's dot -- lanes in ascending k, then the same un-permuted sum -- so the bits do not depend on T. */
 #define KD_W4_SMALL_T 4 /* accumulators KD_W4R512 x 4 + 4 tables + 4 x rows + the shifts, the ramp, a weight: 28 */
@@ -1390,7 +1309,7 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
   }
 KD_W4_SMALL(1) KD_W4_SMALL(2) KD_W4_SMALL(3) KD_W4_SMALL(4)
 
-/* out [T, n_out] for 2 <= T <= 2 x KD_W4_SMALL_T rows of x, even wpg: x permuted once per call (as the GEMV's), then
+/* out [T, n_out] for 1 <= T <= 2 x KD_W4_SMALL_T rows of x, even wpg: x permuted once per call, then
  * one pass per KD_W4_SMALL_T rows (2048x7168, 2 threads: T = 5 1.29 -> 1.11 ms, T = 8 1.67 -> 1.43 against the
  * block path; at T = 9 three passes cost what the block path does, which keeps T > 8) */
 static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
@@ -1410,7 +1329,8 @@ static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, 
     const fn_t fn = fns[R - 1];
     const float *xq = xp + t0 * ldp, *xt = x + t0 * n_in;
     float *ot = out + t0 * n_out;
-    if (parallel || kd_par_worth(R * n_in * n_out, (n_out + KD_W4R512 - 1) / KD_W4R512)) {
+    /* one row enters no OpenMP region for a small matrix (even an if(0) region costs a GOMP_parallel call) */
+    if (parallel || (T >= 2 && kd_par_worth(R * n_in * n_out, (n_out + KD_W4R512 - 1) / KD_W4R512))) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
       for (int64_t o = 0; o < n_out; o += KD_W4R512)
         fn(qp, qs, n_words, n_groups, wpg, xq, ldp, xt, ot, n_in, n_out, o);
@@ -1576,11 +1496,9 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
   int parallel = n_out * n_in >= KD_PARALLEL_MIN_WEIGHTS; /* each output still one thread's fixed-order dot */
 #if defined(__x86_64__) && defined(__GNUC__)
   if (kd_host_avx2()) {
-    if (T == 1 && kd_host_avx512() && wpg % 2 == 0)
-      return kd_gemv_w4_512(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
-    if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (T <= 2 * KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
       return kd_linear_w4_small512(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
+    if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
     if (kd_host_avx512()) {
       kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
       return kd_linear_512(&src, x, out, T, parallel);
