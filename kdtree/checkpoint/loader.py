@@ -50,6 +50,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from kdtree.aligned import aligned_copy, aligned_empty
 from kdtree.model import names
 from kdtree.checkpoint.hf_config import check_drafter_config, check_target_config, plain
 from kdtree.checkpoint.index import CONFIG_FILE, INDEX_FILE, CheckpointIndex, open_checkpoint
@@ -268,9 +269,9 @@ class _Job:
         if self.info.dtype == "BF16" and self.widen:
             self.result = bf16_to_f32(view)
         elif self.widen:
-            self.result = view.astype(np.float32)
+            self.result = aligned_copy(view, np.float32)
         else:
-            self.result = view if view.flags.c_contiguous else np.ascontiguousarray(view)
+            self.result = view if view.flags.c_contiguous else aligned_copy(view)
 
 
 @dataclass
@@ -398,7 +399,7 @@ def _plan_mmap(jobs: List[_Job], runs: List[Tuple[int, int, int, int]], chunk: i
     return units
 
 
-_ALIGN = 64                         # bytes; every tensor in an arena starts on a cache line
+_ALIGN = 64                         # bytes; every tensor in an arena starts on a cache line (the arena on one too)
 
 
 def _place_in_arenas(jobs: List[_Job], file_no: Dict[Path, int]) -> None:
@@ -418,7 +419,7 @@ def _place_in_arenas(jobs: List[_Job], file_no: Dict[Path, int]) -> None:
         for job in fjobs:
             offsets.append(size)
             size += -(-job.out_nbytes // _ALIGN) * _ALIGN
-        arena = np.empty(max(size, 1), np.uint8)
+        arena = aligned_empty(max(size, 1), np.uint8)
         for job, off in zip(fjobs, offsets):
             job.buf = arena[off: off + job.out_nbytes].view(job.out_dtype).reshape(job.shape)
 
