@@ -925,12 +925,12 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
   const int no = n_out - o0 < KD_PO ? (int)(n_out - o0) : KD_PO;
   int64_t rows[KD_PO];
   for (int i = 0; i < KD_PO; i++) rows[i] = o0 + (i < no ? i : no - 1);
-  /* float32 rows are read where they are, at stride n_in; so are BF16 rows up to 4 row tiles (T <= 16), widened in
-   * the register by every tile that reads them (two vector ops per 16 weights: widening a block once into wb and
-   * reading it back measured 1.1-1.2x slower at T = 5-9); more tiles widen each block once into wb (~10 % faster
-   * at T = 17-65, where the widening ops compete with the multiply-adds). INT4 blocks and a last partial panel go
-   * through wb. */
-  const int in_place = (s->w || (s->w16 && G <= 4)) && no == KD_PO, bf = in_place && !s->w;
+  /* float32 and BF16 rows are read where they are, at stride n_in, BF16 widened in the register by every tile that
+   * reads it (two vector ops per 16 weights, on other pipes than the multiply-adds). Widening a block once into wb
+   * and reading it back measured 1.1-1.2x slower at T = 5-9, and on a Zen 4 host 1.06-1.38x slower at T = 17-33
+   * too (2048 x 7168, 2 threads, alternating; an earlier host had measured it ~10 % faster there, with weights
+   * 16 bytes off their cache lines). INT4 blocks and a last partial panel go through wb. */
+  const int in_place = (s->w || s->w16) && no == KD_PO, bf = in_place && !s->w;
   /* prefetch distance: enough blocks to keep ~KD_PF_BYTES of weights in flight (one DRAM latency at a core's stream
    * rate); at least the next block. A float32 panel block is 12 KB, BF16 6 KB, INT4 1.9 KB (with its scales): at
    * small T an INT4 block's tiles take less than a memory latency, and one block ahead left each block waiting */
