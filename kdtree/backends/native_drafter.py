@@ -9,7 +9,7 @@ native/src/cuda/kd_forward.cu), with DFlashDrafter's interface (kdtree/model/dra
 from __future__ import annotations
 
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -80,6 +80,11 @@ class NativeDrafter:
         # the context arena, indexed by the target's page ids (its pool; a pool of its own when standalone)
         self.pages = pages if pages is not None else PagePool(DEFAULT_PAGE_ROWS)
         self.pages.add_arena(self._resize_arena)
+
+    def weight_bytes(self) -> Dict[str, Tuple[int, int]]:
+        """{matrix name: (bytes held, elements)} for every linear the drafter reads (fc, its layers, lm_head), as
+        NativeTarget.weight_bytes: a round (extend + draft) streams each of them at least once."""
+        return dict(self._reg.bytes)
 
     def _resize_arena(self, n_pages: int, page_rows: int) -> None:
         self.lib.check(self.lib.c.kd_drafter_pages(self.handle, int(n_pages), int(page_rows)), "kd_drafter_pages")

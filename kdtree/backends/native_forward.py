@@ -347,6 +347,12 @@ class NativeTarget:
                 out.append(a)
         return out
 
+    def off_line_bytes(self) -> int:
+        """Bytes of the weights (arrays of >= 1 MiB) that do not start on a 64-byte cache line: a mapped tensor sits
+        where its safetensors file put it (the format aligns nothing), and the multi-row kernels read such rows up to
+        1.3x slower (kdtree/aligned.py). load.strategy=eager copies them onto lines."""
+        return sum(a.nbytes for a in self.held_arrays(1 << 20) if a.ctypes.data % 64)
+
     @functools.cached_property
     def expert_cost(self) -> Optional[float]:
         """A routed expert's bytes over an AR step's (the dense linears + top_k experts of every MoE layer), as held:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from omegaconf import OmegaConf
 
@@ -146,11 +146,12 @@ def load_grammar(engine, spec: str):
     return g.json_schema(schema, param="bench.grammar")
 
 
-def moe_columns(engine, stats: dict, forwards: int, tokens: int) -> dict:
+def moe_columns(engine, stats: dict, forwards: int, tokens: int, drafts: int = 0) -> dict:
     """The MoE tax of a run: per MoE layer the mean distinct routed experts per target forward (a forward streams
     the union of its rows' experts), and where the backend says what it holds (NativeTarget.weight_bytes) the target
     bytes streamed per committed token (dense matrices every forward + each forward's expert union; prefill
-    included). {} where the target does not count (CUDA, tp)."""
+    included), and the drafter's: each of its matrices once per draft round (NativeDrafter.weight_bytes; a lower
+    bound of what extend + draft read). {} where the target does not count (CUDA, tp)."""
     if not stats:
         return {}
     per_layer = {str(i): st["experts"] / max(st["forwards"], 1) for i, st in stats.items()}
@@ -171,7 +172,16 @@ def moe_columns(engine, stats: dict, forwards: int, tokens: int) -> dict:
     routed = sum(per_expert.get(i, 0.0) * st["experts"] for i, st in stats.items())
     out["bytes_per_token"] = (forwards * dense + routed) / max(tokens, 1)
     out["expert_bytes_per_token"] = routed / max(tokens, 1)
+    dheld = getattr(engine.drafter, "weight_bytes", None) if drafts else None
+    out["draft_bytes_per_token"] = drafts * sum(b for b, _n in dheld().values()) / max(tokens, 1) if dheld else 0.0
     return out
+
+
+def bytes_bound(ar_moe: dict, moe: dict) -> Optional[float]:
+    """The speedup over AR a perfectly streaming engine could reach on this run's tokens: AR's bytes per token over
+    the tree's (target + drafter). Where decoding is memory-bound no kernel beats it; None without byte counts."""
+    need = moe.get("bytes_per_token", 0.0) + moe.get("draft_bytes_per_token", 0.0)
+    return ar_moe["bytes_per_token"] / need if ar_moe.get("bytes_per_token") and need else None
 
 
 def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, grammar=None) -> dict:
@@ -216,8 +226,12 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, gramm
         "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "stage_seconds": stage_s, "per_prompt": per_prompt,
-        "moe": moe_columns(engine, counts(reset=True) if counts is not None else {}, forwards, tokens),
+        "moe": moe_columns(engine, counts(reset=True) if counts is not None else {}, forwards, tokens, drafts),
     }
+
+
+def _bound_text(bound: Optional[float]) -> str:
+    return f", bytes bound {bound:.2f}x" if bound else ""
 
 
 def _faster(best, run):
@@ -286,6 +300,7 @@ def run(ctx, conf: BenchConfig) -> dict:
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
         "moe": tree["moe"], "ar_moe": ar["moe"],
+        "bytes_bound_speedup": bytes_bound(ar["moe"], tree["moe"]),
         "policy": policy,
         "fixed_policy": None if fixed is None else {
             "tokens_per_s": fixed["tokens_per_s"], "mean_acceptance_length": fixed["mean_acceptance_length"],
@@ -296,6 +311,7 @@ def run(ctx, conf: BenchConfig) -> dict:
                    "decode_speedup_vs_ar": r["decode_tokens_per_s"] / max(ar["decode_tokens_per_s"], 1e-9),
                    "mean_acceptance_length": r["mean_acceptance_length"],
                    "target_forwards_per_token": r["target_forwards_per_token"], "moe": r["moe"],
+                   "bytes_bound_speedup": bytes_bound(ar["moe"], r["moe"]),
                    "outputs_equal_ar": _same_tokens(ar, r)}
                   for shape, r in zip(extra, best_extra)],
         "grammar": conf.grammar,
@@ -312,7 +328,8 @@ def run(ctx, conf: BenchConfig) -> dict:
           f"{out['ar_tokens_per_s']:.1f} tok/s -> speedup {out['speedup_vs_ar']:.2f}x (decode alone "
           f"{out['decode_speedup_vs_ar']:.2f}x, CPU time "
           f"{out['cpu_speedup_vs_ar']:.2f}x), acceptance "
-          f"{out['mean_acceptance_length']:.2f} (greedy {greedy_acc:.2f}), target forwards/token "
+          f"{out['mean_acceptance_length']:.2f} (greedy {greedy_acc:.2f}){_bound_text(out['bytes_bound_speedup'])}, "
+          f"target forwards/token "
           f"{out['target_forwards_per_token']:.3f}, "
           f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
@@ -326,11 +343,14 @@ def run(ctx, conf: BenchConfig) -> dict:
               f"{' prune_experts' if t2.get('prune_experts') else ''}: "
               f"{row['tokens_per_s']:.1f} tok/s -> speedup {row['speedup_vs_ar']:.2f}x (decode alone "
               f"{row['decode_speedup_vs_ar']:.2f}x), acceptance "
-              f"{row['mean_acceptance_length']:.2f}, lossless={row['outputs_equal_ar']}")
+              f"{row['mean_acceptance_length']:.2f}{_bound_text(row['bytes_bound_speedup'])}, "
+              f"lossless={row['outputs_equal_ar']}")
     if tree["moe"].get("bytes_per_token") and ar["moe"].get("bytes_per_token"):
         print(f"bench MoE tax: {tree['moe']['mean_experts_per_forward']:.2f} experts per MoE layer per forward vs AR "
               f"{ar['moe']['mean_experts_per_forward']:.2f}; {tree['moe']['bytes_per_token'] / 1e6:.1f} MB streamed "
-              f"per token vs AR {ar['moe']['bytes_per_token'] / 1e6:.1f} MB")
+              f"per token (+ drafter {tree['moe']['draft_bytes_per_token'] / 1e6:.1f} MB) vs AR "
+              f"{ar['moe']['bytes_per_token'] / 1e6:.1f} MB: no engine streaming these bytes passes "
+              f"{out['bytes_bound_speedup']:.2f}x AR")
     if not lossless:
         raise PipelineError(f"tree={t.kind} output differs from AR on the bench prompts: the lossless invariant is "
                             f"broken (see {ctx.run_dir / 'bench.json'}); report this as a bug")

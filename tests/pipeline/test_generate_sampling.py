@@ -156,3 +156,8 @@ def test_bench_reports_the_moe_tax(tmp_path, kdtree_cache):
     assert 2.0 <= ar["mean_experts_per_forward"] < 3.0 < tree["mean_experts_per_forward"] <= 8.0
     assert 0 < tree["bytes_per_token"] < ar["bytes_per_token"]
     assert 0 < tree["expert_bytes_per_token"] < tree["bytes_per_token"]
+    # the drafter's matrices, once per round, and the bound they and the verify's bytes put on any engine
+    assert ar["draft_bytes_per_token"] == 0 and 0 < tree["draft_bytes_per_token"] < tree["bytes_per_token"]
+    assert b["bytes_bound_speedup"] == pytest.approx(
+        ar["bytes_per_token"] / (tree["bytes_per_token"] + tree["draft_bytes_per_token"]))
+    assert 1 < b["bytes_bound_speedup"] < ar["bytes_per_token"] / tree["bytes_per_token"]
