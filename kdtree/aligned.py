@@ -1,7 +1,7 @@
 """Cache-line aligned numpy arrays. numpy's large allocations start 16 bytes past a 64-byte line (glibc's mmap
 chunk header), so a weight row read 64 bytes at a time straddles two lines on every load: the native multi-row
-kernels ran 1.1-1.4x slower on such rows (float32 2048x7168, T = 9-17, one thread). Low level: imports nothing from
-kdtree.
+kernels ran 1.1-1.3x slower on such rows at 9-33 rows (2048x7168, float32 and BF16; docs/measurements.md).
+Low level: imports nothing from kdtree.
 """
 from __future__ import annotations
 
@@ -18,10 +18,6 @@ def aligned_empty(shape, dtype, align: int = LINE) -> np.ndarray:
     buf = np.empty(n + align, np.uint8)
     start = -buf.ctypes.data % align
     return buf[start:start + n].view(dtype).reshape(shape)
-
-
-def is_aligned(a: np.ndarray, align: int = LINE) -> bool:
-    return a.ctypes.data % align == 0
 
 
 def aligned_copy(a: np.ndarray, dtype=None) -> np.ndarray:
