@@ -989,52 +989,70 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
   }
 }
 
-/* One row (T = 1: a decode step), float32 or BF16 rows read in place, whole 16-element chunks: panels of KD_PO weight
- * rows, each row's 16 lanes accumulated over the whole row in registers (the tile path's FMA sequence, its partial
- * lanes parked in P between k blocks, the same bits), then kd_hsum512. Each row is prefetched KD_GEMV_PF bytes ahead
- * of its reads, past its end into the same row of the next panel. Its own loop because a one-row call is bound by
- * how many lines one core keeps in flight, and the block tiles' extra instructions per chunk (the block-spread
- * prefetch, the block calls) took from that window: one thread, 2048 x 7168 float32, the same call in a C harness
- * streamed 26.7 GB/s through the tiles and 30.6 in this form (`kd_roof_read`: 33-35). Panels [o0, o1), all full. */
-#define KD_GEMV_PF 2048
-__attribute__((target(KD_A512), always_inline)) static inline void kd_gemv512(const int BF, const kd_wsrc *s,
-                                                                             const float *x, float *out, int64_t o0,
+/* Up to KD_PR rows of x (T = 1: a decode step; 2-4: a small batch, the verify rows routed to one expert), float32 or
+ * BF16 weight rows read in place, whole 16-element chunks: panels of KD_PO weight rows, each (row of x, weight row)
+ * pair's 16 lanes accumulated over the whole row in registers (the tile path's FMA sequence, its partial lanes parked
+ * in P between k blocks: the same bits), then kd_hsum512. Each weight row is prefetched KD_ROWS_PF bytes ahead of its
+ * reads, past its end into the same row of the next panel. Its own loop because such a call is bound by how many
+ * lines one core keeps in flight, and the block tiles' extra instructions per chunk (the block-spread prefetch, the
+ * block calls) took from that window: one thread, 2048 x 7168 float32, T = 1, the same call in a C harness streamed
+ * 26.7 GB/s through the tiles and 30.6 in this form (`kd_roof_read`: 33-35). Panels [o0, o1), all full; x rows at
+ * stride ldx. */
+#define KD_ROWS_PF 2048
+__attribute__((target(KD_A512), always_inline)) static inline void kd_rows512(const int R, const int BF,
+                                                                             const kd_wsrc *s, const float *x,
+                                                                             int64_t ldx, float *out, int64_t o0,
                                                                              int64_t o1) {
-  const int64_t n_in = s->n_in, nc = n_in / 16, rb = kd_wsrc_row_bytes(s), cb = BF ? 32 : 64;
+  const int64_t n_in = s->n_in, n_out = s->n_out, nc = n_in / 16, rb = kd_wsrc_row_bytes(s), cb = BF ? 32 : 64;
   const int64_t step = BF ? 2 : 1; /* chunks per 64-byte line */
   for (int64_t o = o0; o < o1; o += KD_PO) {
     const char *w = BF ? (const char *)(s->w16 + o * n_in) : (const char *)(s->w + o * n_in);
     const char *nx = o + KD_PO < o1 ? w + KD_PO * rb : NULL; /* the next panel's rows (none past the range) */
-    __m512 acc[KD_PO];
+    __m512 acc[KD_PR][KD_PO];
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++)
 #pragma GCC unroll 6
-    for (int r = 0; r < KD_PO; r++) acc[r] = _mm512_setzero_ps();
+      for (int r = 0; r < KD_PO; r++) acc[t][r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
-      const int64_t at = c * cb + KD_GEMV_PF;
+      const int64_t at = c * cb + KD_ROWS_PF;
       if (c % step == 0 && (at < rb || nx)) {
         const char *pf = at < rb ? w + at : nx + (at - rb);
 #pragma GCC unroll 6
         for (int r = 0; r < KD_PO; r++) _mm_prefetch(pf + r * rb, _MM_HINT_T1);
       }
-      const __m512 xv = _mm512_loadu_ps(x + 16 * c);
+      __m512 wv[KD_PO];
 #pragma GCC unroll 6
       for (int r = 0; r < KD_PO; r++) {
         const char *wr = w + r * rb + c * cb;
-        const __m512 wv = BF ? kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)wr)) : _mm512_loadu_ps((const float *)wr);
-        acc[r] = _mm512_fmadd_ps(wv, xv, acc[r]);
+        wv[r] = BF ? kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)wr)) : _mm512_loadu_ps((const float *)wr);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++) {
+        const __m512 xv = _mm512_loadu_ps(x + t * ldx + 16 * c);
+#pragma GCC unroll 6
+        for (int r = 0; r < KD_PO; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
       }
     }
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++)
 #pragma GCC unroll 6
-    for (int r = 0; r < KD_PO; r++) out[o + r] = kd_hsum512(acc[r]);
+      for (int r = 0; r < KD_PO; r++) out[t * n_out + o + r] = kd_hsum512(acc[t][r]);
   }
 }
-__attribute__((target(KD_A512))) static void kd_gemv512_f32(const kd_wsrc *s, const float *x, float *out, int64_t o0,
-                                                             int64_t o1) {
-  kd_gemv512(0, s, x, out, o0, o1);
-}
-__attribute__((target(KD_A512))) static void kd_gemv512_bf16(const kd_wsrc *s, const float *x, float *out,
-                                                              int64_t o0, int64_t o1) {
-  kd_gemv512(1, s, x, out, o0, o1);
-}
+#define KD_ROWS512(R)                                                                                             \
+  __attribute__((target(KD_A512))) static void kd_rows512_f32_##R(const kd_wsrc *s, const float *x, int64_t ldx,   \
+                                                                 float *out, int64_t o0, int64_t o1) {           \
+    kd_rows512(R, 0, s, x, ldx, out, o0, o1);                                                                     \
+  }                                                                                                               \
+  __attribute__((target(KD_A512))) static void kd_rows512_bf16_##R(const kd_wsrc *s, const float *x, int64_t ldx,  \
+                                                                  float *out, int64_t o0, int64_t o1) {          \
+    kd_rows512(R, 1, s, x, ldx, out, o0, o1);                                                                     \
+  }
+KD_ROWS512(1) KD_ROWS512(2) KD_ROWS512(3) KD_ROWS512(4)
+typedef void (*kd_rows512_fn)(const kd_wsrc *, const float *, int64_t, float *, int64_t, int64_t);
+static const kd_rows512_fn kd_rows512_fns[2][KD_PR] = {
+    {kd_rows512_f32_1, kd_rows512_f32_2, kd_rows512_f32_3, kd_rows512_f32_4},
+    {kd_rows512_bf16_1, kd_rows512_bf16_2, kd_rows512_bf16_3, kd_rows512_bf16_4}};
 
 /* out [T, n_out] = x [T, n_in] . w^T for every T >= 1 (s: the weights). Long rows (more than one k block: K2-sized
  * matrices) copy x once to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would share L1
@@ -1049,10 +1067,10 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
   if ((s->n_in > KD_PKC || s->perm) && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16))))
     return 1;
   int64_t p = p0;
-  /* one row, float32 or BF16 rows of whole chunks: kd_gemv512 over the full panels */
-  if (T == 1 && (s->w || s->w16) && s->n_in % 16 == 0) {
+  /* one row tile, float32 or BF16 rows of whole chunks: kd_rows512 over the full panels */
+  if (T <= KD_PR && (s->w || s->w16) && s->n_in % 16 == 0) {
     const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1; /* a last partial panel takes kd_panel512 */
-    if (full > p0) (s->w ? kd_gemv512_f32 : kd_gemv512_bf16)(s, x, out, p0 * KD_PO, full * KD_PO);
+    if (full > p0) kd_rows512_fns[s->w ? 0 : 1][T - 1](s, x, ldx, out, p0 * KD_PO, full * KD_PO);
     p = full > p0 ? full : p0;
   }
   for (; p < p1; p++) kd_panel512(s, x, ldx, out, p * KD_PO, p1 * KD_PO, rt, G, lsh, P, wb);
