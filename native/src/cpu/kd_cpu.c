@@ -999,15 +999,20 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
  * 26.7 GB/s through the tiles and 30.6 in this form (`kd_roof_read`: 33-35). Panels [o0, o1), all full; x rows at
  * stride ldx. */
 #define KD_ROWS_PF 2048
+/* BF16: x bytes (T x n_in floats) up to which kd_rows512 also runs more than one row tile, one panel at a time in
+ * passes of KD_PR rows (the panel's rows then come from L2, x's whole rows too): 1.09-1.19x the block tiles for
+ * T = 5-33 (2048 x 7168 and 7168 x 2048, 2 threads, alternating), 0.93x at T = 65 (x past L2). Float32 rows lose
+ * that way (0.87-0.93x at T = 5-8) and keep the tiles beyond one row tile. */
+#define KD_ROWS_X_MAX (1 << 20)
 __attribute__((target(KD_A512), always_inline)) static inline void kd_rows512(const int R, const int BF,
                                                                              const kd_wsrc *s, const float *x,
                                                                              int64_t ldx, float *out, int64_t o0,
-                                                                             int64_t o1) {
+                                                                             int64_t o1, int64_t o_pf) {
   const int64_t n_in = s->n_in, n_out = s->n_out, nc = n_in / 16, rb = kd_wsrc_row_bytes(s), cb = BF ? 32 : 64;
   const int64_t step = BF ? 2 : 1; /* chunks per 64-byte line */
   for (int64_t o = o0; o < o1; o += KD_PO) {
     const char *w = BF ? (const char *)(s->w16 + o * n_in) : (const char *)(s->w + o * n_in);
-    const char *nx = o + KD_PO < o1 ? w + KD_PO * rb : NULL; /* the next panel's rows (none past the range) */
+    const char *nx = o + KD_PO < o_pf ? w + KD_PO * rb : NULL; /* the next panel's rows (none past o_pf) */
     __m512 acc[KD_PR][KD_PO];
 #pragma GCC unroll 4
     for (int t = 0; t < R; t++)
@@ -1015,7 +1020,7 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_rows512(co
       for (int r = 0; r < KD_PO; r++) acc[t][r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
       const int64_t at = c * cb + KD_ROWS_PF;
-      if (c % step == 0 && (at < rb || nx)) {
+      if (o_pf > o && c % step == 0 && (at < rb || nx)) {
         const char *pf = at < rb ? w + at : nx + (at - rb);
 #pragma GCC unroll 6
         for (int r = 0; r < KD_PO; r++) _mm_prefetch(pf + r * rb, _MM_HINT_T1);
@@ -1041,15 +1046,15 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_rows512(co
 }
 #define KD_ROWS512(R)                                                                                             \
   __attribute__((target(KD_A512))) static void kd_rows512_f32_##R(const kd_wsrc *s, const float *x, int64_t ldx,   \
-                                                                 float *out, int64_t o0, int64_t o1) {           \
-    kd_rows512(R, 0, s, x, ldx, out, o0, o1);                                                                     \
+                                                                 float *out, int64_t o0, int64_t o1, int64_t pf) { \
+    kd_rows512(R, 0, s, x, ldx, out, o0, o1, pf);                                                                 \
   }                                                                                                               \
   __attribute__((target(KD_A512))) static void kd_rows512_bf16_##R(const kd_wsrc *s, const float *x, int64_t ldx,  \
-                                                                  float *out, int64_t o0, int64_t o1) {          \
-    kd_rows512(R, 1, s, x, ldx, out, o0, o1);                                                                     \
+                                                                  float *out, int64_t o0, int64_t o1, int64_t pf) {\
+    kd_rows512(R, 1, s, x, ldx, out, o0, o1, pf);                                                                 \
   }
 KD_ROWS512(1) KD_ROWS512(2) KD_ROWS512(3) KD_ROWS512(4)
-typedef void (*kd_rows512_fn)(const kd_wsrc *, const float *, int64_t, float *, int64_t, int64_t);
+typedef void (*kd_rows512_fn)(const kd_wsrc *, const float *, int64_t, float *, int64_t, int64_t, int64_t);
 static const kd_rows512_fn kd_rows512_fns[2][KD_PR] = {
     {kd_rows512_f32_1, kd_rows512_f32_2, kd_rows512_f32_3, kd_rows512_f32_4},
     {kd_rows512_bf16_1, kd_rows512_bf16_2, kd_rows512_bf16_3, kd_rows512_bf16_4}};
@@ -1067,10 +1072,19 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
   if ((s->n_in > KD_PKC || s->perm) && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16))))
     return 1;
   int64_t p = p0;
-  /* one row tile, float32 or BF16 rows of whole chunks: kd_rows512 over the full panels */
-  if (T <= KD_PR && (s->w || s->w16) && s->n_in % 16 == 0) {
-    const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1; /* a last partial panel takes kd_panel512 */
-    if (full > p0) kd_rows512_fns[s->w ? 0 : 1][T - 1](s, x, ldx, out, p0 * KD_PO, full * KD_PO);
+  /* float32 rows for one row tile, BF16 rows while x fits L2 (whole chunks): kd_rows512 over the full panels */
+  if (s->n_in % 16 == 0 &&
+      ((s->w && T <= KD_PR) || (s->w16 && T * s->n_in * (int64_t)sizeof(float) <= KD_ROWS_X_MAX))) {
+    const kd_rows512_fn *fn = kd_rows512_fns[s->w ? 0 : 1];
+    const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1, end = full * KD_PO; /* a last partial panel: below */
+    if (full > p0 && T <= KD_PR) {
+      fn[T - 1](s, x, ldx, out, p0 * KD_PO, end, end);
+    } else if (full > p0) { /* a panel at a time, 4 rows of x per pass: the first pass streams it, the rest from L2 */
+      for (int64_t o = p0 * KD_PO; o < end; o += KD_PO)
+        for (int64_t t0 = 0; t0 < T; t0 += KD_PR)
+          fn[(T - t0 < KD_PR ? T - t0 : KD_PR) - 1](s, x + t0 * ldx, ldx, out + t0 * s->n_out, o, o + KD_PO,
+                                                    t0 == 0 ? end : 0);
+    }
     p = full > p0 ? full : p0;
   }
   for (; p < p1; p++) kd_panel512(s, x, ldx, out, p * KD_PO, p1 * KD_PO, rt, G, lsh, P, wb);
