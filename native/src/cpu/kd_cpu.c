@@ -759,7 +759,8 @@ static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w1
  * T is, the tiles' multiply-adds run from L1. Between k blocks a dot's 16 partial lanes wait in P. The next block's
  * weight lines are prefetched evenly over this block's iterations, so the stream keeps going while the tiles
  * compute. BF16 weights are widened exactly (in the register, or once per block for many rows); INT4 blocks are
- * dequantized exactly (kd_int4_weight) once per block for all rows. T = 1 runs the same path (a 1-row tile against 6 weight-row streams). */
+ * dequantized exactly (kd_int4_weight) once per block for all rows. Float32 calls of 1-4 rows and BF16 calls whose x
+ * fits L2 run the same dots without k blocks (kd_rows512: whole weight rows, in passes of 4 rows of x). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KD_A512 "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"
 #define KD_PO 6    /* outputs per panel: 6 weight rows x 4 x rows = 24 accumulators + 6 weight registers + 1 x */
