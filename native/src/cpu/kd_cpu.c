@@ -927,7 +927,7 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
   int64_t rows[KD_PO];
   for (int i = 0; i < KD_PO; i++) rows[i] = o0 + (i < no ? i : no - 1);
   /* float32 and BF16 rows are read where they are, at stride n_in, BF16 widened in the register by every tile that
-   * reads it (two vector ops per 16 weights, on other pipes than the multiply-adds). Widening a block once into wb
+   * reads it (two vector ops per 16 weights beside the multiply-adds). Widening a block once into wb
    * and reading it back measured 1.1-1.2x slower at T = 5-9, and on a Zen 4 host 1.06-1.38x slower at T = 17-33
    * too (2048 x 7168, 2 threads, alternating; an earlier host had measured it ~10 % faster there, with weights
    * 16 bytes off their cache lines). INT4 blocks and a last partial panel go through wb. */
