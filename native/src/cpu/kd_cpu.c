@@ -862,6 +862,17 @@ typedef void (*kd_tile512_fn)(const float *, int64_t, const void *, int64_t, int
 static const kd_tile512_fn kd_tiles512[KD_PR][2][2][2] = { /* [R - 1][FIRST][LAST][BF16 read in place] */
     KD_TILE512_ROW(1), KD_TILE512_ROW(2), KD_TILE512_ROW(3), KD_TILE512_ROW(4)};
 
+/* The AVX-512 W4A16 kernels' lane order: register lane 2m holds logical lane m, 2m + 1 logical lane 8 + m (a chunk's
+ * two words broadcast as a qword). kd_x_perm512: the whole 16-element chunks of T rows of x (stride n_in) copied in
+ * that order to dst (stride ld, 64-byte aligned rows). */
+__attribute__((target(KD_A512))) static void kd_x_perm512(const float *x, int64_t T, int64_t n_in, float *dst,
+                                                          int64_t ld) {
+  const __m512i fwd = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k = 0; k + 16 <= n_in; k += 16)
+      _mm512_store_ps(dst + t * ld + k, _mm512_permutexvar_ps(fwd, _mm512_loadu_ps(x + t * n_in + k)));
+}
+
 /* kd_dequant_slice_avx2 in the AVX-512 GEMV's lane order (whole chunks, even wpg; kd_wsrc.perm), 16 weights per
  * step: the chunk's 8 bytes broadcast as a qword, so register lane 2m holds word 0 (element m) and lane 2m + 1 word 1
  * (element 8 + m), one shift, and vpermps looks the nibble up in the group's table (q - 8) * scale -- the same floats
@@ -1107,11 +1118,8 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
     ldx = (n_in + 15) / 16 * 16 + 16;
     xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
     if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-    if (s->perm) { /* register lane 2m <- element m, 2m + 1 <- element 8 + m of each 16 */
-      const __m512i fwd = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
-      for (int64_t t = 0; t < T; t++)
-        for (int64_t k = 0; k < n_in; k += 16)
-          _mm512_store_ps(xa + t * ldx + k, _mm512_permutexvar_ps(fwd, _mm512_loadu_ps(x + t * n_in + k)));
+    if (s->perm) {
+      kd_x_perm512(x, T, n_in, xa, ldx);
     } else {
       for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
     }
@@ -1326,9 +1334,6 @@ static int kd_gemv_w4_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_
  * is a whole number of chunks: one table per group and row. */
 #define KD_W4R512 4 /* weight rows per pass */
 
-/* register lane 2m = logical lane m, 2m + 1 = logical lane 8 + m */
-static const unsigned char kd_w4_perm_512[KD_LANES] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
-
 /* The fused W4A16 kernel for R = 1..KD_W4_SMALL_T rows of x (the GEMV; a verify's rows routed to one expert; a small
  * batch): one pass over KD_W4R512 weight rows, each chunk looked up once and multiplied into all R rows of x (xp:
  * permuted rows, stride ldp). No block is stored and read back, and the weights stream once at the
@@ -1407,10 +1412,7 @@ static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, 
   const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t c = 0; c < nc; c++)
-      for (int j = 0; j < KD_LANES; j++)
-        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_512[j]];
+  kd_x_perm512(x, T, n_in, xp, ldp);
   for (int64_t t0 = 0; t0 < T; t0 += KD_W4_SMALL_T) {
     const int64_t R = T - t0 < KD_W4_SMALL_T ? T - t0 : KD_W4_SMALL_T;
     const fn_t fn = fns[R - 1];
