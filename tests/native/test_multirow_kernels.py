@@ -215,3 +215,24 @@ def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
                     assert np.array_equal(ops.linear(x[:T], wt), one[:T]), f"T={T} threads={threads} {type(wt).__name__}"
     finally:
         ops.lib.set_threads(0)
+
+
+@pytest.mark.parametrize("n_in,n_out", [(4112, 13), (4096, 6), (1040, 50)])
+def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
+    """BF16 weights widened exactly: the row-tile loop (whole weight rows, passes of 4 rows of x, while x fits L2:
+    T x n_in x 4 <= 1 MiB) and the k-blocked tiles beyond it (T = 64, 70 at n_in 4096-4112) give every output the
+    lane-order dot of the widened row -- so a row's bits do not depend on how many rows came with it. n_out 13: a last
+    partial panel; one and two threads (the panels split)."""
+    ops = native.NativeOps("cpu")
+    rng = np.random.default_rng(n_in + 3 * n_out)
+    x = rng.standard_normal((70, n_in), dtype=np.float32)
+    w16 = (rng.standard_normal((n_out, n_in), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    want = _lane_dots(x, int4.bf16_to_f32(w16))
+    try:
+        for threads in (1, 2):
+            ops.lib.set_threads(threads)
+            for T in (1, 2, 4, 5, 9, 33, 64, 70):
+                np.testing.assert_array_equal(ops.lib.linear_bf16(x[:T], w16), want[:T],
+                                              err_msg=f"T={T} threads={threads} (x {T * n_in * 4} bytes)")
+    finally:
+        ops.lib.set_threads(0)
