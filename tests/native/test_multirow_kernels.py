@@ -221,7 +221,8 @@ def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
 def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
     """BF16 weights widened exactly: the row-tile loop (whole weight rows, passes of 4 rows of x, while x fits L2:
     T x n_in x 4 <= 1 MiB) and the k-blocked tiles beyond it (T = 64, 70 at n_in 4096-4112) give every output the
-    lane-order dot of the widened row -- so a row's bits do not depend on how many rows came with it. n_out 13: a last
+    lane-order dot of the widened row (one row: twelve weight rows per pass, n_in 4112 and 1040 an odd last chunk) -- so
+    a row's bits do not depend on how many rows came with it. n_out 13: a last
     partial panel; one and two threads (the panels split)."""
     ops = native.NativeOps("cpu")
     rng = np.random.default_rng(n_in + 3 * n_out)

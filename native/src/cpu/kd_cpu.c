@@ -1071,6 +1071,71 @@ static const kd_rows512_fn kd_rows512_fns[2][KD_PR] = {
     {kd_rows512_f32_1, kd_rows512_f32_2, kd_rows512_f32_3, kd_rows512_f32_4},
     {kd_rows512_bf16_1, kd_rows512_bf16_2, kd_rows512_bf16_3, kd_rows512_bf16_4}};
 
+/* BF16, one or two rows of x (R): two panels (KD_RW = 2 x KD_PO weight rows) per pass, one 64-byte line of each weight
+ * row per step (a 512-bit load widened in its two halves: chunks c and c + 1), each row prefetched KD_ROWS_PF bytes
+ * ahead (past its end into the next pass's row). Each row's lanes take the same multiply-adds in the same order as
+ * kd_rows512 (the same bits). Why: a BF16 line carries two chunks, so each accumulator's chain per line is twice a
+ * float32 line's, and with six rows in flight one thread streamed 22-24 GB/s where float32 rows stream 29-31; twelve
+ * rows and whole-line loads streamed 26.5-28.7 (C harness, 18432 x 7168, one thread; a plain read 26-30). In the
+ * library, one thread, alternating with six-row panels: T = 1 1.05-1.34x and T = 2 1.2-1.25x at n_in 512-18432,
+ * except rows of exactly 4 KB (n_in 2048: 0.98x, twelve rows on the same L1 sets at every step: they keep six-row
+ * panels); T = 3-4 in six-row whole-line passes gained nothing (twelve rows would not fit the registers). Rows
+ * [o0, o1): whole passes (o1 - o0 a multiple of KD_RW, n_in % 16 == 0); o_pf as in kd_rows512. */
+#define KD_RW (2 * KD_PO)
+__attribute__((target(KD_A512), always_inline)) static inline void kd_rowsw512(const int R, const kd_wsrc *s,
+                                                                              const float *x, int64_t ldx, float *out,
+                                                                              int64_t o0, int64_t o1, int64_t o_pf) {
+  enum { W = KD_RW };
+  const int64_t n_in = s->n_in, n_out = s->n_out, nc = n_in / 16, rb = n_in * 2;
+  for (int64_t o = o0; o < o1; o += W) {
+    const char *w = (const char *)(s->w16 + o * n_in);
+    const char *nx = o + W < o_pf ? w + W * rb : NULL; /* the next pass's rows (none past o_pf) */
+    __m512 acc[2][W];
+#pragma GCC unroll 2
+    for (int t = 0; t < R; t++)
+#pragma GCC unroll 12
+      for (int r = 0; r < W; r++) acc[t][r] = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= nc; c += 2) {
+      const int64_t at = c * 32 + KD_ROWS_PF;
+      if (at < rb || nx) {
+        const char *pf = at < rb ? w + at : nx + (at - rb);
+#pragma GCC unroll 12
+        for (int r = 0; r < W; r++) _mm_prefetch(pf + r * rb, _MM_HINT_T1);
+      }
+#pragma GCC unroll 12
+      for (int r = 0; r < W; r++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + r * rb + c * 32));
+        const __m512 lo = kd_bf16x16_512(_mm512_castsi512_si256(v));
+        const __m512 hi = kd_bf16x16_512(_mm512_extracti64x4_epi64(v, 1));
+#pragma GCC unroll 2
+        for (int t = 0; t < R; t++) {
+          acc[t][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * ldx + 16 * c), acc[t][r]);
+          acc[t][r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * ldx + 16 * c + 16), acc[t][r]);
+        }
+      }
+    }
+    if (c < nc) { /* an odd last chunk */
+#pragma GCC unroll 12
+      for (int r = 0; r < W; r++) {
+        const __m512 lo = kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(w + r * rb + c * 32)));
+#pragma GCC unroll 2
+        for (int t = 0; t < R; t++) acc[t][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * ldx + 16 * c), acc[t][r]);
+      }
+    }
+#pragma GCC unroll 2
+    for (int t = 0; t < R; t++)
+#pragma GCC unroll 12
+      for (int r = 0; r < W; r++) out[t * n_out + o + r] = kd_hsum512(acc[t][r]);
+  }
+}
+#define KD_ROWSW512(R)                                                                                            \
+  __attribute__((target(KD_A512))) static void kd_rowsw512_##R(const kd_wsrc *s, const float *x, int64_t ldx,     \
+                                                               float *out, int64_t o0, int64_t o1, int64_t pf) {   \
+    kd_rowsw512(R, s, x, ldx, out, o0, o1, pf);                                                                   \
+  }
+KD_ROWSW512(1) KD_ROWSW512(2)
+
 /* out [T, n_out] = x [T, n_in] . w^T for every T >= 1 (s: the weights). Long rows (more than one k block: K2-sized
  * matrices) copy x once to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would share L1
  * sets); short rows are read in place. Large calls give each thread a contiguous range of panels: an output is one
@@ -1089,10 +1154,13 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
       ((s->w && T <= KD_PR) || (s->w16 && T * s->n_in * (int64_t)sizeof(float) <= KD_ROWS_X_MAX))) {
     const kd_rows512_fn *fn = kd_rows512_fns[s->w ? 0 : 1];
     const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1, end = full * KD_PO; /* a last partial panel: below */
-    if (full > p0 && T <= KD_PR) {
-      fn[T - 1](s, x, ldx, out, p0 * KD_PO, end, end);
-    } else if (full > p0) { /* a panel at a time, 4 rows of x per pass: the first pass streams it, the rest from L2 */
-      for (int64_t o = p0 * KD_PO; o < end; o += KD_PO)
+    /* BF16, 1 or 2 rows: KD_RW weight rows per pass (an odd last panel below) */
+    const int64_t q = s->w16 && T <= 2 && s->n_in != 2048 && full > p0 ? p0 + (full - p0) / 2 * 2 : p0;
+    if (q > p0) (T == 1 ? kd_rowsw512_1 : kd_rowsw512_2)(s, x, ldx, out, p0 * KD_PO, q * KD_PO, end);
+    if (full > q && T <= KD_PR) {
+      fn[T - 1](s, x, ldx, out, q * KD_PO, end, end);
+    } else if (full > q) { /* a panel at a time, 4 rows of x per pass: the first pass streams it, the rest from L2 */
+      for (int64_t o = q * KD_PO; o < end; o += KD_PO)
         for (int64_t t0 = 0; t0 < T; t0 += KD_PR)
           fn[(T - t0 < KD_PR ? T - t0 : KD_PR) - 1](s, x + t0 * ldx, ldx, out + t0 * s->n_out, o, o + KD_PO,
                                                     t0 == 0 ? end : 0);
