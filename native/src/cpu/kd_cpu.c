@@ -1136,6 +1136,59 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_rowsw512(c
   }
 KD_ROWSW512(1) KD_ROWSW512(2)
 
+/* Float32, 5-9 rows of x (R; not 8): three weight rows per pass, each (row of x, weight row) pair's 16 lanes over the
+ * whole row in registers (R x 3 accumulators: 27 at R = 9), x's rows read from L2, each weight row prefetched
+ * KD_ROWS_PF bytes ahead (past its end into the next pass's row). The same FMA sequence per lane as the tiles (the same
+ * bits). Against the k-blocked tiles (4 + 1 .. 4 + 4 + 1 row tiles), alternating in one process: 2048 x 7168, 18432 x
+ * 7168 and 7168 x 2048, 2 threads, T = 5 1.12-1.25x, T = 6-7 1.04-1.13x, T = 9 1.13-1.19x (one thread 1.02x); T = 8
+ * 1.05-1.07x with the memory slow but 0.82-0.89x fast and 0.89x on one thread, so 8 rows (4 + 4, the tiles' best
+ * case) keep the tiles. Whole tiny_wide fp32 forwards (two engines, same weights, logits equal): T = 9 1.02-1.11x,
+ * T = 17 1.04x (experts of 5-7 rows), 1 thread T = 9 1.045x, T = 17 1.035x. Rows [o0, o1): whole passes. */
+__attribute__((target(KD_A512), always_inline)) static inline void kd_rows3w512(const int R, const kd_wsrc *s,
+                                                                             const float *x, int64_t ldx, float *out,
+                                                                             int64_t o0, int64_t o1, int64_t o_pf) {
+  enum { W = 3 };
+  const int64_t n_in = s->n_in, n_out = s->n_out, nc = n_in / 16, rb = n_in * 4;
+  for (int64_t o = o0; o < o1; o += W) {
+    const char *w = (const char *)(s->w + o * n_in);
+    const char *nx = o + W < o_pf ? w + W * rb : NULL;
+    __m512 acc[9][W];
+#pragma GCC unroll 9
+    for (int t = 0; t < R; t++)
+#pragma GCC unroll 3
+      for (int r = 0; r < W; r++) acc[t][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+      const int64_t at = c * 64 + KD_ROWS_PF;
+      if (at < rb || nx) {
+        const char *pf = at < rb ? w + at : nx + (at - rb);
+#pragma GCC unroll 3
+        for (int r = 0; r < W; r++) _mm_prefetch(pf + r * rb, _MM_HINT_T1);
+      }
+      __m512 wv[W];
+#pragma GCC unroll 3
+      for (int r = 0; r < W; r++) wv[r] = _mm512_loadu_ps((const float *)(w + r * rb + c * 64));
+#pragma GCC unroll 9
+      for (int t = 0; t < R; t++) {
+        const __m512 xv = _mm512_loadu_ps(x + t * ldx + 16 * c);
+#pragma GCC unroll 3
+        for (int r = 0; r < W; r++) acc[t][r] = _mm512_fmadd_ps(wv[r], xv, acc[t][r]);
+      }
+    }
+#pragma GCC unroll 9
+    for (int t = 0; t < R; t++)
+#pragma GCC unroll 3
+      for (int r = 0; r < W; r++) out[t * n_out + o + r] = kd_hsum512(acc[t][r]);
+  }
+}
+#define KD_ROWS3W512(R)                                                                                              \
+  __attribute__((target(KD_A512))) static void kd_rows3w512_##R(const kd_wsrc *s, const float *x, int64_t ldx,       \
+                                                              float *out, int64_t o0, int64_t o1, int64_t pf) {     \
+    kd_rows3w512(R, s, x, ldx, out, o0, o1, pf);                                                                    \
+  }
+KD_ROWS3W512(5) KD_ROWS3W512(6) KD_ROWS3W512(7) KD_ROWS3W512(9)
+static const kd_rows512_fn kd_rows3w512_fns[5] = {kd_rows3w512_5, kd_rows3w512_6, kd_rows3w512_7, NULL, kd_rows3w512_9};
+#define KD_ROWS3W_T(T) ((T) >= 5 && (T) <= 9 && (T) != 8)
+
 /* out [T, n_out] = x [T, n_in] . w^T for every T >= 1 (s: the weights). Long rows (more than one k block: K2-sized
  * matrices) copy x once to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would share L1
  * sets); short rows are read in place. Large calls give each thread a contiguous range of panels: an output is one
@@ -1149,15 +1202,19 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
   if ((s->n_in > KD_PKC || s->perm) && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16))))
     return 1;
   int64_t p = p0;
-  /* float32 rows for one row tile, BF16 rows while x fits L2 (whole chunks): kd_rows512 over the full panels */
+  /* float32 rows for one row tile (kd_rows512) or 5-9 rows but 8 (kd_rows3w512), BF16 rows while x fits L2 (whole
+   * chunks): over the full panels */
   if (s->n_in % 16 == 0 &&
-      ((s->w && T <= KD_PR) || (s->w16 && T * s->n_in * (int64_t)sizeof(float) <= KD_ROWS_X_MAX))) {
+      ((s->w && (T <= KD_PR || KD_ROWS3W_T(T))) ||
+       (s->w16 && T * s->n_in * (int64_t)sizeof(float) <= KD_ROWS_X_MAX))) {
     const kd_rows512_fn *fn = kd_rows512_fns[s->w ? 0 : 1];
     const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1, end = full * KD_PO; /* a last partial panel: below */
     /* BF16, 1 or 2 rows: KD_RW weight rows per pass (an odd last panel below) */
     const int64_t q = s->w16 && T <= 2 && s->n_in != 2048 && full > p0 ? p0 + (full - p0) / 2 * 2 : p0;
     if (q > p0) (T == 1 ? kd_rowsw512_1 : kd_rowsw512_2)(s, x, ldx, out, p0 * KD_PO, q * KD_PO, end);
-    if (full > q && T <= KD_PR) {
+    if (full > q && s->w && T > KD_PR) {
+      kd_rows3w512_fns[T - 5](s, x, ldx, out, q * KD_PO, end, end);
+    } else if (full > q && T <= KD_PR) {
       fn[T - 1](s, x, ldx, out, q * KD_PO, end, end);
     } else if (full > q) { /* a panel at a time, 4 rows of x per pass: the first pass streams it, the rest from L2 */
       for (int64_t o = q * KD_PO; o < end; o += KD_PO)
