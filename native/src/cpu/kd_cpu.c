@@ -1078,9 +1078,10 @@ static const kd_rows512_fn kd_rows512_fns[2][KD_PR] = {
  * float32 line's, and with six rows in flight one thread streamed 22-24 GB/s where float32 rows stream 29-31; twelve
  * rows and whole-line loads streamed 26.5-28.7 (C harness, 18432 x 7168, one thread; a plain read 26-30). In the
  * library, one thread, alternating with six-row panels: T = 1 1.05-1.34x and T = 2 1.2-1.25x at n_in 512-18432,
- * except rows of exactly 4 KB (n_in 2048: 0.98x, twelve rows on the same L1 sets at every step: they keep six-row
- * panels); T = 3-4 in six-row whole-line passes gained nothing (twelve rows would not fit the registers). Rows
- * [o0, o1): whole passes (o1 - o0 a multiple of KD_RW, n_in % 16 == 0); o_pf as in kd_rows512. */
+ * except rows of exactly 4 KB (n_in 2048: 0.98x; padding the rows off 4 KB changed nothing in the harness, so not
+ * their L1 sets: they keep six-row panels); T = 3-4 in six-row whole-line passes gained nothing (twelve rows would not
+ * fit the registers). One row with n_in <= KD_ROW1_MAX takes kd_row1_bf16 instead (faster still). Rows [o0, o1):
+ * whole passes (o1 - o0 a multiple of KD_RW, n_in % 16 == 0); o_pf as in kd_rows512. */
 #define KD_RW (2 * KD_PO)
 __attribute__((target(KD_A512), always_inline)) static inline void kd_rowsw512(const int R, const kd_wsrc *s,
                                                                               const float *x, int64_t ldx, float *out,
@@ -1189,6 +1190,34 @@ KD_ROWS3W512(5) KD_ROWS3W512(6) KD_ROWS3W512(7) KD_ROWS3W512(9)
 static const kd_rows512_fn kd_rows3w512_fns[5] = {kd_rows3w512_5, kd_rows3w512_6, kd_rows3w512_7, NULL, kd_rows3w512_9};
 #define KD_ROWS3W_T(T) ((T) >= 5 && (T) <= 9 && (T) != 8)
 
+/* BF16, one row of x whose x fits half of L1 (n_in <= KD_ROW1_MAX): one weight row at a time, a 64-byte line per
+ * step (a 512-bit load widened in its two halves), the stream prefetched KD_ROW1_PF bytes ahead in address order (the
+ * rows are contiguous). Same FMA order per lane as kd_rows512 (the same bits). One accumulator chain (two dependent
+ * multiply-adds per line) keeps up with one core's stream only while x's lines stay in L1: one thread, alternating
+ * with the twelve-row passes / six-row panels, n_in 512-4096 1.03-1.40x (2048, 4 KB rows, 1.24-1.28x; 1024 1.37-1.40x)
+ * but 6144-18432 0.42-0.52x (x's lines evicted by the stream: every x load from L2 on the chain). Rows [o0, o1). */
+#define KD_ROW1_PF 512
+#define KD_ROW1_MAX 4096
+__attribute__((target(KD_A512))) static void kd_row1_bf16(const kd_wsrc *s, const float *x, float *out, int64_t o0,
+                                                          int64_t o1) {
+  const int64_t n_in = s->n_in, nc = n_in / 16;
+  for (int64_t o = o0; o < o1; o++) {
+    const char *w = (const char *)(s->w16 + o * n_in);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t c = 0;
+    for (; c + 2 <= nc; c += 2) {
+      _mm_prefetch(w + c * 32 + KD_ROW1_PF, _MM_HINT_T1);
+      const __m512i v = _mm512_loadu_si512((const void *)(w + c * 32));
+      acc = _mm512_fmadd_ps(kd_bf16x16_512(_mm512_castsi512_si256(v)), _mm512_loadu_ps(x + 16 * c), acc);
+      acc = _mm512_fmadd_ps(kd_bf16x16_512(_mm512_extracti64x4_epi64(v, 1)), _mm512_loadu_ps(x + 16 * c + 16), acc);
+    }
+    if (c < nc) /* an odd last chunk */
+      acc = _mm512_fmadd_ps(kd_bf16x16_512(_mm256_loadu_si256((const __m256i *)(w + c * 32))), _mm512_loadu_ps(x + 16 * c),
+                            acc);
+    out[o] = kd_hsum512(acc);
+  }
+}
+
 /* out [T, n_out] = x [T, n_in] . w^T for every T >= 1 (s: the weights). Long rows (more than one k block: K2-sized
  * matrices) copy x once to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would share L1
  * sets); short rows are read in place. Large calls give each thread a contiguous range of panels: an output is one
@@ -1202,14 +1231,18 @@ __attribute__((target(KD_A512))) static int kd_panels512(const kd_wsrc *s, const
   if ((s->n_in > KD_PKC || s->perm) && !(P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_PO * 16))))
     return 1;
   int64_t p = p0;
+  if (s->w16 && T == 1 && s->n_in % 16 == 0 && s->n_in <= KD_ROW1_MAX) { /* BF16, one row, short rows */
+    kd_row1_bf16(s, x, out, p0 * KD_PO, p1 * KD_PO < s->n_out ? p1 * KD_PO : s->n_out);
+    p = p1;
+  }
   /* float32 rows for one row tile (kd_rows512) or 5-9 rows but 8 (kd_rows3w512), BF16 rows while x fits L2 (whole
    * chunks): over the full panels */
-  if (s->n_in % 16 == 0 &&
+  if (p < p1 && s->n_in % 16 == 0 &&
       ((s->w && (T <= KD_PR || KD_ROWS3W_T(T))) ||
        (s->w16 && T * s->n_in * (int64_t)sizeof(float) <= KD_ROWS_X_MAX))) {
     const kd_rows512_fn *fn = kd_rows512_fns[s->w ? 0 : 1];
     const int64_t full = p1 * KD_PO <= s->n_out ? p1 : p1 - 1, end = full * KD_PO; /* a last partial panel: below */
-    /* BF16, 1 or 2 rows: KD_RW weight rows per pass (an odd last panel below) */
+    /* BF16, 1 (long rows) or 2 rows: KD_RW weight rows per pass (an odd last panel below) */
     const int64_t q = s->w16 && T <= 2 && s->n_in != 2048 && full > p0 ? p0 + (full - p0) / 2 * 2 : p0;
     if (q > p0) (T == 1 ? kd_rowsw512_1 : kd_rowsw512_2)(s, x, ldx, out, p0 * KD_PO, q * KD_PO, end);
     if (full > q && s->w && T > KD_PR) {
