@@ -495,6 +495,28 @@ def test_a_library_of_another_abi_version_is_refused_naming_make_native(tmp_path
         native.load_library("cpu", str(lib))
 
 
+_EXIT_AFTER_PARALLEL = """
+import sys, numpy as np
+from kdtree.backends import native
+lib = native.load_library("cpu")
+lib.set_threads(2)
+w = np.ones((2048, 1024), np.float32); x = np.ones((17, 1024), np.float32)
+for _ in range(3): lib.linear_f32(x, w)
+"""
+
+
+@needs_cpu_library
+def test_a_process_that_ends_right_after_a_parallel_call_exits_0():
+    """The interpreter's exit closes the library (cffi's dlclose) while the OpenMP workers of the last parallel region
+    may still spin in libgomp: unmapped, they died with SIGSEGV in ~1 exit of 5-15 (a failed exit code for every
+    caller: a pipeline stage, a server, a subprocess test). The library is linked -z nodelete: 24 exits, all 0."""
+    codes = []
+    for _ in range(24):
+        r = subprocess.run([sys.executable, "-c", _EXIT_AFTER_PARALLEL], capture_output=True, text=True, timeout=120)
+        codes.append(r.returncode)
+    assert codes.count(0) == len(codes), f"exit codes {codes}: the library was unmapped under its OpenMP workers"
+
+
 @needs_cpu_library
 def test_backend_threads_is_checked_and_set_process_wide(monkeypatch):
     """backend.threads: a bad value is one ConfigError naming it; a good one is what every parallel region of the
