@@ -2045,6 +2045,22 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
 }
 
 /* ---- per-head linear (MLA absorb: q_nope -> latent, latent -> v) -------------------------------------- */
+/* head h of kd_head_linear_f32 for all T rows, output by output (kd_dot_4x1 / kd_dot) */
+static void kd_head_dots(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
+                         int64_t os_h, int64_t T, int64_t h, int64_t n_in, int64_t n_out) {
+  const float *wh = w + h * n_out * n_in;
+  float r[4];
+  for (int64_t t = 0; t < T; t++) {
+    const float *xr = x + t * xs_t + h * xs_h;
+    float *orow = out + t * os_t + h * os_h;
+    int64_t o = 0;
+    for (; o + 4 <= n_out; o += 4) {
+      kd_dot_4x1(wh + o * n_in, n_in, xr, n_in, r);
+      for (int j = 0; j < 4; j++) orow[o + j] = r[j];
+    }
+    for (; o < n_out; o++) orow[o] = kd_dot(wh + o * n_in, xr, n_in);
+  }
+}
 int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream) {
   (void)stream;
@@ -2067,19 +2083,13 @@ int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *
     return KD_OK;
   }
 #endif
-  float r[4];
-  for (int64_t h = 0; h < H; h++) {
-    const float *wh = w + h * n_out * n_in;
-    for (int64_t t = 0; t < T; t++) {
-      const float *xr = x + t * xs_t + h * xs_h;
-      float *orow = out + t * os_t + h * os_h;
-      int64_t o = 0;
-      for (; o + 4 <= n_out; o += 4) {
-        kd_dot_4x1(wh + o * n_in, n_in, xr, n_in, r);
-        for (int j = 0; j < 4; j++) orow[o + j] = r[j];
-      }
-      for (; o < n_out; o++) orow[o] = kd_dot(wh + o * n_in, xr, n_in);
-    }
+  /* one row (a decode step: K2's 64 heads x 512 x 128 float32 weights per call, 16.8 MB streamed) or no AVX2: whole
+   * heads per thread where worth it (an output's dot is the same either way) */
+  if (kd_par_worth(T * H * n_in * n_out, H)) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, out, os_t, os_h, T, h, n_in, n_out);
+  } else {
+    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, out, os_t, os_h, T, h, n_in, n_out);
   }
   return KD_OK;
 }
