@@ -14,6 +14,10 @@ The prompt is tokenized with the project's tokenizer and fed to llama.cpp as ids
 project's), so both engines see the same ids; tokens_equal says whether llama.cpp's greedy tokens equal
 kdtree's AR tokens on every prompt (and the tree's equal AR's: the lossless invariant). Tokens/s = new tokens /
 seconds of the whole call (prefill + decode), summed over the prompts, as in pipeline=bench.
+
+The exports (the model's GGUF, and one per bench_peer.peer_dtypes) are written once into <cache_dir>/gguf and reused by
+later runs while the checkpoint's files, the model/quant config and the GGUF writer are unchanged
+(bench_peer.gguf_cache=false: into the run dir, every run, as before).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 from kdtree.stages.bench import _faster, _run_set, _same_tokens, load_prompts, provenance
 from kdtree.checkpoint.to_gguf import DTYPES, file_dtype
-from kdtree.stages.export_gguf import export
+from kdtree.stages.export_gguf import cached_export, export
 
 SIDE = "host"
 INSTALL = "pip install -e '.[peer]'"
@@ -44,7 +48,9 @@ INSTALL = "pip install -e '.[peer]'"
 
 @dataclass
 class BenchPeerConfig:
-    gguf: str = ""  # an exported GGUF to reuse; empty = export the model into the run dir first
+    gguf: str = ""  # an exported GGUF to reuse; empty = export the model first (see gguf_cache)
+    gguf_cache: bool = True  # exports kept in <cache_dir>/gguf and reused while checkpoint, config and writer hold;
+                             # false = into the run dir, every run
     threads: int = 1  # llama.cpp n_threads and kdtree's OpenMP threads, the same for both
     rounds: int = 3  # llama.cpp, kdtree AR and kdtree tree alternate; the fastest round of each is kept
     # more tree shapes measured in the same alternating rounds, e.g. [ddtree-w4-d7-b6,chain-d7] (kind, then any of
@@ -155,6 +161,12 @@ def _shape_name(t) -> str:
 def run(ctx, conf: BenchPeerConfig) -> dict:
     prompts, max_new_tokens = ctx.cfg.bench.prompts, int(ctx.cfg.bench.max_new_tokens)  # bench's prompt set
     rounds, threads, gguf, trees = conf.rounds, conf.threads, conf.gguf, conf.trees
+
+    def exported(dtype: str = "") -> dict:                      # the model as a GGUF of this type
+        if conf.gguf_cache:
+            return cached_export(ctx, dtype)
+        return export(ctx, str(Path(ctx.run_dir) / f"{ctx.cfg.model.name}-{dtype}.gguf") if dtype else "",
+                      dtype=dtype)
     _llama_cpp()                                                # before any work: the one-line install hint
     for d in conf.peer_dtypes:                                  # before any work too: the key that is wrong
         if str(d).lower() not in DTYPES:
@@ -173,9 +185,9 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         path = Path(gguf).expanduser()
         if not path.is_file():
             raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
-                              f"or leave bench_peer.gguf empty to export into the run dir")
+                              f"or leave bench_peer.gguf empty to export the model")
     else:
-        path = Path(export(ctx)["path"])
+        path = Path(exported()["path"])
     dtype = file_dtype(path).upper()
     texts = load_prompts(prompts)
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
@@ -185,7 +197,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     for d in dict.fromkeys(str(x).lower() for x in conf.peer_dtypes):
         if d == dtype.lower():
             continue
-        summary = export(ctx, str(Path(ctx.run_dir) / f"{cfg.model.name}-{d}.gguf"), dtype=d)
+        summary = exported(d)
         extra[d.upper()] = (summary, open_peer(summary["path"], threads, n_ctx=longest + max_new_tokens + 16,
                                                n_batch=max(longest, 32)))
     shapes = peer_tree_shapes(OmegaConf.merge(cfg, {"bench_peer": {"trees": list(trees)}}))

@@ -13,11 +13,16 @@ with K2's layout (the peer benchmark), not for exporting the real K2.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from kdtree.checkpoint import to_gguf
 from kdtree.checkpoint.loader import load_checkpoint, load_options
 from kdtree.checkpoint.to_gguf import check_dtype, check_exportable, write_gguf
+from kdtree.config.paths import cache_dir
 from kdtree.engine import resolve_checkpoint
 from kdtree.tokenizer import load_tokenizer
 
@@ -58,6 +63,45 @@ def export(ctx, path: str = "", dtype: str = "") -> dict:
     print(f"exported {ckpt} -> {summary['path']} (deepseek2, {dtype.upper()}, {summary['tensors']} tensors, "
           f"{summary['bytes'] / 1e6:.1f} MB)")
     return {**summary, "checkpoint": str(ckpt)}
+
+
+def export_fingerprint(cfg, dtype: str) -> str:
+    """What an export's bytes depend on: the checkpoint's files (relative name, size, mtime), the model and quant
+    config it is read with, the GGUF type, and the writer's source. 16 hex digits."""
+    ckpt = Path(resolve_checkpoint(cfg))
+    h = hashlib.sha256()
+    for f in sorted(p for p in ([ckpt] if ckpt.is_file() else ckpt.rglob("*")) if p.is_file()):
+        st = f.stat()
+        h.update(f"{f.relative_to(ckpt) if f != ckpt else f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    h.update(OmegaConf.to_yaml(cfg.model, resolve=True).encode())
+    h.update(OmegaConf.to_yaml(cfg.quant, resolve=True).encode())
+    h.update(dtype.encode())
+    h.update(Path(to_gguf.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_export(ctx, dtype: str = "") -> dict:
+    """The GGUF of ctx.cfg's model in `dtype` (empty = gguf_dtype(cfg)), exported once into <cache_dir>/gguf and reused
+    while export_fingerprint holds (a K2-shaped export is 1-6 GB: written into every run dir, a day of peer benchmarks
+    filled a 64 GB disk). A new export replaces the model's older ones of the same type. -> export()'s summary,
+    with "reused"."""
+    cfg = ctx.cfg
+    check_exportable(cfg.model)
+    dtype = check_dtype(dtype) if dtype else gguf_dtype(cfg)
+    ckpt = Path(resolve_checkpoint(cfg))
+    root = cache_dir(cfg) / "gguf"
+    stem = f"{cfg.model.name}-{ckpt.name}"
+    path = root / f"{stem}-{export_fingerprint(cfg, dtype)}-{dtype}.gguf"
+    if path.is_file():
+        size = path.stat().st_size
+        ctx.emit("gguf_reused", checkpoint=str(ckpt), path=str(path), bytes=size)
+        print(f"reusing {path} ({dtype.upper()}, {size / 1e6:.1f} MB, exported earlier from {ckpt})")
+        return {"path": str(path), "bytes": size, "dtype": dtype, "checkpoint": str(ckpt), "reused": True}
+    summary = export(ctx, str(path), dtype=dtype)
+    for old in root.glob(f"{stem}-*-{dtype}.gguf"):         # the same model and type, another fingerprint: stale
+        if old != path and len(old.name) == len(path.name):
+            old.unlink(missing_ok=True)
+    return {**summary, "reused": False}
 
 
 def run(ctx, conf: ExportGgufConfig) -> dict:

@@ -234,3 +234,37 @@ def test_bf16_export_keeps_bf16_weights_exactly(compose_cfg, tmp_path):
     assert out["bytes"] < 0.6 * f32["bytes"]
     with pytest.raises(ConfigError, match="export_gguf.dtype=q8 .* use f32 or bf16"):
         _export(compose_cfg("pipeline=export_gguf", "export_gguf.dtype=q8"), tmp_path / "bad")
+
+
+def test_cached_export_is_reused_until_the_checkpoint_changes(compose_cfg, tmp_path):
+    """bench_peer's exports (export_gguf.cached_export): written once into <cache_dir>/gguf, not into each run dir;
+    a later run reuses the file; a checkpoint file that changes makes a new export, and the stale one is removed."""
+    import os
+    import shutil
+
+    ckpt = tmp_path / "cached_export_ckpt"
+    shutil.copytree(resolve_checkpoint(compose_cfg("pipeline=export_gguf")), ckpt)
+    cfg = compose_cfg("pipeline=export_gguf", f"model.path={ckpt}")
+    events = []
+
+    def ctx(run):
+        (tmp_path / run).mkdir()
+        return StageContext(cfg=cfg, run_dir=tmp_path / run, emit=lambda kind, **f: events.append(kind))
+
+    first = export_gguf.cached_export(ctx("run1"))
+    path = Path(first["path"])
+    assert first["reused"] is False and path.is_file() and path.parent.name == "gguf"
+    assert path.name.startswith("tiny-cached_export_ckpt-") and path.name.endswith("-f32.gguf")
+    assert not list((tmp_path / "run1").iterdir())                       # nothing written into the run dir
+    assert len(gguf.GGUFReader(str(path)).tensors) == 70
+    again = export_gguf.cached_export(ctx("run2"))
+    assert again["reused"] is True and again["path"] == first["path"] and again["bytes"] == path.stat().st_size
+    assert events == ["gguf_exported", "gguf_reused"]
+    shard = next(ckpt.glob("model-*.safetensors"))
+    st = shard.stat()
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))          # the checkpoint changed
+    third = export_gguf.cached_export(ctx("run3"))
+    assert third["reused"] is False and third["path"] != first["path"] and Path(third["path"]).is_file()
+    assert not path.exists()                                              # the stale export is gone
+    assert export_gguf.cached_export(ctx("run4"), "bf16")["path"].endswith("-bf16.gguf")
+    assert Path(third["path"]).is_file()                                  # another type: the f32 one stays

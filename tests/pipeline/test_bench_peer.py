@@ -90,8 +90,13 @@ def test_llama_cpp_on_the_bf16_export(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     (out,) = list((tmp_path / "runs").rglob("bench_peer.json"))
     res = json.loads(out.read_text())
-    assert res["gguf_dtype"] == "BF16" and res["gguf"].endswith("tiny-bf16.gguf") and "| llama.cpp BF16 AR" in r.stdout
+    assert res["gguf_dtype"] == "BF16" and res["gguf"].endswith("-bf16.gguf") and "| llama.cpp BF16 AR" in r.stdout
     assert res["outputs_equal_ar"] is True and 0 < res["prompt_logits_max_abs_diff"] < 0.2
+    # the export sits in the cache, not in the run dir, and the next run reuses it
+    assert Path(res["gguf"]).parent == tmp_path / "cache" / "gguf" and not list((tmp_path / "runs").rglob("*.gguf"))
+    r = _run(tmp_path, "backend=cpu", "quant=bf16", "tree=ar", "bench.max_new_tokens=4", "bench_peer.rounds=1")
+    assert r.returncode == 0 and f"reusing {res['gguf']}" in r.stdout, r.stderr[-2000:]
+    assert len(list((tmp_path / "cache" / "gguf").glob("*.gguf"))) == 1
 
 
 def test_an_unknown_peer_dtype_names_the_key(tmp_path):
