@@ -90,7 +90,7 @@ def cached_export(ctx, dtype: str = "") -> dict:
     dtype = check_dtype(dtype) if dtype else gguf_dtype(cfg)
     ckpt = Path(resolve_checkpoint(cfg))
     root = cache_dir(cfg) / "gguf"
-    stem = f"{cfg.model.name}-{ckpt.name}"
+    stem = ckpt.name if ckpt.name.startswith(f"{cfg.model.name}-") else f"{cfg.model.name}-{ckpt.name}"
     path = root / f"{stem}-{export_fingerprint(cfg, dtype)}-{dtype}.gguf"
     if path.is_file():
         size = path.stat().st_size
