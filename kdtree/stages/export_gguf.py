@@ -83,8 +83,8 @@ def export_fingerprint(cfg, dtype: str) -> str:
 def cached_export(ctx, dtype: str = "") -> dict:
     """The GGUF of ctx.cfg's model in `dtype` (empty = gguf_dtype(cfg)), exported once into <cache_dir>/gguf and reused
     while export_fingerprint holds (a K2-shaped export is 1-6 GB: written into every run dir, a day of peer benchmarks
-    filled a 64 GB disk). A new export replaces the model's older ones of the same type. -> export()'s summary,
-    with "reused"."""
+    filled the disk). A new export replaces the model's older ones of the same type. -> export()'s summary, with
+    "reused"."""
     cfg = ctx.cfg
     check_exportable(cfg.model)
     dtype = check_dtype(dtype) if dtype else gguf_dtype(cfg)
