@@ -43,9 +43,10 @@ def PORT(cfg) -> int:            # recorded in the engine registry: `pipeline=st
 
 
 def _gguf(ctx) -> str:
-    """engine=llamacpp without engine.gguf: the model exported into the run dir first (pipeline=export_gguf's)."""
-    from kdtree.stages.export_gguf import export
-    return export(ctx)["path"]
+    """engine=llamacpp without engine.gguf: the model's GGUF, exported once into <cache_dir>/gguf and reused while
+    the checkpoint, its config and the writer hold (export_gguf.cached_export; a K2-shaped export is 1-6 GB)."""
+    from kdtree.stages.export_gguf import cached_export
+    return cached_export(ctx)["path"]
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = TERM_GRACE_S) -> int:

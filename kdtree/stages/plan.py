@@ -485,7 +485,7 @@ def engine_command(cfg) -> str:
     from kdtree.engines import command_line, printable
     c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     if c.engine.name == "llamacpp" and not c.engine.gguf:
-        c.engine.gguf = "<run_dir>/" + f"{c.model.name}-f32.gguf"
+        c.engine.gguf = f"<cache_dir>/gguf/{c.model.name}-<checkpoint>-<fingerprint>-f32.gguf"
     if not c.model.path:
         c.model.path = str(_checkpoint_dir(cfg) or "<embedded checkpoint>")
     key = api_key(c.serve)

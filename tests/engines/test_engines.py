@@ -112,8 +112,9 @@ def test_sglang_shaped_stand_in_is_launched_watched_and_stopped(kdtree_cache, tm
 
 
 def test_llamacpp_serves_the_exported_gguf_and_stops(kdtree_cache, tmp_path):
-    """engine=llamacpp (the peer extra): the launch stage exports the tiny model's GGUF into the run dir, starts
-    llama.cpp's OpenAI server on it, health_poll watches it to READY, pipeline=stop ends it."""
+    """engine=llamacpp (the peer extra): the launch stage exports the tiny model's GGUF into <cache_dir>/gguf (once:
+    reused by later launches), starts llama.cpp's OpenAI server on it, health_poll watches it to READY, pipeline=stop
+    ends it."""
     pytest.importorskip("llama_cpp.server.app",
                         reason="llama-cpp-python[server] not installed (pip install -e '.[peer]')")
     port = free_port()
@@ -121,7 +122,8 @@ def test_llamacpp_serves_the_exported_gguf_and_stops(kdtree_cache, tmp_path):
     r = kdtree_run([f"serve.port={port}", "engine=llamacpp", "tree=ar", "serve.detach=true", "health.interval_s=0.5",
                     f"hydra.run.dir={run_dir}"], kdtree_cache, tmp_path, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "READY: completion answered" in r.stdout and list(run_dir.glob("*.gguf"))
+    assert "READY: completion answered" in r.stdout and list((kdtree_cache / "gguf").glob("tiny-*-f32.gguf"))
+    assert not list(run_dir.glob("*.gguf"))
     stop_by_port(run_dir, port, kdtree_cache, tmp_path)
 
 
