@@ -1144,7 +1144,10 @@ KD_ROWSW512(1) KD_ROWSW512(2)
  * 7168 and 7168 x 2048, 2 threads, T = 5 1.12-1.25x, T = 6-7 1.04-1.13x, T = 9 1.13-1.19x (one thread 1.02x); T = 8
  * 1.05-1.07x with the memory slow but 0.82-0.89x fast and 0.89x on one thread, so 8 rows (4 + 4, the tiles' best
  * case) keep the tiles. Whole tiny_wide fp32 forwards (two engines, same weights, logits equal): T = 9 1.02-1.11x,
- * T = 17 1.04x (experts of 5-7 rows), 1 thread T = 9 1.045x, T = 17 1.035x. Rows [o0, o1): whole passes. */
+ * T = 17 1.04x (experts of 5-7 rows), 1 thread T = 9 1.045x, T = 17 1.035x. Rows [o0, o1): whole passes.
+ * A near-copy of kd_rows512 on purpose: kd_rows512 with a weight-rows parameter (and its o_pf > o test, which the
+ * BF16 passes need) ran T = 9 at 0.93-0.96x of this loop (2048 x 7168 and 7168 x 2048, 2 threads, alternating), and
+ * only the form without that test kept pace. */
 __attribute__((target(KD_A512), always_inline)) static inline void kd_rows3w512(const int R, const kd_wsrc *s,
                                                                              const float *x, int64_t ldx, float *out,
                                                                              int64_t o0, int64_t o1, int64_t o_pf) {
