@@ -52,8 +52,8 @@ LIBRARY_CLOCK = LibraryClock()
 def keeps_bf16(ops: Any) -> bool:
     """Whether these ops' target takes BF16 tensors as they are stored (load_checkpoint(bf16=True)): backend=cpu's
     native forward widens BF16 weights exactly in its kernels (kd_linear_bf16: the float32 path's bits), so they
-    stay uint16 in memory, half the bytes held and streamed per token (W_uk / W_uv, the router and the norms are
-    still widened copies: small). backend=numpy (the reference) and
+    stay uint16 in memory, half the bytes held and streamed per token (W_uk / W_uv too: kv_b_proj's BF16 bits split
+    per head; the router and the norms are still widened copies: small). backend=numpy (the reference) and
     backend=cuda (which keeps exact-BF16 float32 tensors as BF16 on the device at upload) load them widened."""
     lib = getattr(ops, "lib", None)
     # the drafter shares the target's embed / lm_head: both must be native (backend.drafter_forward=per_op runs the
@@ -212,8 +212,12 @@ class NativeTarget:
             reg.weight(ly.q_b, w(f"{a}.q_b_proj.weight"), f"{a}.q_b_proj")
             reg.weight(ly.kv_a, w(f"{a}.kv_a_proj_with_mqa.weight"), f"{a}.kv_a_proj_with_mqa")
             ly.kv_a_norm = reg.vec(w(f"{a}.kv_a_layernorm.weight"))
-            heads, w_uk, w_uv = split_kv_b(cfg, w, i)
-            ly.w_uk_t, ly.w_uv = reg.ptr(transposed_w_uk(w_uk)), reg.ptr(w_uv)
+            heads, w_uk, w_uv = split_kv_b(cfg, w, i, keep_bf16=True)   # BF16 as the loader kept it
+            if is_bf16(w_uk):
+                ly.w_uk_t_bf16 = reg.ptr(transposed_w_uk(w_uk), "uint16_t[]")
+                ly.w_uv_bf16 = reg.ptr(w_uv, "uint16_t[]")
+            else:
+                ly.w_uk_t, ly.w_uv = reg.ptr(transposed_w_uk(w_uk)), reg.ptr(w_uv)
             for key, arr in ((f"{a}.w_uk", reg.keep[-4]), (f"{a}.w_uv", reg.keep[-2])):
                 reg.bytes[key] = (int(arr.nbytes), int(arr.size))
             reg.weight(ly.o, w(f"{a}.o_proj.weight"), f"{a}.o_proj")

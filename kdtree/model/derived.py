@@ -71,12 +71,16 @@ def attn_heads(cfg, q_b: Any) -> int:
     return int(q_b.shape[0]) // (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
 
 
-def split_kv_b(cfg, w: Callable[[str], Any], layer: int) -> Tuple[int, np.ndarray, np.ndarray]:
-    """kv_b_proj of `layer` split per head for the absorbed form -> (heads, W_uk f32[H, nope, L], W_uv f32[H, v, L])."""
+def split_kv_b(cfg, w: Callable[[str], Any], layer: int,
+               keep_bf16: bool = False) -> Tuple[int, np.ndarray, np.ndarray]:
+    """kv_b_proj of `layer` split per head for the absorbed form -> (heads, W_uk f32[H, nope, L], W_uv f32[H, v, L]);
+    keep_bf16: a kv_b_proj the loader kept as BF16 bits stays so (u16, the same layout: the native forward widens it
+    exactly in its kernels)."""
     nope, v, L = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     p = f"model.layers.{layer}.self_attn"
     heads = attn_heads(cfg, w(f"{p}.q_b_proj.weight"))
-    kv_b = dense(w(f"{p}.kv_b_proj.weight"), f"{p}.kv_b_proj.weight").reshape(heads, nope + v, L)
+    raw = w(f"{p}.kv_b_proj.weight")
+    kv_b = (raw if keep_bf16 and is_bf16(raw) else dense(raw, f"{p}.kv_b_proj.weight")).reshape(heads, nope + v, L)
     w_uk = np.ascontiguousarray(kv_b[:, :nope, :])   # [H, nope, L]
     w_uv = np.ascontiguousarray(kv_b[:, nope:, :])   # [H, v, L]
     return heads, w_uk, w_uv

@@ -158,11 +158,16 @@ def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_r
     return {"read_bytes": read, "mapped_bytes": mapped, "copied_bytes": copied}
 
 
-def _model_copies(model, layout, tp: int) -> float:
-    """Bytes K2Model builds at construction beside the loaded tensors (float32): W_uk/W_uv per layer (kv_b_proj
-    split per head, this rank's heads) and the router gate of every MoE layer."""
+def _model_copies(model, layout, tp: int, keep_bf16: bool = False) -> float:
+    """Bytes the target builds at construction beside the loaded tensors: W_uk/W_uv per layer (kv_b_proj split per
+    head, this rank's heads: float32, or BF16 where the loader keeps a BF16 kv_b_proj as stored -- keep_bf16,
+    backend=cpu's native forward) and the router gate of every MoE layer (float32)."""
     heads = model.num_attention_heads // tp
-    per_layer = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * 4
+    elements = model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+    stored = next((nbytes / elements for name, _, nbytes in layout if name.endswith(".self_attn.kv_b_proj.weight")),
+                  4)
+    per_layer = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * (
+        2 if keep_bf16 and stored == 2 else 4)
     moe_layers = sum(1 for name, _, _ in layout if name.endswith(".mlp.gate.weight"))
     return model.num_hidden_layers * per_layer + moe_layers * model.n_routed_experts * model.hidden_size * 4
 
@@ -354,7 +359,7 @@ def make_plan(cfg, disk_mb_s=(2000.0, 240.0), float_dtype: str = "auto", shard_g
     unpacked = 0
     if backend == "numpy":   # the numpy reference's cache of unpacked INT4 weights, at most its limit
         unpacked = min(int4.UNPACKED.limit, _int4_unpacked(layout, tp))
-    copies = _model_copies(model, layout, tp)
+    copies = _model_copies(model, layout, tp, keep_bf16)
     ranks = []
     for r in range(tp):
         if ckpt is not None:   # the loader's own plan: same slices, same span merging, nothing read

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define KD_ABI_VERSION 16  /* bump with every change of this header (an op added, a signature changed) */
+#define KD_ABI_VERSION 17  /* bump with every change of this header (an op added, a signature changed) */
 
 #define KD_OK 0
 #define KD_EINVAL -1   /* bad argument (shape, size, NULL pointer) */
@@ -157,6 +157,10 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
  * (strides in floats; each row's n_in / n_out elements contiguous); w [H, n_out, n_in]. */
 int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
+/* kd_head_linear_f32 over BF16 weights (uint16 bits, widened exactly): the same bits as kd_head_linear_f32 over the
+ * widened values, half the bytes streamed (K2's kv_b_proj is BF16). */
+int kd_head_linear_bf16(const float *x, int64_t xs_t, int64_t xs_h, const uint16_t *w, float *out, int64_t os_t,
+                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream);
 
 /* ---- whole-model forward (cpu: src/cpu/kd_forward.c; cuda: src/cuda/kd_forward.cu) -------------------------
  * A model is registered once: the caller fills descriptors with pointers into its loaded arrays (which it keeps
@@ -198,8 +202,10 @@ typedef struct {
   kd_weight q_b;                      /* [H*(nope+R), q_lora] */
   kd_weight kv_a;                     /* [L+R, D] */
   const float *kv_a_norm;             /* [L] */
-  const float *w_uk_t;                /* [H, L, nope]: q_nope -> latent (absorbed) */
-  const float *w_uv;                  /* [H, v, L]: latent -> v (absorbed) */
+  const float *w_uk_t;                /* [H, L, nope]: q_nope -> latent (absorbed), or NULL when w_uk_t_bf16 is set */
+  const float *w_uv;                  /* [H, v, L]: latent -> v (absorbed), or NULL when w_uv_bf16 is set */
+  const uint16_t *w_uk_t_bf16;        /* the same as BF16 bits (kv_b_proj as stored; kd_head_linear_bf16), or NULL */
+  const uint16_t *w_uv_bf16;          /* exactly one of w_uk_t / w_uk_t_bf16 and of w_uv / w_uv_bf16 is set */
   kd_weight o;                        /* [D, H*v] */
   int64_t heads;                      /* local heads (tensor parallel splits heads) */
   int32_t is_moe;

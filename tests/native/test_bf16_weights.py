@@ -77,6 +77,54 @@ def test_linear_bf16_portable_path():
     assert digests[0] == digests[1]
 
 
+# ---- the absorbed MLA's per-head linears (kv_b_proj is BF16 in K2.6) ----------------------------------------
+
+_HEAD_CASE = ("import numpy as np, sys; from kdtree.backends import native; from kdtree.bf16 import bf16_to_f32, "
+              "f32_to_bf16\n"
+              "lib = native.load_library('cpu'); ffi = lib.ffi; rng = np.random.default_rng(5); out = []\n"
+              "def call(fn, x, w, T, H, n_in, n_out, pad):\n"
+              "  o = np.zeros((T, H, n_out + pad), np.float32)\n"
+              "  p = lambda a, t='float *': ffi.cast(t, a.ctypes.data)\n"
+              "  lib.check(getattr(lib.c, fn)(p(x), H * (n_in + pad), n_in + pad, p(w, 'float *' if w.dtype == "
+              "np.float32 else 'uint16_t *'), p(o), H * (n_out + pad), n_out + pad, T, H, n_in, n_out, ffi.NULL), fn)\n"
+              "  return o\n"
+              "for H, n_in, n_out in [(3, 20, 12), (4, 128, 33), (2, 512, 7), (2, 1030, 5)]:\n"
+              "  w16 = f32_to_bf16(rng.standard_normal((H, n_out, n_in), dtype=np.float32))\n"
+              "  w16[..., ::11] = 0x8000; w16[..., 3::13] = 0x0001\n"
+              "  w32 = np.ascontiguousarray(bf16_to_f32(w16))\n"
+              "  for T in (1, 2, 5, 17):\n"
+              "    x = rng.standard_normal((T, H, n_in + 3), dtype=np.float32)\n"
+              "    a = call('kd_head_linear_bf16', x, w16, T, H, n_in, n_out, 2)\n"
+              "    b = call('kd_head_linear_f32', x, w32, T, H, n_in, n_out, 2)\n"
+              "    assert np.array_equal(a, b), (H, n_in, n_out, T); assert (a[..., n_out:] == 0).all()\n"
+              "    out.append(a.tobytes())\n"
+              "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n")
+
+
+def test_head_linear_bf16_equals_f32_on_widened_avx2_and_portable():
+    """kd_head_linear_bf16 (W_uk^T / W_uv kept as kv_b_proj's BF16 bits) gives kd_head_linear_f32's bits on the
+    widened weights -- strided rows, T = 1 (the streamed dots) and T >= 2 (the register tiles; n_in > 1024: the
+    dots again), the padding untouched -- on the AVX2 path and the portable one (KDTREE_CPU_GENERIC=1), and both
+    paths agree."""
+    env, digests = dict(os.environ), []
+    for generic in ("1", "0"):
+        env["KDTREE_CPU_GENERIC"] = generic
+        r = subprocess.run([sys.executable, "-c", _HEAD_CASE], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        digests.append(r.stdout)
+    assert digests[0] == digests[1] and len(digests[0]) == 64
+
+
+def test_head_linear_bf16_rejects_a_null_weight():
+    lib = native.load_library("cpu")
+    ffi = lib.ffi
+    x, o = np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 3), np.float32)
+    rc = lib.c.kd_head_linear_bf16(ffi.cast("float *", x.ctypes.data), 8, 4, ffi.NULL, ffi.cast("float *", o.ctypes.data),
+                                   6, 3, 1, 2, 4, 3, ffi.NULL)
+    with pytest.raises(native.NativeError, match="kd_head_linear_bf16: w is NULL"):
+        lib.check(rc, "kd_head_linear_bf16")
+
+
 # ---- the whole native forward over BF16 weights --------------------------------------------------------------
 
 def _bf16_pair(weights):
@@ -104,6 +152,10 @@ def test_native_forward_of_bf16_weights_is_bit_identical_to_widened(tiny_cfg, ti
     assert a.embed_tokens.dtype == np.uint16 and a._desc.embed_bf16 != native.load_library("cpu").ffi.NULL
     assert a._desc.lm_head.bf16 != native.load_library("cpu").ffi.NULL and a._desc.lm_head.f32 == \
         native.load_library("cpu").ffi.NULL
+    ffi = native.load_library("cpu").ffi
+    for ly in (a._desc.layers[i] for i in range(tiny_cfg.num_hidden_layers)):   # the absorbed MLA as BF16 too
+        assert ly.w_uk_t_bf16 != ffi.NULL and ly.w_uv_bf16 != ffi.NULL and ly.w_uk_t == ffi.NULL and ly.w_uv == ffi.NULL
+    assert b._desc.layers[0].w_uk_t != ffi.NULL and b._desc.layers[0].w_uk_t_bf16 == ffi.NULL
     (oa, ca), (ob, cb) = _steps(a), _steps(b)
     for step, ((la, ha), (lb, hb)) in enumerate(zip(oa, ob)):
         np.testing.assert_array_equal(la, lb, err_msg=f"logits of step {step}")

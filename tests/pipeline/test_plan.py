@@ -200,3 +200,24 @@ def test_prefix_cache_pages_and_bytes_per_token_at_k26_dims(compose_cfg):
     assert "prefix cache         up to 4096 tokens (256 pages) of the pool" in out
     ar = make_plan(compose_cfg("model=k26", "tree=ar", "serve.prefix_cache=false"))["prefix_cache"]
     assert ar["drafter_hidden_bytes_per_token"] == 0 and not ar["enabled"] and "device_fit" not in ar
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp32"])
+def test_model_copies_are_what_the_native_target_builds(compose_cfg, quant):
+    """backend=cpu keeps a BF16 kv_b_proj as stored, so its absorbed halves W_uk^T / W_uv are BF16 too: the plan's
+    model_copies_bytes (W_uk/W_uv + router gates) is what NativeTarget really holds beside the loaded tensors."""
+    from kdtree.engine import Engine
+    from tests.native_lib import CPU_ERROR, CPU_SKIPPED
+    if CPU_SKIPPED:
+        pytest.skip(f"libkdtree_cpu.so not usable ({CPU_ERROR})")
+    cfg = compose_cfg(f"quant={quant}", "backend=cpu", "tree=ar")
+    engine = Engine.from_config(cfg)
+    try:
+        held = engine.model.weight_bytes()
+    finally:
+        engine.close()
+    built = sum(b for name, (b, _) in held.items() if name.endswith((".w_uk", ".w_uv", ".mlp.gate")))
+    absorbed = sum(b for name, (b, n) in held.items() if name.endswith((".w_uk", ".w_uv")))
+    elements = sum(n for name, (b, n) in held.items() if name.endswith((".w_uk", ".w_uv")))
+    assert absorbed == elements * (2 if quant == "bf16" else 4)
+    assert make_plan(cfg)["ranks"][0]["model_copies_bytes"] == built

@@ -2048,51 +2048,110 @@ int kd_moe_f32(const float *x, const int32_t *experts, const float *weights, con
 }
 
 /* ---- per-head linear (MLA absorb: q_nope -> latent, latent -> v) -------------------------------------- */
-/* head h of kd_head_linear_f32 for all T rows, output by output (kd_dot_4x1 / kd_dot) */
-static void kd_head_dots(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
-                         int64_t os_h, int64_t T, int64_t h, int64_t n_in, int64_t n_out) {
-  const float *wh = w + h * n_out * n_in;
+/* one weight row of kd_head_linear against one row of x: float32 w, or BF16 w16 (the same fused multiply-adds on the
+ * widened values: kd_dot_f32's lanes, so kd_head_linear_bf16 gives kd_head_linear_f32's bits) */
+static float kd_head_dot(const float *w, const uint16_t *w16, const float *x, int64_t n) {
+  if (!w16) return kd_dot(w, x, n);
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kd_host_avx2()) return kd_dot_bf16_avx2(w16, x, n);
+#endif
+  float acc[KD_LANES] = {0};
+  for (int64_t k = 0; k < n; k++) {
+    uint32_t b = (uint32_t)w16[k] << 16;
+    float wk;
+    memcpy(&wk, &b, 4);
+    acc[k % KD_LANES] = fmaf(wk, x[k], acc[k % KD_LANES]);
+  }
+  return kd_lanes_sum(acc);
+}
+
+/* head h of kd_head_linear for all T rows, output by output (kd_dot_4x1 / kd_dot, or their BF16 forms) */
+static void kd_head_dots(const float *x, int64_t xs_t, int64_t xs_h, const float *w, const uint16_t *w16, float *out,
+                         int64_t os_t, int64_t os_h, int64_t T, int64_t h, int64_t n_in, int64_t n_out) {
+  const float *wh = w ? w + h * n_out * n_in : NULL;
+  const uint16_t *wh16 = w16 ? w16 + h * n_out * n_in : NULL;
   float r[4];
   for (int64_t t = 0; t < T; t++) {
     const float *xr = x + t * xs_t + h * xs_h;
     float *orow = out + t * os_t + h * os_h;
     int64_t o = 0;
-    for (; o + 4 <= n_out; o += 4) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    for (; wh16 && kd_host_avx2() && o + 4 <= n_out; o += 4) {
+      kd_dot_4x1_bf16_avx2(wh16 + o * n_in, n_in, xr, n_in, r);
+      for (int j = 0; j < 4; j++) orow[o + j] = r[j];
+    }
+#endif
+    for (; wh && o + 4 <= n_out; o += 4) {
       kd_dot_4x1(wh + o * n_in, n_in, xr, n_in, r);
       for (int j = 0; j < 4; j++) orow[o + j] = r[j];
     }
-    for (; o < n_out; o++) orow[o] = kd_dot(wh + o * n_in, xr, n_in);
+    for (; o < n_out; o++) orow[o] = kd_head_dot(wh ? wh + o * n_in : NULL, wh16 ? wh16 + o * n_in : NULL, xr, n_in);
   }
 }
-int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
-                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream) {
-  (void)stream;
-  kd_clear_error();
-  if (T < 0 || H < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_head_linear_f32: negative size");
-  if (T == 0 || H == 0 || n_out == 0) return KD_OK;
-  KD_CHECK_PTR("kd_head_linear_f32", x);
-  KD_CHECK_PTR("kd_head_linear_f32", w);
-  KD_CHECK_PTR("kd_head_linear_f32", out);
+
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (T >= 2 && n_in <= KD_KC && kd_host_avx2()) { /* the same dots as below, in register tiles over the rows */
-    if (kd_par_worth(T * H * n_in * n_out, H)) { /* whole heads per thread */
+/* head h of kd_head_linear for T >= 2 rows, n_in <= KD_KC: the direct register tiles over the rows (float32 rows read
+ * in place; BF16 rows widened three at a time into L1, as kd_bf16_direct_col) */
+__attribute__((target("avx2,fma"))) static void kd_head_direct(const float *x, int64_t xs_t, int64_t xs_h,
+                                                             const float *w, const uint16_t *w16, float *out,
+                                                             int64_t os_t, int64_t os_h, int64_t T, int64_t h,
+                                                             int64_t n_in, int64_t n_out) {
+  const float *xh = x + h * xs_h;
+  float *oh = out + h * os_h;
+  if (w) {
+    kd_linear_direct(xh, xs_t, w + h * n_out * n_in, n_in, oh, os_t, T, n_in, n_out);
+    return;
+  }
+  float wb[3 * KD_KC] __attribute__((aligned(64)));
+  for (int64_t o = 0; o < n_out; o += 3) {
+    int O = n_out - o < 3 ? (int)(n_out - o) : 3;
+    for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w16 + (h * n_out + o + i) * n_in, wb + i * KD_KC, n_in);
+    kd_linear_direct(xh, xs_t, wb, KD_KC, oh + o, os_t, T, n_in, O);
+  }
+}
+#endif
+
+/* kd_head_linear_f32 (w) / kd_head_linear_bf16 (w16): whole heads per thread where worth it (an output's dot is the
+ * same either way). One row (a decode step: K2's 64 heads x 512 x 128 weights per call, 16.8 MB float32, 8.4 MB
+ * BF16) streams each head's rows; T >= 2 short rows run the register tiles. */
+static int kd_head_linear(const char *op, const float *x, int64_t xs_t, int64_t xs_h, const float *w,
+                          const uint16_t *w16, float *out, int64_t os_t, int64_t os_h, int64_t T, int64_t H,
+                          int64_t n_in, int64_t n_out) {
+  kd_clear_error();
+  if (T < 0 || H < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "%s: negative size", op);
+  if (T == 0 || H == 0 || n_out == 0) return KD_OK;
+  KD_CHECK_PTR(op, x);
+  if (!w && !w16) return kd_fail(KD_EINVAL, "%s: w is NULL", op);
+  KD_CHECK_PTR(op, out);
+  const int par = kd_par_worth(T * H * n_in * n_out, H);
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (T >= 2 && n_in <= KD_KC && kd_host_avx2()) {
+    if (par) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-      for (int64_t h = 0; h < H; h++)
-        kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
-      return KD_OK;
+      for (int64_t h = 0; h < H; h++) kd_head_direct(x, xs_t, xs_h, w, w16, out, os_t, os_h, T, h, n_in, n_out);
+    } else {
+      for (int64_t h = 0; h < H; h++) kd_head_direct(x, xs_t, xs_h, w, w16, out, os_t, os_h, T, h, n_in, n_out);
     }
-    for (int64_t h = 0; h < H; h++)
-      kd_linear_direct(x + h * xs_h, xs_t, w + h * n_out * n_in, n_in, out + h * os_h, os_t, T, n_in, n_out);
     return KD_OK;
   }
 #endif
-  /* one row (a decode step: K2's 64 heads x 512 x 128 float32 weights per call, 16.8 MB streamed) or no AVX2: whole
-   * heads per thread where worth it (an output's dot is the same either way) */
-  if (kd_par_worth(T * H * n_in * n_out, H)) {
+  if (par) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, out, os_t, os_h, T, h, n_in, n_out);
+    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, w16, out, os_t, os_h, T, h, n_in, n_out);
   } else {
-    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, out, os_t, os_h, T, h, n_in, n_out);
+    for (int64_t h = 0; h < H; h++) kd_head_dots(x, xs_t, xs_h, w, w16, out, os_t, os_h, T, h, n_in, n_out);
   }
   return KD_OK;
+}
+
+int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out, int64_t os_t,
+                       int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream) {
+  (void)stream;
+  return kd_head_linear("kd_head_linear_f32", x, xs_t, xs_h, w, NULL, out, os_t, os_h, T, H, n_in, n_out);
+}
+
+int kd_head_linear_bf16(const float *x, int64_t xs_t, int64_t xs_h, const uint16_t *w, float *out, int64_t os_t,
+                        int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out, void *stream) {
+  (void)stream;
+  return kd_head_linear("kd_head_linear_bf16", x, xs_t, xs_h, NULL, w, out, os_t, os_h, T, H, n_in, n_out);
 }

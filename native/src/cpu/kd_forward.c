@@ -145,8 +145,8 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   for (int64_t i = 0; i < d->n_layers; i++) {
     kd_layer *ly = &m->layers[i];
     int64_t H = ly->heads, ql = ly->q_a.n_out;
-    int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm && ly->w_uk_t &&
-             ly->w_uv && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
+    int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm &&
+             !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
              kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
     if (ok && ly->is_moe) {
       ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
@@ -594,9 +594,13 @@ int kd_model_forward(kd_model *m, const kd_forward_args *a) {
         kd_rope_interleaved(dst, cs + r * R, half);
       }
     /* q_full[:, :, :L] = W_uk[h]^T q_nope[h] */
-    KD_TRY(kd_head_linear_f32(q, H * qw, qw, ly->w_uk_t, qf, H * E, E, N, H, nope, L, NULL));
+    KD_TRY(ly->w_uk_t ? kd_head_linear_f32(q, H * qw, qw, ly->w_uk_t, qf, H * E, E, N, H, nope, L, NULL)
+                      : kd_head_linear_bf16(q, H * qw, qw, ly->w_uk_t_bf16, qf, H * E, E, N, H, nope, L, NULL));
     KD_TRY(kd_attention_rows(m, a, li, H, qf, olat));
-    KD_TRY(kd_head_linear_f32(olat, H * L, L, ly->w_uv, o, H * d->v_head, d->v_head, N, H, L, d->v_head, NULL));
+    KD_TRY(ly->w_uv ? kd_head_linear_f32(olat, H * L, L, ly->w_uv, o, H * d->v_head, d->v_head, N, H, L, d->v_head,
+                                         NULL)
+                    : kd_head_linear_bf16(olat, H * L, L, ly->w_uv_bf16, o, H * d->v_head, d->v_head, N, H, L,
+                                          d->v_head, NULL));
     KD_TRY(kd_lin(&ly->o, o, t, N));
     KD_TRY(kd_reduce(m, t, N * D));
     for (int64_t i = 0; i < N * D; i++) h[i] = h[i] + t[i];

@@ -510,35 +510,52 @@ extern "C" int kd_moe_f32(const float *x, const int32_t *experts, const float *w
   return rc;
 }
 
-/* ---- per-head linear: one warp per output (t, h, o), kd_linear_f32_kernel's lane order ----------------- */
+/* ---- per-head linear: one warp per output (t, h, o), kd_linear_f32_kernel's lane order; float32 or BF16 weights
+ * (widened exactly at the load: the same bits) ------------------------------------------------------------- */
+template <typename Wt>
 __global__ void kd_head_linear_kernel(const float *__restrict__ x, int64_t xs_t, int64_t xs_h,
-                                      const float *__restrict__ w, float *__restrict__ out, int64_t os_t,
+                                      const Wt *__restrict__ w, float *__restrict__ out, int64_t os_t,
                                       int64_t os_h, int64_t H, int64_t n_in, int64_t n_out) {
   int lane = threadIdx.x & 31;
   int64_t o = (int64_t)blockIdx.x * KD_WARPS + (threadIdx.x >> 5), th = blockIdx.y;
   if (o >= n_out) return;
   int64_t t = th / H, h = th % H;
-  const float *wr = w + (h * n_out + o) * n_in, *xr = x + t * xs_t + h * xs_h;
+  const Wt *wr = w + (h * n_out + o) * n_in;
+  const float *xr = x + t * xs_t + h * xs_h;
   float acc = 0.0f;
   for (int64_t k0 = 4 * lane; k0 < n_in; k0 += 128)
-    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += wr[k0 + j] * xr[k0 + j];
+    for (int j = 0; j < 4 && k0 + j < n_in; j++) acc += kd_load(wr + k0 + j) * xr[k0 + j];
   acc = kd_warp_sum(acc);
   if (lane == 0) out[t * os_t + h * os_h + o] = acc;
+}
+
+template <typename Wt>
+static int kd_head_linear_launch(const char *op, const float *x, int64_t xs_t, int64_t xs_h, const Wt *w, float *out,
+                                 int64_t os_t, int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out,
+                                 void *stream) {
+  int rc = kd_need_device(op);
+  if (rc) return rc;
+  if (T < 0 || H < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "%s: negative size", op);
+  if (T == 0 || H == 0 || n_out == 0) return KD_OK;
+  if (T * H > 65535) return kd_fail(KD_EINVAL, "%s: T*H=%lld > 65535", op, (long long)(T * H));
+  KD_CHECK_PTR(op, x);
+  KD_CHECK_PTR(op, w);
+  KD_CHECK_PTR(op, out);
+  dim3 grid((unsigned)((n_out + KD_WARPS - 1) / KD_WARPS), (unsigned)(T * H));
+  kd_head_linear_kernel<Wt><<<grid, 32 * KD_WARPS, 0, KD_STREAM(stream)>>>(x, xs_t, xs_h, w, out, os_t, os_h, H, n_in,
+                                                                            n_out);
+  return kd_cuda_status(op);
 }
 
 extern "C" int kd_head_linear_f32(const float *x, int64_t xs_t, int64_t xs_h, const float *w, float *out,
                                   int64_t os_t, int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out,
                                   void *stream) {
-  int rc = kd_need_device("kd_head_linear_f32");
-  if (rc) return rc;
-  if (T < 0 || H < 0 || n_in < 0 || n_out < 0) return kd_fail(KD_EINVAL, "kd_head_linear_f32: negative size");
-  if (T == 0 || H == 0 || n_out == 0) return KD_OK;
-  if (T * H > 65535) return kd_fail(KD_EINVAL, "kd_head_linear_f32: T*H=%lld > 65535", (long long)(T * H));
-  KD_CHECK_PTR("kd_head_linear_f32", x);
-  KD_CHECK_PTR("kd_head_linear_f32", w);
-  KD_CHECK_PTR("kd_head_linear_f32", out);
-  dim3 grid((unsigned)((n_out + KD_WARPS - 1) / KD_WARPS), (unsigned)(T * H));
-  kd_head_linear_kernel<<<grid, 32 * KD_WARPS, 0, KD_STREAM(stream)>>>(x, xs_t, xs_h, w, out, os_t, os_h, H, n_in,
-                                                                        n_out);
-  return kd_cuda_status("kd_head_linear_f32");
+  return kd_head_linear_launch("kd_head_linear_f32", x, xs_t, xs_h, w, out, os_t, os_h, T, H, n_in, n_out, stream);
+}
+
+extern "C" int kd_head_linear_bf16(const float *x, int64_t xs_t, int64_t xs_h, const uint16_t *w, float *out,
+                                   int64_t os_t, int64_t os_h, int64_t T, int64_t H, int64_t n_in, int64_t n_out,
+                                   void *stream) {
+  return kd_head_linear_launch("kd_head_linear_bf16", x, xs_t, xs_h, (const __nv_bfloat16 *)w, out, os_t, os_h, T, H,
+                               n_in, n_out, stream);
 }

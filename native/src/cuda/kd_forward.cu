@@ -694,8 +694,9 @@ static void fw_weight(fw_up *u, const kd_weight *hw, fw_w *dw) {
   }
 }
 
-static void fw_dense(fw_up *u, const float *src, int64_t n_out, int64_t n_in, fw_w *dw) {
-  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0, NULL, NULL};
+/* a dense matrix given as float32 src or BF16 bits src16 (exactly one set), uploaded as fw_weight does */
+static void fw_dense(fw_up *u, const float *src, const uint16_t *src16, int64_t n_out, int64_t n_in, fw_w *dw) {
+  kd_weight hw = {src, NULL, NULL, n_out, n_in, 0, src16, NULL};
   fw_weight(u, &hw, dw);
 }
 
@@ -721,8 +722,8 @@ static int fw_upload(kd_model *m, fw_up *u) {
     fw_layer *fl = &m->layers[i];
     int64_t H = ly->heads, ql = ly->q_a.n_out;
     if (u->pass == 0) {
-      int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm && ly->w_uk_t &&
-               ly->w_uv && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
+      int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm &&
+               !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
                kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
       if (ok && ly->is_moe) {
         ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
@@ -746,15 +747,15 @@ static int fw_upload(kd_model *m, fw_up *u) {
     fw_weight(u, &ly->q_b, &fl->q_b);
     fw_weight(u, &ly->kv_a, &fl->kv_a);
     fw_weight(u, &ly->o, &fl->o);
-    fw_dense(u, ly->w_uk_t, H * L, d->nope, &fl->w_uk_t);
-    fw_dense(u, ly->w_uv, H * d->v_head, L, &fl->w_uv);
+    fw_dense(u, ly->w_uk_t, ly->w_uk_t_bf16, H * L, d->nope, &fl->w_uk_t);
+    fw_dense(u, ly->w_uv, ly->w_uv_bf16, H * d->v_head, L, &fl->w_uv);
     if (!ly->is_moe) {
       fw_mlp_up(u, &ly->mlp, &fl->mlp);
       if (ly->mlp.gate.n_out > m->inter_max) m->inter_max = ly->mlp.gate.n_out;
       if (ly->mlp.gate.n_out > m->gu_cols) m->gu_cols = ly->mlp.gate.n_out;
       continue;
     }
-    fw_dense(u, ly->router, d->n_experts, D, &fl->router);
+    fw_dense(u, ly->router, NULL, d->n_experts, D, &fl->router);
     fl->router_bias = fw_vec(u, ly->router_bias, d->n_experts);
     if (ly->has_shared) {
       fw_mlp_up(u, &ly->shared, &fl->shared);
