@@ -53,7 +53,7 @@ def keeps_bf16(ops: Any) -> bool:
     """Whether these ops' target takes BF16 tensors as they are stored (load_checkpoint(bf16=True)): backend=cpu's
     native forward widens BF16 weights exactly in its kernels (kd_linear_bf16: the float32 path's bits), so they
     stay uint16 in memory, half the bytes held and streamed per token (W_uk / W_uv too: kv_b_proj's BF16 bits split
-    per head; the router and the norms are still widened copies: small). backend=numpy (the reference) and
+    per head; the router gate too; the norms are still widened copies: small). backend=numpy (the reference) and
     backend=cuda (which keeps exact-BF16 float32 tensors as BF16 on the device at upload) load them widened."""
     lib = getattr(ops, "lib", None)
     # the drafter shares the target's embed / lm_head: both must be native (backend.drafter_forward=per_op runs the
@@ -227,8 +227,12 @@ class NativeTarget:
                 reg.mlp(ly.mlp, _mlp_weights(w, f"{p}.mlp"), f"{p}.mlp")
                 continue
             ly.is_moe = 1
-            gate, bias = router_weights(w, i)
-            ly.router, ly.router_bias = reg.ptr(np.ascontiguousarray(gate, np.float32)), reg.vec(bias)
+            gate, bias = router_weights(w, i, keep_bf16=True)   # BF16 as the loader kept it
+            if is_bf16(gate):
+                ly.router_bf16 = reg.ptr(gate, "uint16_t[]")
+            else:
+                ly.router = reg.ptr(np.ascontiguousarray(gate, np.float32))
+            ly.router_bias = reg.vec(bias)
             reg.bytes[f"{p}.mlp.gate"] = (int(reg.keep[-4].nbytes), int(reg.keep[-4].size))
             experts = ffi.new("kd_mlp[]", int(cfg.n_routed_experts))
             reg.keep.append(experts)

@@ -91,10 +91,12 @@ def transposed_w_uk(w_uk: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w_uk.transpose(0, 2, 1))
 
 
-def router_weights(w: Callable[[str], Any], layer: int) -> Tuple[np.ndarray, np.ndarray]:
-    """The MoE router of `layer`: gate f32[E, D] and e_score_correction_bias f32[E]."""
+def router_weights(w: Callable[[str], Any], layer: int, keep_bf16: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """The MoE router of `layer`: gate f32[E, D] (keep_bf16: a gate the loader kept as BF16 bits stays so, u16[E, D])
+    and e_score_correction_bias f32[E]."""
     p = f"model.layers.{layer}.mlp.gate"
-    gate = dense(w(f"{p}.weight"), f"{p}.weight").astype(np.float32)
+    raw = w(f"{p}.weight")
+    gate = raw if keep_bf16 and is_bf16(raw) else dense(raw, f"{p}.weight").astype(np.float32)
     return gate, as_f32(w(f"{p}.e_score_correction_bias"))
 
 

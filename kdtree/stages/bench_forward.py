@@ -18,8 +18,12 @@ the faster of two streaming reads (kd_roof_read: a fresh `roof_mb` MB buffer, an
 reads, where they outgrow the caches) and independent FMAs on registers (kd_roof_fma); each point also reads the
 weights before each of its forwards, and its read roof is the fastest of those reads and the run's (a VM's memory
 can change speed for seconds at a time: a roof read minutes earlier made one-row forwards "beat" it by 1.24x).
+Each row also sums every matrix's own roofline (`op_roofline_s`, its share `op_roofline_share`): max(bytes, FLOPs) of
+the whole forward lets a compute-bound dense layer hide behind memory-bound experts, which a forward running its
+matrices one after another cannot do, so this per-matrix bound is the tighter (and op_roofline_share >= roofline_share).
 Writes bench_forward.json (a row per (threads, T): seconds, ratio to T=1, bytes, GB/s, FLOPs, GFLOP/s, roofline
-seconds, share of the roofline, mean distinct experts per MoE layer) and bench_forward.png (cost vs T).
+seconds, share of the roofline, the per-matrix roofline and its share, mean distinct experts per MoE layer) and
+bench_forward.png (cost vs T).
 """
 from __future__ import annotations
 
@@ -123,6 +127,7 @@ def forward_cost(cfg, weight_bytes: Dict[str, Tuple[int, int]], experts: Dict[in
     dense_b = dense_e = 0
     expert_b: Dict[int, float] = {}
     expert_e: Dict[int, float] = {}
+    ops: List[Tuple[float, float]] = []              # (bytes, FLOPs) of each matrix the forward reads
     for name, (b, n) in weight_bytes.items():
         if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*: per-expert averages
             layer = int(name.split(".")[2])
@@ -130,15 +135,19 @@ def forward_cost(cfg, weight_bytes: Dict[str, Tuple[int, int]], experts: Dict[in
             expert_e[layer] = expert_e.get(layer, 0.0) + n / E
         else:
             dense_b, dense_e = dense_b + b, dense_e + n
+            ops.append((float(b), 2.0 * T * n))
     union = {layer: st["experts"] / max(st["forwards"], 1) for layer, st in experts.items()}
     routed_b = sum(expert_b.get(layer, 0.0) * u for layer, u in union.items())
+    for layer, u in union.items():   # u experts, each T * k / u rows: together max(u bytes, all the rows' FLOPs)
+        ops.append((expert_b.get(layer, 0.0) * u, 2.0 * T * k * expert_e.get(layer, 0.0)))
     width = int(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     layers = int(cfg.num_hidden_layers)
     kv_b = layers * (context + T) * width * 4
     attn_macs = layers * int(cfg.num_attention_heads) * (context + T) * (width + int(cfg.kv_lora_rank))
+    ops.append((float(kv_b), 2.0 * T * attn_macs))
     flops = 2.0 * T * (dense_e + k * sum(expert_e.values()) + attn_macs)
     return {"bytes": dense_b + routed_b + kv_b, "dense_bytes": dense_b, "expert_bytes": routed_b, "kv_bytes": kv_b,
-            "flops": flops, "experts_per_layer": union}
+            "flops": flops, "experts_per_layer": union, "op_costs": ops}
 
 
 def _curve(engine, conf: BenchForwardConfig, threads: int,
@@ -178,6 +187,11 @@ def _table(rows: List[dict], roof: Dict[int, Dict[str, float]]) -> List[dict]:
         r["roofline_s"] = max(r["bytes"] / (read * 1e9), r["flops"] / (rf["fma_gflop_s"] * 1e9))
         r["bound"] = "memory" if r["bytes"] / read >= r["flops"] / rf["fma_gflop_s"] else "compute"
         r["roofline_share"] = r["roofline_s"] / r["seconds"]
+        # each matrix against its own roofline, summed: a forward whose dense layers are compute-bound and whose
+        # experts are memory-bound cannot reach the whole forward's max(bytes, FLOPs) without overlapping them
+        ops = r.pop("op_costs", None) or []
+        r["op_roofline_s"] = sum(max(b / (read * 1e9), f / (rf["fma_gflop_s"] * 1e9)) for b, f in ops) or None
+        r["op_roofline_share"] = r["op_roofline_s"] / r["seconds"] if r["op_roofline_s"] else None
     return rows
 
 
@@ -234,13 +248,13 @@ def run(ctx, conf: BenchForwardConfig) -> dict:
           + ", ".join(f"{th} thr {r['read_gb_s']:.1f} GB/s read ({_read_from(r)}), {r['fma_gflop_s']:.0f} GFLOP/s FMA"
                       for th, r in roof.items()))
     print("| threads | T | seconds | x T=1 | MB streamed | GB/s | read roof GB/s | GFLOP/s | bound | roofline share "
-          "| experts/layer |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| per-matrix roofline share | experts/layer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ex = np.mean(list(r["experts_per_layer"].values())) if r["experts_per_layer"] else 0.0
         print(f"| {r['threads']} | {r['rows']} | {r['seconds']:.4f} | {r['ratio_to_t1']:.2f} | {r['bytes'] / 1e6:.0f} "
               f"| {r['gb_s']:.1f} | {r['read_gb_s']:.1f} | {r['gflop_s']:.1f} | {r['bound']} "
-              f"| {r['roofline_share']:.2f} | {ex:.2f} |")
+              f"| {r['roofline_share']:.2f} | {r['op_roofline_share'] or 0.0:.2f} | {ex:.2f} |")
     print(f"-> {ctx.run_dir / 'bench_forward.json'}")
     worst = min(r["roofline_share"] for r in rows if r["rows"] <= 33)
     return {"worst_roofline_share_t33": worst}

@@ -160,16 +160,19 @@ def _computed_memory(layout, tp: int, stored_float: int, strategy: str, linear_r
 
 def _model_copies(model, layout, tp: int, keep_bf16: bool = False) -> float:
     """Bytes the target builds at construction beside the loaded tensors: W_uk/W_uv per layer (kv_b_proj split per
-    head, this rank's heads: float32, or BF16 where the loader keeps a BF16 kv_b_proj as stored -- keep_bf16,
-    backend=cpu's native forward) and the router gate of every MoE layer (float32)."""
+    head, this rank's heads) and the router gate of every MoE layer, as float32 copies -- except where the loader
+    keeps BF16 as stored (keep_bf16: backend=cpu's native forward): a BF16 kv_b_proj's halves are BF16 copies, a BF16
+    router gate is read where it is mapped (no copy)."""
+    def stored(suffix: str, elements: int) -> float:   # bytes per element of the first such tensor (4 if none)
+        return next((nbytes / elements for name, _, nbytes in layout if name.endswith(suffix)), 4)
+
     heads = model.num_attention_heads // tp
-    elements = model.num_attention_heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
-    stored = next((nbytes / elements for name, _, nbytes in layout if name.endswith(".self_attn.kv_b_proj.weight")),
-                  4)
-    per_layer = heads * (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank * (
-        2 if keep_bf16 and stored == 2 else 4)
+    per_head = (model.qk_nope_head_dim + model.v_head_dim) * model.kv_lora_rank
+    kv_b16 = keep_bf16 and stored(".self_attn.kv_b_proj.weight", model.num_attention_heads * per_head) == 2
+    gate16 = keep_bf16 and stored(".mlp.gate.weight", model.n_routed_experts * model.hidden_size) == 2
     moe_layers = sum(1 for name, _, _ in layout if name.endswith(".mlp.gate.weight"))
-    return model.num_hidden_layers * per_layer + moe_layers * model.n_routed_experts * model.hidden_size * 4
+    return (model.num_hidden_layers * heads * per_head * (2 if kv_b16 else 4)
+            + (0 if gate16 else moe_layers * model.n_routed_experts * model.hidden_size * 4))
 
 
 def _int4_unpacked(layout, tp: int) -> float:

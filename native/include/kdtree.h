@@ -210,7 +210,8 @@ typedef struct {
   int64_t heads;                      /* local heads (tensor parallel splits heads) */
   int32_t is_moe;
   kd_mlp mlp;                         /* dense layer (is_moe == 0) */
-  const float *router;                /* f32 [E, D] */
+  const float *router;                /* f32 [E, D], or NULL when router_bf16 is set */
+  const uint16_t *router_bf16;        /* the same as BF16 bits (as K2.6 stores it; kd_linear_bf16), or NULL */
   const float *router_bias;           /* f32 [E] (e_score_correction_bias) */
   const kd_mlp *experts;              /* [E], copied at create */
   int32_t has_shared;

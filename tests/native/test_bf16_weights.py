@@ -155,6 +155,8 @@ def test_native_forward_of_bf16_weights_is_bit_identical_to_widened(tiny_cfg, ti
     ffi = native.load_library("cpu").ffi
     for ly in (a._desc.layers[i] for i in range(tiny_cfg.num_hidden_layers)):   # the absorbed MLA as BF16 too
         assert ly.w_uk_t_bf16 != ffi.NULL and ly.w_uv_bf16 != ffi.NULL and ly.w_uk_t == ffi.NULL and ly.w_uv == ffi.NULL
+    moe = [a._desc.layers[i] for i in range(tiny_cfg.num_hidden_layers) if a._desc.layers[i].is_moe]
+    assert moe and all(ly.router_bf16 != ffi.NULL and ly.router == ffi.NULL for ly in moe)   # the router gate too
     assert b._desc.layers[0].w_uk_t != ffi.NULL and b._desc.layers[0].w_uk_t_bf16 == ffi.NULL
     (oa, ca), (ob, cb) = _steps(a), _steps(b)
     for step, ((la, ha), (lb, hb)) in enumerate(zip(oa, ob)):

@@ -28,7 +28,8 @@ def test_bench_forward_curve_has_roofs_bytes_and_the_expert_union(kdtree_cache, 
     assert rows[9]["expert_bytes"] > rows[1]["expert_bytes"] and rows[9]["dense_bytes"] == rows[1]["dense_bytes"]
     assert rows[9]["flops"] > 8 * rows[1]["flops"]
     for x in rows.values():
-        assert 0 < x["roofline_share"] and x["bound"] in ("memory", "compute")
+        assert 0 < x["roofline_share"] <= x["op_roofline_share"] * (1 + 1e-9) and x["bound"] in ("memory", "compute")
+        assert "op_costs" not in x
         assert x["read_near_gb_s"] is None and x["read_gb_s"] == out["roofs"]["1"]["read_gb_s"]   # tiny: in cache
     assert "| threads | T | seconds |" in r.stdout and (run_dir / "bench_forward.png").stat().st_size > 1000
 
@@ -79,3 +80,24 @@ def test_the_read_roof_is_the_faster_of_a_fresh_buffer_and_the_forwards_own_weig
                         {1: {"read_gb_s": 20.0, "fma_gflop_s": 100.0}})
     assert (slow["read_gb_s"], fast["read_gb_s"]) == (20.0, 50.0)
     assert (slow["roofline_share"], fast["roofline_share"]) == (2.0, 0.8)
+
+
+def test_the_per_matrix_roofline_sums_each_matrix_against_its_own_bound():
+    """A compute-bound dense layer cannot hide behind memory-bound experts in a forward that runs its matrices one
+    after another: max(all bytes, all FLOPs) is 2 s here, the matrices one by one 2 + 1 s."""
+    from types import SimpleNamespace
+
+    from kdtree.stages.bench_forward import _table, forward_cost
+
+    row = {"threads": 1, "rows": 9, "seconds": 4.0, "bytes": 40e9, "flops": 100e9,
+           "op_costs": [(40e9, 0.0), (0.0, 100e9)]}
+    (r,) = _table([row], {1: {"read_gb_s": 20.0, "fma_gflop_s": 100.0}})
+    assert (r["roofline_s"], r["op_roofline_s"]) == (2.0, 3.0) and r["op_roofline_share"] == 0.75
+    # forward_cost's matrices add up to its bytes and FLOPs (routed experts: the union's bytes, all rows' FLOPs)
+    cfg = SimpleNamespace(n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=8, qk_rope_head_dim=4,
+                          num_hidden_layers=2, num_attention_heads=2)
+    wb = {"model.layers.0.self_attn.q_a_proj": (400, 100), "model.layers.1.mlp.shared_experts.up_proj": (800, 200),
+          **{f"model.layers.1.mlp.experts.{e}.{m}": (64, 16) for e in range(4) for m in ("gate", "up", "down")}}
+    c = forward_cost(cfg, wb, {1: {"experts": 3, "forwards": 1, "rows": 9}}, 9, 5)
+    assert sum(b for b, _ in c["op_costs"]) == c["bytes"] and sum(f for _, f in c["op_costs"]) == c["flops"]
+    assert c["expert_bytes"] == 3 * 3 * 64

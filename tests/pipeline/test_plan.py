@@ -204,8 +204,9 @@ def test_prefix_cache_pages_and_bytes_per_token_at_k26_dims(compose_cfg):
 
 @pytest.mark.parametrize("quant", ["bf16", "fp32"])
 def test_model_copies_are_what_the_native_target_builds(compose_cfg, quant):
-    """backend=cpu keeps a BF16 kv_b_proj as stored, so its absorbed halves W_uk^T / W_uv are BF16 too: the plan's
-    model_copies_bytes (W_uk/W_uv + router gates) is what NativeTarget really holds beside the loaded tensors."""
+    """backend=cpu keeps a BF16 kv_b_proj as stored, so its absorbed halves W_uk^T / W_uv are BF16 copies, and a BF16
+    router gate is read where it is mapped: the plan's model_copies_bytes is what NativeTarget really builds beside
+    the loaded tensors (W_uk/W_uv, and float32 router gates)."""
     from kdtree.engine import Engine
     from tests.native_lib import CPU_ERROR, CPU_SKIPPED
     if CPU_SKIPPED:
@@ -216,8 +217,11 @@ def test_model_copies_are_what_the_native_target_builds(compose_cfg, quant):
         held = engine.model.weight_bytes()
     finally:
         engine.close()
-    built = sum(b for name, (b, _) in held.items() if name.endswith((".w_uk", ".w_uv", ".mlp.gate")))
-    absorbed = sum(b for name, (b, n) in held.items() if name.endswith((".w_uk", ".w_uv")))
-    elements = sum(n for name, (b, n) in held.items() if name.endswith((".w_uk", ".w_uv")))
-    assert absorbed == elements * (2 if quant == "bf16" else 4)
-    assert make_plan(cfg)["ranks"][0]["model_copies_bytes"] == built
+    def held_as(suffixes):
+        return (sum(b for name, (b, _) in held.items() if name.endswith(suffixes)),
+                sum(n for name, (_, n) in held.items() if name.endswith(suffixes)))
+
+    (absorbed, n_abs), (gates, n_gates) = held_as((".w_uk", ".w_uv")), held_as(".mlp.gate")
+    width = 2 if quant == "bf16" else 4
+    assert absorbed == n_abs * width and gates == n_gates * width > 0
+    assert make_plan(cfg)["ranks"][0]["model_copies_bytes"] == absorbed + (0 if quant == "bf16" else gates)

@@ -726,7 +726,7 @@ static int fw_upload(kd_model *m, fw_up *u) {
                !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
                kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
       if (ok && ly->is_moe) {
-        ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && ly->router && ly->router_bias &&
+        ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && !ly->router != !ly->router_bf16 && ly->router_bias &&
              ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
              d->topk_group <= d->n_group;
         for (int64_t e = 0; ok && e < d->n_experts; e++) ok = kd_mlp_ok(&ly->experts[e], D);
@@ -755,7 +755,7 @@ static int fw_upload(kd_model *m, fw_up *u) {
       if (ly->mlp.gate.n_out > m->gu_cols) m->gu_cols = ly->mlp.gate.n_out;
       continue;
     }
-    fw_dense(u, ly->router, NULL, d->n_experts, D, &fl->router);
+    fw_dense(u, ly->router, ly->router_bf16, d->n_experts, D, &fl->router);
     fl->router_bias = fw_vec(u, ly->router_bias, d->n_experts);
     if (ly->has_shared) {
       fw_mlp_up(u, &ly->shared, &fl->shared);
