@@ -89,7 +89,8 @@ class _Registry:
         return self.ptr(np.ascontiguousarray(as_f32(a).reshape(-1)))
 
     def table(self, dst, name: str, a: np.ndarray) -> None:
-        """An embedding table [V, D]: dst.<name>_bf16 for BF16 bits, else dst.<name> as float32."""
+        """A float array given whole (the embedding table, W_uk^T / W_uv, the router gate): dst.<name>_bf16 for BF16
+        bits, else dst.<name> as float32."""
         if is_bf16(a):
             setattr(dst, f"{name}_bf16", self.ptr(a, "uint16_t[]"))
         else:
@@ -213,11 +214,8 @@ class NativeTarget:
             reg.weight(ly.kv_a, w(f"{a}.kv_a_proj_with_mqa.weight"), f"{a}.kv_a_proj_with_mqa")
             ly.kv_a_norm = reg.vec(w(f"{a}.kv_a_layernorm.weight"))
             heads, w_uk, w_uv = split_kv_b(cfg, w, i, keep_bf16=True)   # BF16 as the loader kept it
-            if is_bf16(w_uk):
-                ly.w_uk_t_bf16 = reg.ptr(transposed_w_uk(w_uk), "uint16_t[]")
-                ly.w_uv_bf16 = reg.ptr(w_uv, "uint16_t[]")
-            else:
-                ly.w_uk_t, ly.w_uv = reg.ptr(transposed_w_uk(w_uk)), reg.ptr(w_uv)
+            reg.table(ly, "w_uk_t", transposed_w_uk(w_uk))
+            reg.table(ly, "w_uv", w_uv)
             for key, arr in ((f"{a}.w_uk", reg.keep[-4]), (f"{a}.w_uv", reg.keep[-2])):
                 reg.bytes[key] = (int(arr.nbytes), int(arr.size))
             reg.weight(ly.o, w(f"{a}.o_proj.weight"), f"{a}.o_proj")
@@ -228,10 +226,7 @@ class NativeTarget:
                 continue
             ly.is_moe = 1
             gate, bias = router_weights(w, i, keep_bf16=True)   # BF16 as the loader kept it
-            if is_bf16(gate):
-                ly.router_bf16 = reg.ptr(gate, "uint16_t[]")
-            else:
-                ly.router = reg.ptr(np.ascontiguousarray(gate, np.float32))
+            reg.table(ly, "router", gate)
             ly.router_bias = reg.vec(bias)
             reg.bytes[f"{p}.mlp.gate"] = (int(reg.keep[-4].nbytes), int(reg.keep[-4].size))
             experts = ffi.new("kd_mlp[]", int(cfg.n_routed_experts))

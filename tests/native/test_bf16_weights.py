@@ -119,8 +119,8 @@ def test_head_linear_bf16_rejects_a_null_weight():
     lib = native.load_library("cpu")
     ffi = lib.ffi
     x, o = np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 3), np.float32)
-    rc = lib.c.kd_head_linear_bf16(ffi.cast("float *", x.ctypes.data), 8, 4, ffi.NULL, ffi.cast("float *", o.ctypes.data),
-                                   6, 3, 1, 2, 4, 3, ffi.NULL)
+    px, po = ffi.cast("float *", x.ctypes.data), ffi.cast("float *", o.ctypes.data)
+    rc = lib.c.kd_head_linear_bf16(px, 8, 4, ffi.NULL, po, 6, 3, 1, 2, 4, 3, ffi.NULL)
     with pytest.raises(native.NativeError, match="kd_head_linear_bf16: w is NULL"):
         lib.check(rc, "kd_head_linear_bf16")
 

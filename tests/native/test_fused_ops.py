@@ -141,3 +141,16 @@ def test_head_linear_reference_and_row_invariance(backend):
     assert (full[:, :, n_out:] == 0).all()
     for t in range(T):
         np.testing.assert_array_equal(call(slice(t, t + 1))[0], full[t])
+    # BF16 weights (K2's kv_b_proj as stored): kd_head_linear_bf16 gives kd_head_linear_f32's bits on the widened ones
+    from kdtree.bf16 import bf16_to_f32, f32_to_bf16
+    w16 = f32_to_bf16(w)
+    mem, ffi = _Mem(lib), lib.ffi
+    xs = np.ascontiguousarray(x)
+    outs = []
+    for fn, wt, ctype in (("kd_head_linear_bf16", w16, "uint16_t *"),
+                          ("kd_head_linear_f32", np.ascontiguousarray(bf16_to_f32(w16)), "float *")):
+        out, po = mem.out((T, H, n_out + pad))
+        lib.check(getattr(lib.c, fn)(mem.ptr(xs), H * (n_in + pad), n_in + pad, mem.ptr(wt, ctype), po,
+                                     H * (n_out + pad), n_out + pad, T, H, n_in, n_out, ffi.NULL), fn)
+        outs.append(mem.fetch(out, po))
+    np.testing.assert_array_equal(outs[0], outs[1])

@@ -2071,12 +2071,15 @@ static void kd_head_dots(const float *x, int64_t xs_t, int64_t xs_h, const float
   const float *wh = w ? w + h * n_out * n_in : NULL;
   const uint16_t *wh16 = w16 ? w16 + h * n_out * n_in : NULL;
   float r[4];
+#if defined(__x86_64__) && defined(__GNUC__)
+  const int bf_avx2 = wh16 && kd_host_avx2();
+#endif
   for (int64_t t = 0; t < T; t++) {
     const float *xr = x + t * xs_t + h * xs_h;
     float *orow = out + t * os_t + h * os_h;
     int64_t o = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-    for (; wh16 && kd_host_avx2() && o + 4 <= n_out; o += 4) {
+    for (; bf_avx2 && o + 4 <= n_out; o += 4) {
       kd_dot_4x1_bf16_avx2(wh16 + o * n_in, n_in, xr, n_in, r);
       for (int j = 0; j < 4; j++) orow[o + j] = r[j];
     }

@@ -145,12 +145,14 @@ int kd_model_create(const kd_model_desc *desc, kd_model **out) {
   for (int64_t i = 0; i < d->n_layers; i++) {
     kd_layer *ly = &m->layers[i];
     int64_t H = ly->heads, ql = ly->q_a.n_out;
+    /* the absorbed halves and the router: float32 or BF16, exactly one of each */
     int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm &&
-             !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
-             kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
+             !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) &&
+             kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) && kd_weight_ok(&ly->kv_a, L + R, D) &&
+             kd_weight_ok(&ly->o, D, H * d->v_head);
     if (ok && ly->is_moe) {
-      ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && !ly->router != !ly->router_bf16 && ly->router_bias &&
-           ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
+      ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && !ly->router != !ly->router_bf16 &&
+           ly->router_bias && ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
            d->topk_group <= d->n_group;
       if (ok) {
         m->experts[i] = (kd_mlp *)malloc(sizeof(kd_mlp) * (size_t)d->n_experts);
@@ -427,7 +429,8 @@ static int kd_moe_rows(kd_model *m, const kd_layer *ly, const float *x, float *o
   if (!rl || !ex || !ew || !cnt || !pos || !xs || !ys || !g || !u || !sh || !taken)
     return kd_fail(KD_ENOMEM, "kd_model_forward: out of memory (MoE scratch, %lld rows)", (long long)N);
   float *choice = rl + N * E, *gscore = choice + E;
-  KD_TRY(ly->router ? kd_linear_f32(x, ly->router, rl, N, D, E, NULL) : kd_linear_bf16(x, ly->router_bf16, rl, N, D, E, NULL));
+  KD_TRY(ly->router ? kd_linear_f32(x, ly->router, rl, N, D, E, NULL)
+                    : kd_linear_bf16(x, ly->router_bf16, rl, N, D, E, NULL));
   for (int64_t i = 0; i < N * E; i++) rl[i] = kd_sigmoid_cpu(rl[i]);
   for (int64_t t = 0; t < N; t++)
     kd_route(d, rl + t * E, ly->router_bias, choice, gscore, taken, ex + t * k, ew + t * k);

@@ -722,12 +722,14 @@ static int fw_upload(kd_model *m, fw_up *u) {
     fw_layer *fl = &m->layers[i];
     int64_t H = ly->heads, ql = ly->q_a.n_out;
     if (u->pass == 0) {
+      /* the absorbed halves and the router: float32 or BF16, exactly one of each (uploaded as fw_weight does) */
       int ok = H > 0 && ql > 0 && ly->in_norm && ly->post_norm && ly->q_a_norm && ly->kv_a_norm &&
-               !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) && kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) &&
-               kd_weight_ok(&ly->kv_a, L + R, D) && kd_weight_ok(&ly->o, D, H * d->v_head);
+               !ly->w_uk_t != !ly->w_uk_t_bf16 && !ly->w_uv != !ly->w_uv_bf16 && kd_weight_ok(&ly->q_a, ql, D) &&
+               kd_weight_ok(&ly->q_b, H * (d->nope + R), ql) && kd_weight_ok(&ly->kv_a, L + R, D) &&
+               kd_weight_ok(&ly->o, D, H * d->v_head);
       if (ok && ly->is_moe) {
-        ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && !ly->router != !ly->router_bf16 && ly->router_bias &&
-             ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
+        ok = d->n_experts > 0 && d->top_k > 0 && d->top_k <= d->n_experts && !ly->router != !ly->router_bf16 &&
+             ly->router_bias && ly->experts && d->n_group > 0 && d->n_experts % d->n_group == 0 && d->topk_group > 0 &&
              d->topk_group <= d->n_group;
         for (int64_t e = 0; ok && e < d->n_experts; e++) ok = kd_mlp_ok(&ly->experts[e], D);
         if (ok && ly->has_shared) ok = kd_mlp_ok(&ly->shared, D);
