@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, List
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -59,6 +60,10 @@ class BenchPeerConfig:
     # more llama.cpp rows on the same model exported in other GGUF types (q8_0, q4_0, bf16, f32), measured in the
     # same alternating rounds: the peer's quantized speed beside kdtree's own format (e.g. INT4 experts + BF16)
     peer_dtypes: List[str] = field(default_factory=list)
+    # llama.cpp's repacked weight buffers (its model param use_extra_bufts; `--no-repack` on its command line):
+    # null = auto, off on a host with Intel AMX -- there llama.cpp (0.3.36) puts quantized (Q8_0, Q4_0) weights in its
+    # AMX buffer and aborts on the deepseek2 graph (GGML_ASSERT(*cur_backend_id != -1)) -- and on elsewhere, its default
+    repack: Optional[bool] = None
 
 
 CONFIG = BenchPeerConfig  # cfg.bench_peer: this stage's options (kdtree/pipeline/registry.py)
@@ -131,18 +136,55 @@ def _first_difference(a: List[int], b: List[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: bool = False):
-    """llama.cpp on the GGUF: CPU, F32 KV cache (the weights are F32 too), no flash attention, n threads."""
+def host_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has Intel AMX (the amx_tile flag): where llama.cpp's AMX weight buffer is in play."""
+    try:
+        return any(line.startswith("flags") and "amx_tile" in line.split() for line in open(cpuinfo))
+    except OSError:
+        return False
+
+
+def peer_repack(conf: "BenchPeerConfig") -> bool:
+    """bench_peer.repack resolved: the setting, or (null) off on an AMX host, on elsewhere."""
+    return (not host_has_amx()) if conf.repack is None else bool(conf.repack)
+
+
+@contextmanager
+def _extra_bufts(llama_cpp, on: bool) -> Iterator[None]:
+    """Llama() below takes its model params from llama_model_default_params() and exposes no use_extra_bufts
+    argument: while it loads, those defaults carry `on` (llama.cpp's default is on, so nothing changes then)."""
+    mod = getattr(getattr(llama_cpp, "llama", None), "llama_cpp", None)   # what llama_cpp/llama.py calls
+    default = getattr(mod, "llama_model_default_params", None)
+    if on or default is None or not any(f[0] == "use_extra_bufts" for f in getattr(
+            getattr(llama_cpp, "llama_model_params", None), "_fields_", [])):
+        yield
+        return
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+    mod.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        mod.llama_model_default_params = default
+
+
+def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: bool = False, repack: bool = True):
+    """llama.cpp on the GGUF: CPU, F32 KV cache (the weights are F32 too), no flash attention, n threads;
+    repack=False: no repacked weight buffers (see BenchPeerConfig.repack)."""
     llama_cpp = _llama_cpp()
     f32 = int(getattr(llama_cpp, "GGML_TYPE_F32", 0))
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                           n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32,
-                           flash_attn=False, logits_all=logits_all, seed=0, verbose=False)
+    with _extra_bufts(llama_cpp, repack):
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                               n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, type_k=f32, type_v=f32,
+                               flash_attn=False, logits_all=logits_all, seed=0, verbose=False)
 
 
-def prompt_logits_difference(path: str, model, ids: List[int], threads: int) -> float:
+def prompt_logits_difference(path: str, model, ids: List[int], threads: int, repack: bool = True) -> float:
     """max |llama.cpp logits - kdtree logits| over the prefill rows of one prompt (parity, not speed)."""
-    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True)
+    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True, repack=repack)
     llm.reset()
     llm.eval(list(ids))
     peer = np.asarray(llm.scores[:len(ids)], np.float32)                           # [T, V]
@@ -192,14 +234,15 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     texts = load_prompts(prompts)
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
-    llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32))
+    repack = peer_repack(conf)
+    llm = open_peer(str(path), threads, n_ctx=longest + max_new_tokens + 16, n_batch=max(longest, 32), repack=repack)
     extra = {}                                                  # peer dtype -> (GGUF summary, llama.cpp)
     for d in dict.fromkeys(str(x).lower() for x in conf.peer_dtypes):
         if d == dtype.lower():
             continue
         summary = exported(d)
         extra[d.upper()] = (summary, open_peer(summary["path"], threads, n_ctx=longest + max_new_tokens + 16,
-                                               n_batch=max(longest, 32)))
+                                               n_batch=max(longest, 32), repack=repack))
     shapes = peer_tree_shapes(OmegaConf.merge(cfg, {"bench_peer": {"trees": list(trees)}}))
     names = [_shape_name(t) for t in shapes]
     best: Dict[str, dict] = {}
@@ -217,7 +260,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     fastest = max(range(len(names)), key=lambda i: best[names[i]]["tokens_per_s"]) if names else None
     tree = ar if fastest is None else best[names[fastest]]
     has_tree = fastest is not None
-    logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads)
+    logits_diff = prompt_logits_difference(str(path), engine.model, prompts_ids[0], threads, repack)
     first_diff = [_first_difference(p["tokens"], a["tokens"]) for p, a in zip(peer["per_prompt"], ar["per_prompt"])]
     tokens_equal = all(d < 0 for d in first_diff)
     lossless_by = {n: _same_tokens(ar, best[n]) for n in names}
@@ -227,7 +270,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "gguf_dtype": dtype,
         "gguf": str(path), "backend": cfg.backend.name, "model": cfg.model.name, "quant": cfg.quant.method,
         "tree": OmegaConf.to_container(shapes[fastest] if has_tree else AR_TREE, resolve=True),
-        "threads": threads, "threads_set": set_threads,
+        "threads": threads, "threads_set": set_threads, "peer_repack": repack,
         "prompts": texts, "max_new_tokens": max_new_tokens, "rounds": rounds,
         "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],   # before, after the rounds
         "peer_ar_tokens_per_s": peer["tokens_per_s"],

@@ -45,6 +45,8 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     res = json.loads(out.read_text())
     assert res["tokens_equal"] is True and res["first_difference"] == [-1, -1]
     assert res["outputs_equal_ar"] is True and res["threads"] == 1
+    from kdtree.stages.bench_peer import host_has_amx
+    assert res["peer_repack"] is (not host_has_amx())      # auto: an AMX host's llama.cpp aborts on Q8_0 otherwise
     assert 0 < res["prompt_logits_max_abs_diff"] < 1e-4                    # llama.cpp's logits are kdtree's
     assert [len(p["tokens"]) for p in res["peer_result"]["per_prompt"]] == [24, 24]
     for key in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s"):
@@ -122,3 +124,29 @@ def test_every_measured_shape_has_its_own_row():
     # and each runs as named: a shape without `prune` does not inherit tree.prune_experts=true (bench merges it over
     # `tree`; it once did, so 'chain-d7' beside a pruned tree measured a pruned chain)
     assert [bool(OmegaConf.merge(cfg.tree, t).prune_experts) for t in shapes] == [True, False, False, True]
+
+
+def test_repack_auto_is_off_exactly_on_an_amx_host(tmp_path):
+    # llama.cpp 0.3.36 built on an AMX host puts Q8_0 / Q4_0 weights in its AMX buffer and aborts on the deepseek2
+    # graph (GGML_ASSERT(*cur_backend_id != -1)): bench_peer.repack=null turns its repacked buffers off there only
+    from kdtree.stages.bench_peer import BenchPeerConfig, host_has_amx, peer_repack
+    amx, plain = tmp_path / "amx", tmp_path / "plain"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f amx_bf16 amx_tile amx_int8\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert host_has_amx(str(amx)) is True and host_has_amx(str(plain)) is False
+    assert host_has_amx(str(tmp_path / "missing")) is False
+    auto = peer_repack(BenchPeerConfig())
+    assert auto is (not host_has_amx())
+    assert peer_repack(BenchPeerConfig(repack=True)) is True and peer_repack(BenchPeerConfig(repack=False)) is False
+
+
+def test_repack_off_reaches_llama_cpps_model_params():
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install -e '.[peer]')")
+    from kdtree.stages.bench_peer import _extra_bufts
+    defaults = llama_cpp.llama.llama_cpp.llama_model_default_params        # what Llama() loads its params from
+    assert defaults().use_extra_bufts is True                                # llama.cpp's default: on
+    with _extra_bufts(llama_cpp, False):
+        assert llama_cpp.llama.llama_cpp.llama_model_default_params().use_extra_bufts is False
+    assert llama_cpp.llama.llama_cpp.llama_model_default_params is defaults  # restored
+    with _extra_bufts(llama_cpp, True):
+        assert llama_cpp.llama.llama_cpp.llama_model_default_params is defaults
