@@ -18,6 +18,9 @@ seconds of the whole call (prefill + decode), summed over the prompts, as in pip
 The exports (the model's GGUF, and one per bench_peer.peer_dtypes) are written once into <cache_dir>/gguf and reused by
 later runs while the checkpoint's files, the model/quant config and the GGUF writer are unchanged
 (bench_peer.gguf_cache=false: into the run dir, every run, as before).
+
+On a host with Intel AMX, llama.cpp's repacked weight buffers are off (bench_peer.repack, null = that rule): there its
+AMX buffer aborts the process on a quantized deepseek2 GGUF (docs/measurements.md, 11th session).
 """
 from __future__ import annotations
 
@@ -26,10 +29,10 @@ import ctypes.util
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from contextlib import contextmanager
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
