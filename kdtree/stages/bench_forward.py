@@ -104,6 +104,39 @@ def _read_from(r: Dict[str, Any]) -> str:
     return f"weights; fresh buffer {b:.1f}" if w >= b else f"fresh buffer; weights {w:.1f}"
 
 
+WEIGHTS_SLOW = 0.85  # held weights streaming below this share of a fresh buffer: say why and what helps
+
+
+def _huge_mapped_mb(path: str = "/proc/self/smaps_rollup") -> Dict[str, int]:
+    """This process's memory mapped in 2 MB pages: {"file": page cache (FilePmdMapped), "anon": AnonHugePages}, MB."""
+    out = {"file": 0, "anon": 0}
+    try:
+        for line in open(path):
+            key, _, rest = line.partition(":")
+            if key in ("FilePmdMapped", "AnonHugePages"):
+                out["file" if key == "FilePmdMapped" else "anon"] = int(rest.split()[0]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def weights_hint(roof: Dict[int, Dict[str, Any]], strategy: str, huge: Dict[str, int], held_mb: float) -> str:
+    """One line when the held weights stream well below a fresh buffer (else ""): mmap'd weights are page-cache
+    pages, mapped in 2 MB pages only where the page cache holds whole 2 MB folios; after memory pressure re-reads
+    them in small folios, a one-row forward ran 1.17-1.37x slower than over copies (docs/measurements.md, 11th
+    session). load.strategy=eager copies them into anonymous memory (huge pages)."""
+    slow = {th: r["read_weights_gb_s"] / r["read_buffer_gb_s"] for th, r in roof.items()
+            if r.get("read_weights_gb_s") and r.get("read_buffer_gb_s")}
+    if not slow or min(slow.values()) >= WEIGHTS_SLOW:
+        return ""
+    th, share = min(slow.items(), key=lambda kv: kv[1])
+    where = (f"load.strategy=mmap: page-cache pages, {huge['file']} of {held_mb:.0f} MB mapped in 2 MB pages; "
+             f"load.strategy=eager copies them into anonymous memory") if strategy == "mmap" else \
+        f"load.strategy={strategy}: {huge['anon']} of {held_mb:.0f} MB in 2 MB pages"
+    return (f"note: the held weights stream at {share:.2f} of a fresh buffer's rate ({th} thr), so every forward "
+            f"here is slower than this host allows ({where})")
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -240,13 +273,20 @@ def run(ctx, conf: BenchForwardConfig) -> dict:
     finally:
         native.set_loaded_threads(int(before))
     rows = _table(rows, roof)
+    held_mb = sum(a.nbytes for a in target.held_arrays()) / 1e6
+    huge = _huge_mapped_mb()
+    hint = weights_hint(roof, str(cfg.load.strategy), huge, held_mb)
     out = {"model": cfg.model.name, "quant": cfg.quant.method, "backend": cfg.backend.name, "context": conf.context,
-           "roofs": {str(k): v for k, v in roof.items()}, "rows": rows, "provenance": provenance(ctx)}
+           "roofs": {str(k): v for k, v in roof.items()}, "load_strategy": str(cfg.load.strategy),
+           "huge_mapped_mb": huge, "held_weights_mb": held_mb, "weights_hint": hint, "rows": rows,
+           "provenance": provenance(ctx)}
     (ctx.run_dir / "bench_forward.json").write_text(json.dumps(out, indent=2))
     plot(rows, ctx.run_dir / "bench_forward.png", f"{cfg.model.name} {cfg.quant.method}: one forward of T rows")
     print(f"bench_forward {cfg.model.name} {cfg.quant.method} context={conf.context}: roofs "
           + ", ".join(f"{th} thr {r['read_gb_s']:.1f} GB/s read ({_read_from(r)}), {r['fma_gflop_s']:.0f} GFLOP/s FMA"
                       for th, r in roof.items()))
+    if hint:
+        print(hint)
     print("| threads | T | seconds | x T=1 | MB streamed | GB/s | read roof GB/s | GFLOP/s | bound | roofline share "
           "| per-matrix roofline share | experts/layer |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -187,7 +187,8 @@ def open_peer(path: str, threads: int, n_ctx: int, n_batch: int, logits_all: boo
 
 def prompt_logits_difference(path: str, model, ids: List[int], threads: int, repack: bool = True) -> float:
     """max |llama.cpp logits - kdtree logits| over the prefill rows of one prompt (parity, not speed)."""
-    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True, repack=repack)
+    llm = open_peer(path, threads, n_ctx=len(ids) + 8, n_batch=max(len(ids), 32), logits_all=True,
+                    repack=repack)
     llm.reset()
     llm.eval(list(ids))
     peer = np.asarray(llm.scores[:len(ids)], np.float32)                           # [T, V]

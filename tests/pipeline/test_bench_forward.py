@@ -32,6 +32,27 @@ def test_bench_forward_curve_has_roofs_bytes_and_the_expert_union(kdtree_cache, 
         assert "op_costs" not in x
         assert x["read_near_gb_s"] is None and x["read_gb_s"] == out["roofs"]["1"]["read_gb_s"]   # tiny: in cache
     assert "| threads | T | seconds |" in r.stdout and (run_dir / "bench_forward.png").stat().st_size > 1000
+    assert out["load_strategy"] == "mmap" and out["held_weights_mb"] > 0
+    assert set(out["huge_mapped_mb"]) == {"file", "anon"}
+
+
+def test_weights_hint_names_the_page_cache_and_the_fix_only_when_they_stream_slowly(tmp_path):
+    # an 11th-session VM: mmap'd weights re-read after memory pressure sat in small page-cache folios and streamed at
+    # 0.77 of a fresh buffer (306 of 6385 MB mapped in 2 MB pages); eager copies streamed at 0.98
+    from kdtree.stages.bench_forward import _huge_mapped_mb, weights_hint
+    slow = {1: {"read_buffer_gb_s": 17.0, "read_weights_gb_s": 16.5}, 2: {"read_buffer_gb_s": 33.9,
+                                                                          "read_weights_gb_s": 26.0}}
+    hint = weights_hint(slow, "mmap", {"file": 306, "anon": 0}, 6385.0)
+    assert "0.77 of a fresh buffer" in hint and "(2 thr)" in hint and "306 of 6385 MB" in hint
+    assert "load.strategy=eager" in hint
+    assert "load.strategy=eager: 6524 of 6385 MB" in weights_hint(slow, "eager", {"file": 0, "anon": 6524}, 6385.0)
+    fast = {2: {"read_buffer_gb_s": 32.3, "read_weights_gb_s": 31.5}}
+    assert weights_hint(fast, "mmap", {"file": 0, "anon": 0}, 6385.0) == ""
+    assert weights_hint({1: {"read_buffer_gb_s": 17.0, "read_weights_gb_s": None}}, "mmap", {}, 1.0) == ""  # in cache
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("Rss:  7000000 kB\nAnonHugePages:   6684672 kB\nFilePmdMapped:    313344 kB\n")
+    assert _huge_mapped_mb(str(rollup)) == {"file": 306, "anon": 6528}
+    assert _huge_mapped_mb(str(tmp_path / "missing")) == {"file": 0, "anon": 0}
 
 
 @needs_cpu_library
