@@ -21,6 +21,8 @@ can change speed for seconds at a time: a roof read minutes earlier made one-row
 Each row also sums every matrix's own roofline (`op_roofline_s`, its share `op_roofline_share`): max(bytes, FLOPs) of
 the whole forward lets a compute-bound dense layer hide behind memory-bound experts, which a forward running its
 matrices one after another cannot do, so this per-matrix bound is the tighter (and op_roofline_share >= roofline_share).
+When the held weights stream below 0.85 of a fresh buffer, a note line says so, with how many of their MB are mapped
+in 2 MB pages and what to change (mmap'd page cache in small folios: load.strategy=eager).
 Writes bench_forward.json (a row per (threads, T): seconds, ratio to T=1, bytes, GB/s, FLOPs, GFLOP/s, roofline
 seconds, share of the roofline, the per-matrix roofline and its share, mean distinct experts per MoE layer) and
 bench_forward.png (cost vs T).
@@ -130,9 +132,12 @@ def weights_hint(roof: Dict[int, Dict[str, Any]], strategy: str, huge: Dict[str,
     if not slow or min(slow.values()) >= WEIGHTS_SLOW:
         return ""
     th, share = min(slow.items(), key=lambda kv: kv[1])
-    where = (f"load.strategy=mmap: page-cache pages, {huge['file']} of {held_mb:.0f} MB mapped in 2 MB pages; "
-             f"load.strategy=eager copies them into anonymous memory") if strategy == "mmap" else \
-        f"load.strategy={strategy}: {huge['anon']} of {held_mb:.0f} MB in 2 MB pages"
+    if strategy == "mmap":
+        where = (f"load.strategy=mmap: page-cache pages, {huge['file']} of {held_mb:.0f} MB mapped in 2 MB pages; "
+                 f"load.strategy=eager copies them into anonymous memory")
+    else:
+        where = (f"load.strategy={strategy}: {huge['anon']} of {held_mb:.0f} MB in 2 MB pages; transparent huge "
+                 f"pages need 'madvise' or 'always' in /sys/kernel/mm/transparent_hugepage/enabled")
     return (f"note: the held weights stream at {share:.2f} of a fresh buffer's rate ({th} thr), so every forward "
             f"here is slower than this host allows ({where})")
 

@@ -147,9 +147,9 @@ def host_has_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
         return False
 
 
-def peer_repack(conf: "BenchPeerConfig") -> bool:
+def peer_repack(conf: "BenchPeerConfig", cpuinfo: str = "/proc/cpuinfo") -> bool:
     """bench_peer.repack resolved: the setting, or (null) off on an AMX host, on elsewhere."""
-    return (not host_has_amx()) if conf.repack is None else bool(conf.repack)
+    return (not host_has_amx(cpuinfo)) if conf.repack is None else bool(conf.repack)
 
 
 @contextmanager

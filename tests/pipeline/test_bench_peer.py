@@ -135,9 +135,10 @@ def test_repack_auto_is_off_exactly_on_an_amx_host(tmp_path):
     plain.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     assert host_has_amx(str(amx)) is True and host_has_amx(str(plain)) is False
     assert host_has_amx(str(tmp_path / "missing")) is False
-    auto = peer_repack(BenchPeerConfig())
-    assert auto is (not host_has_amx())
-    assert peer_repack(BenchPeerConfig(repack=True)) is True and peer_repack(BenchPeerConfig(repack=False)) is False
+    auto = BenchPeerConfig()
+    assert peer_repack(auto, str(amx)) is False and peer_repack(auto, str(plain)) is True
+    assert peer_repack(BenchPeerConfig(repack=True), str(amx)) is True               # an explicit setting wins
+    assert peer_repack(BenchPeerConfig(repack=False), str(plain)) is False
 
 
 def test_repack_off_reaches_llama_cpps_model_params():
