@@ -5,6 +5,7 @@ for each tree shape; checks DDTree tokens == AR tokens and reports the mean acce
 (tokens committed per verify forward, i.e. per target forward after the prefill).
 
     python -m kdtree.train.evaluate --ckpt kdtree/assets/tiny [--prompts 8 --new 96]
+    python -m kdtree.train.evaluate --drafter-block 16      # the shipped target + kdtree/assets/tiny/drafter_b16
 """
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ SHAPES: Sequence[Tuple[str, int, int, int]] = (   # (kind, width, depth, budget)
     ("ddtree", 4, 7, 64),
     ("ddtree", 8, 7, 64),
 )
+
+
+def shapes_for(block_size: int) -> Sequence[Tuple[str, int, int, int]]:
+    """SHAPES, and for a deeper drafter the same kinds at its full depth (block_size - 1)."""
+    d = block_size - 1
+    if d <= 7:
+        return SHAPES
+    return (*SHAPES, ("chain", 1, d, d), ("ddtree", 2, d, 16), ("ddtree", 4, d, 32), ("ddtree", 4, d, 64))
 
 
 def load_engine(ckpt: Path, cfg):
@@ -88,8 +97,10 @@ def table(ev: Dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kdtree.train.evaluate")
-    ap.add_argument("--ckpt", default="kdtree/assets/tiny")
+    ap.add_argument("--ckpt", default="", help="default: the model's checkpoint (kdtree/assets/tiny with the shipped "
+                                              "drafter of --drafter-block)")
     ap.add_argument("--model", default="tiny", help="conf/model/<name>.yaml, or a YAML path")
+    ap.add_argument("--drafter-block", type=int, default=None, help="model.drafter.block_size (default: the model's)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new", type=int, default=96)
@@ -97,8 +108,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     cfg = group_config("model", a.model)
+    if a.drafter_block is not None:
+        cfg.drafter.block_size = a.drafter_block
+    if not a.ckpt:
+        from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+        a.ckpt = str(ensure_tiny_checkpoint(cfg, None))
     model, drafter = load_engine(Path(a.ckpt), cfg)
-    ev = evaluate(model, drafter, heldout_prompts(a.prompts, a.prompt_len, a.seed), a.new)
+    ev = evaluate(model, drafter, heldout_prompts(a.prompts, a.prompt_len, a.seed), a.new,
+                  shapes=shapes_for(int(cfg.drafter.block_size)))
     ev["command"] = "python -m kdtree.train.evaluate " + " ".join(argv if argv is not None else sys.argv[1:])
     print(table(ev))
     if a.out:

@@ -110,3 +110,47 @@ def export_assets(cfg, work: Path, out: Path) -> Path:
     cmds = (work / "COMMANDS").read_text() if (work / "COMMANDS").exists() else ""
     return write_assets(cfg, load_tensors(work / "target.safetensors"), load_tensors(work / "drafter.safetensors"),
                         out, info, training_md(info, cmds))
+
+
+def drafter_md(info: dict, commands: str = "") -> str:
+    """TRAINING.md of a drafter shipped beside the default one (kdtree/assets/tiny/drafter_b<B>)."""
+    d, ev = info["drafter"], info.get("eval")
+    B = d["block_size"]
+    L = [f"# The tiny K2's DFlash drafter of block size {B}", "",
+         f"Distilled from the same trained target as kdtree/assets/tiny/drafter (block size 8), on the same greedy",
+         f"continuations (../TRAINING.md), with block [tok[a], MASK x {B - 1}]: it drafts {B - 1} tokens per round",
+         f"(tree.depth <= {B - 1}). CE weighted exp(-(j-1)/decay); decay {d['args']['decay']} (DFlash's for block 16).",
+         f"Select it with model.drafter.block_size={B}.", "",
+         f"* args: `{json.dumps(d.get('args', {}))}`",
+         f"* greedy data: `{json.dumps(d.get('greedy_args', {}))}`",
+         f"* steps done: {d['steps_done']}", "",
+         "| step | loss | ema | chain acceptance | acc per depth | seconds |", "|---|---|---|---|---|---|"]
+    L += [f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
+          f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]
+    if ev:
+        L += ["", "## Acceptance (numpy engine, held-out prompts)", "",
+              f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
+              f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
+              table(ev), "", f"Command: `{ev.get('command', '')}`"]
+    if commands:
+        L += ["", "## Commands", "", "```", commands.strip(), "```"]
+    return "\n".join(L) + "\n"
+
+
+def export_drafter(cfg, work: Path, out: Path) -> Path:
+    """A `python -m kdtree.train.run drafter --drafter-block B` work dir's drafter as a drafter checkpoint
+    (config.json + model.safetensors + TRAINING.md + training.json) in `out`."""
+    work, out = Path(work), Path(out)
+    d = json.loads((work / "drafter.json").read_text())
+    d["block_size"] = int(cfg.drafter.block_size)
+    ev = json.loads((work / "eval.json").read_text()) if (work / "eval.json").exists() else None
+    info = {"drafter": d, "eval": ev}
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    write_checkpoint(out, _check(load_tensors(work / "drafter.safetensors"), drafter_tensor_shapes(cfg), "drafter"),
+                     drafter_config_json(cfg), 0)
+    (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    cmds = (work / "COMMANDS").read_text() if (work / "COMMANDS").exists() else ""
+    (out / "TRAINING.md").write_text(drafter_md(info, cmds))
+    return out

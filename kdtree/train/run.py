@@ -4,6 +4,10 @@
   python -m kdtree.train.run greedy  --work DIR [...]              -> DIR/greedy.pt (+ heldout)
   python -m kdtree.train.run drafter --work DIR [--steps N ...]   -> DIR/drafter.safetensors, drafter.json
   python -m kdtree.train.run export  --work DIR --out kdtree/assets/tiny
+  python -m kdtree.train.run export-drafter --work DIR --drafter-block 16   -> kdtree/assets/tiny/drafter_b16
+
+--drafter-block B trains (and exports) a drafter of block size B (B - 1 drafted tokens, tree.depth <= B - 1) for
+the same target: kdtree/assets/tiny/drafter_b16 was made so (its TRAINING.md).
 
 The stage kdtree/stages/train_tiny.py runs all four in one process.
 """
@@ -20,7 +24,7 @@ import torch
 from kdtree.config.schema import group_config
 from kdtree.train import loop
 from kdtree.train.data import Corpus
-from kdtree.train.export import export_assets, load_tensors, save_tensors
+from kdtree.train.export import export_assets, export_drafter, load_tensors, save_tensors
 from kdtree.train.k2_torch import K2Torch
 from kdtree.train.recipe import RECIPE
 
@@ -28,7 +32,7 @@ from kdtree.train.recipe import RECIPE
 def main(argv=None) -> int:
     r = RECIPE
     ap = argparse.ArgumentParser(prog="python -m kdtree.train.run", description="defaults: kdtree/train/recipe.py")
-    ap.add_argument("phase", choices=["target", "greedy", "drafter", "export"])
+    ap.add_argument("phase", choices=["target", "greedy", "drafter", "export", "export-drafter"])
     ap.add_argument("--work", required=True)
     ap.add_argument("--model", default="tiny", help="conf/model/<name>.yaml, or a YAML path")
     ap.add_argument("--steps", type=int, default=None, help=f"default {r.target_steps} (target), "
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n-new", type=int, default=r.n_new)
     ap.add_argument("--anchors", type=int, default=r.anchors)
     ap.add_argument("--decay", type=float, default=r.decay)
+    ap.add_argument("--drafter-block", type=int, default=None, help="model.drafter.block_size (default: the model's)")
     ap.add_argument("--out", default="kdtree/assets/tiny")
     a = ap.parse_args(argv)
     if a.steps is None:
@@ -57,6 +62,8 @@ def main(argv=None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     cfg = group_config("model", a.model)
+    if a.drafter_block is not None:
+        cfg.drafter.block_size = a.drafter_block
 
     def log(msg):
         print(time.strftime("%H:%M:%S"), msg, flush=True)
@@ -89,6 +96,8 @@ def main(argv=None) -> int:
             "history": res["history"]}, indent=1))
     elif a.phase == "export":
         export_assets(cfg, work, Path(a.out))
+    elif a.phase == "export-drafter":
+        print(export_drafter(cfg, work, Path(a.out) / f"drafter_b{int(cfg.drafter.block_size)}"))
     return 0
 
 

@@ -121,3 +121,28 @@ def test_another_architecture_gets_seeded_weights_not_the_shipped_ones(tmp_path,
     other.drafter.target_layer_ids = [1, 2]
     d = ensure_tiny_checkpoint(other, fp32, str(tmp_path))
     assert d.parent == tmp_path / "checkpoints" and json.loads((d / "config.json").read_text())["num_hidden_layers"] == 3
+
+
+def test_block16_drafter_is_shipped_beside_the_default_and_joins_the_shipped_target(tmp_path, fp32):
+    """model.drafter.block_size=16: the shipped target with kdtree/assets/tiny/drafter_b16, assembled once into the
+    cache (the default block 8 stays kdtree/assets/tiny itself); a block size with no shipped drafter is no longer
+    the trained model."""
+    from safetensors.numpy import load_file
+
+    from kdtree.checkpoint.tiny import ASSETS, trained_drafter
+
+    cfg = model_cfg("tiny", init="trained")
+    cfg.drafter.block_size = 16
+    assert trained_drafter(cfg) == ASSETS / "drafter_b16"
+    d = ensure_tiny_checkpoint(cfg, fp32, str(tmp_path))
+    assert d.parent == tmp_path / "checkpoints" and "-trained-" in d.name
+    w, _ = load_checkpoint(d, cfg, fp32)
+    ref, _ = load_checkpoint(ASSETS, model_cfg("tiny", init="trained"), fp32)
+    assert set(w) == set(ref) and all(np.array_equal(w[k], ref[k]) for k in ref)
+    dw, _ = load_drafter(d, cfg, fp32)
+    shipped = load_file(str(ASSETS / "drafter_b16" / "model.safetensors"))
+    assert set(dw) == set(shipped) and all(np.array_equal(dw[k], shipped[k]) for k in shipped)
+    assert json.loads((d / "drafter" / "config.json").read_text())["dflash_config"]["block_size"] == 16
+    assert ensure_tiny_checkpoint(cfg, fp32, str(tmp_path)) == d           # reused
+    cfg.drafter.block_size = 12
+    assert trained_drafter(cfg) is None

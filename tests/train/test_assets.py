@@ -33,3 +33,24 @@ def test_trained_pair_accepts_and_equals_ar(tiny_cfg):
     assert dd.mean_acceptance_length >= 3.0, dd.acceptance_lengths
     info = json.loads((ASSETS / "training.json").read_text())
     assert info["target"]["corpus"]["corpus_sha256"] and info["target"]["history"]
+
+
+def test_block16_drafter_drafts_deeper_and_equals_ar(tiny_cfg, kdtree_cache):
+    """kdtree/assets/tiny/drafter_b16 (model.drafter.block_size=16) commits more tokens per target forward than the
+    default block-8 drafter on held-out prompts, at its full depth 15, and still reproduces greedy AR exactly."""
+    from omegaconf import OmegaConf
+
+    from kdtree.checkpoint.tiny import ensure_tiny_checkpoint
+    from kdtree.train.evaluate import evaluate, heldout_prompts, load_engine
+
+    cfg16 = OmegaConf.merge(tiny_cfg, {"drafter": {"block_size": 16}})
+    prompts = heldout_prompts(8, 64)
+    quiet = lambda *_: None  # noqa: E731
+    ev8 = evaluate(*load_engine(ASSETS, tiny_cfg), prompts, 96, shapes=[("chain", 1, 7, 7)], log=quiet)
+    ev16 = evaluate(*load_engine(ensure_tiny_checkpoint(cfg16, None, str(kdtree_cache)), cfg16), prompts, 96,
+                    shapes=[("chain", 1, 15, 15)], log=quiet)
+    r8, r16 = ev8["shapes"][0], ev16["shapes"][0]
+    assert r8["equal_to_ar"] and r16["equal_to_ar"]
+    assert r16["tokens_per_verify"] >= 1.2 * r8["tokens_per_verify"], (r16, r8)
+    info = json.loads((ASSETS / "drafter_b16" / "training.json").read_text())
+    assert info["drafter"]["block_size"] == 16 and info["drafter"]["history"]
