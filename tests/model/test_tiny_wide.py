@@ -3,7 +3,8 @@ narrow widths (hidden 256, dense MLP 1024, experts 512: 2x tiny's) on the numpy 
 
 * every tensor of the generated target and drafter has the widened shape names.py derives from the config;
 * prompt logits within LOGITS_ATOL of tiny's, the same greedy tokens;
-* DDTree output equals AR output on the widened model, with tiny's number of target forwards (acceptance kept);
+* DDTree output (depth 15: tiny_wide's drafter is tiny's block-16 one) equals AR output on the widened model, with
+  tiny's number of target forwards (acceptance kept);
 * the INT4 checkpoint (quant=int4_w4a16, BF16 non-experts) is made through the quantize path and decodes exactly;
 * widths that are not multiples of tiny's, init=random, or another source are refused with a ConfigError.
 """
@@ -26,6 +27,7 @@ LOGITS_ATOL = 1e-4
 PROMPT = "def __init__(self, "
 NEW_TOKENS = 24
 NARROW = ["model=tiny_wide", "model.hidden_size=256", "model.intermediate_size=1024", "model.moe_intermediate_size=512"]
+DEEP = ["tree=ddtree", "tree.depth=15", "tree.budget=16"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,8 @@ def engines(kdtree_cache):
             return compose(config_name="config", overrides=[f"cache_dir={kdtree_cache}", "load.progress=false",
                                                             *overrides])
 
-    tiny, wide = Engine.from_config(cfg("model=tiny")), Engine.from_config(cfg(*NARROW))
+    tiny = Engine.from_config(cfg("model=tiny", "model.drafter.block_size=16", *DEEP))
+    wide = Engine.from_config(cfg(*NARROW, *DEEP))
     yield {"tiny": tiny, "wide": wide, "cfg": cfg}
     tiny.close()
     wide.close()
@@ -117,6 +120,9 @@ def test_widths_key_the_directory_and_bad_configs_are_refused(engines, tmp_path)
         ensure_tiny_checkpoint(cfg(*NARROW, "model.widen_from=k26").model, None, str(tmp_path))
     with pytest.raises(ConfigError, match="architecture"):
         ensure_tiny_checkpoint(cfg(*NARROW, "model.num_hidden_layers=3").model, None, str(tmp_path))
+    assert checkpoint_key(narrow.model, None) != checkpoint_key(cfg(*NARROW, "model.drafter.block_size=8").model, None)
+    with pytest.raises(ConfigError, match="block_size=8 or model.drafter.block_size=16"):
+        ensure_tiny_checkpoint(cfg(*NARROW, "model.drafter.block_size=12").model, None, str(tmp_path))
 
 
 def test_an_unknown_tensor_name_raises(engines):
