@@ -51,6 +51,14 @@ class BenchConfig:
 CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
 
 
+def _shape(tree_cfg) -> dict:
+    """tree.* as decoded: a chain's width is 1 and its budget its depth, whatever tree.budget says (chain.yaml's 7)."""
+    t = OmegaConf.to_container(tree_cfg, resolve=True)
+    if t.get("kind") == "chain":
+        t["width"], t["budget"] = 1, int(t["depth"])
+    return t
+
+
 def load_prompts(path: str) -> list:
     p = Path(path) if path else DEFAULT_PROMPTS
     return list(json.loads(p.read_text())["prompts"])
@@ -279,7 +287,7 @@ def run(ctx, conf: BenchConfig) -> dict:
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
     out = {
-        "tree": OmegaConf.to_container(cfg.tree, resolve=True),
+        "tree": _shape(cfg.tree),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
         "prompts": texts, "max_new_tokens": max_new_tokens, "repeats": repeats,
         "tokens_per_s": tree["tokens_per_s"],
@@ -320,7 +328,7 @@ def run(ctx, conf: BenchConfig) -> dict:
         "provenance": provenance(ctx, sampling),
     }
     (ctx.run_dir / "bench.json").write_text(json.dumps(out, indent=2))
-    t = cfg.tree
+    t = OmegaConf.create(out["tree"])
     how = "greedy" if sampling.greedy else f"T={sampling.temperature} seed={sampling.seed}"
     how += f" grammar={conf.grammar}" if conf.grammar else ""
     prune = " prune_experts" if t.get("prune_experts") else ""

@@ -120,3 +120,20 @@ def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdt
     with open(tmp_path / "runs" / "report.csv") as f:
         kinds = [(row["kind"], row["budget"]) for row in csv.DictReader(f)]
     assert kinds == [("ar", "0"), ("chain", "3"), ("ddtree prune", "4"), ("ddtree prune", "6")]
+
+
+@needs_cpu_library
+def test_a_chain_is_recorded_with_the_budget_it_decodes(tmp_path, kdtree_cache):
+    """tree=chain tree.depth=3: bench.json and the report say budget 3 (a chain verifies its depth), not chain.yaml's
+    tree.budget=7, which a chain ignores."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": ["def main("]}))
+    run = tmp_path / "runs" / "chain"
+    _kdtree("-m", "kdtree.run", "pipeline=bench", "backend=cpu", "tree=chain", "tree.depth=3",
+            "bench.max_new_tokens=8", "bench.repeats=1", f"bench.prompts={prompts}", f"cache_dir={kdtree_cache}",
+            f"hydra.run.dir={run}", "load.progress=false")
+    b = json.loads((run / "bench.json").read_text())
+    assert (b["tree"]["kind"], b["tree"]["width"], b["tree"]["depth"], b["tree"]["budget"]) == ("chain", 1, 3, 3)
+    _kdtree("-m", "kdtree.report", str(tmp_path / "runs"))
+    with open(tmp_path / "runs" / "report.csv") as f:
+        assert [(row["kind"], row["budget"]) for row in csv.DictReader(f)] == [("ar", "0"), ("chain", "3")]
