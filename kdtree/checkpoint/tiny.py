@@ -20,6 +20,9 @@ generated the same way, one shard at a time (names.LazyWeights), into ~1/8-size 
 (model.widen_from=tiny) is the trained tiny widened, function-preserving, to its widths (kdtree/checkpoint/widen.py),
 keyed by the widths and the shipped checkpoint's digest.
 quant=bf16 is the fp32 checkpoint (the trained one for tiny) with every tensor rounded to BF16 (_bf16_copy).
+The trained target ships with two DFlash drafters (trained_drafter): drafter/ (block_size 8, the default) and
+drafter_b16/ (model.drafter.block_size=16, tiny_wide's default); with the second, tiny's fp32 checkpoint is the shipped
+target + that drafter assembled once into the cache dir, and tiny_wide widens that drafter.
 """
 from __future__ import annotations
 

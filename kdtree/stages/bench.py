@@ -287,7 +287,7 @@ def run(ctx, conf: BenchConfig) -> dict:
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
     out = {
-        "tree": _shape(cfg.tree),
+        "tree": _shape(cfg.tree), "drafter_block_size": int(cfg.model.drafter.block_size),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
         "prompts": texts, "max_new_tokens": max_new_tokens, "repeats": repeats,
         "tokens_per_s": tree["tokens_per_s"],

@@ -119,7 +119,7 @@ def drafter_md(info: dict, commands: str = "") -> str:
     L = [f"# The tiny K2's DFlash drafter of block size {B}", "",
          f"Distilled from the same trained target as kdtree/assets/tiny/drafter (block size 8), on the same greedy",
          f"continuations (../TRAINING.md), with block [tok[a], MASK x {B - 1}]: it drafts {B - 1} tokens per round",
-         f"(tree.depth <= {B - 1}). CE weighted exp(-(j-1)/decay); decay {d['args']['decay']} (DFlash's for block 16).",
+         f"(tree.depth <= {B - 1}). CE weighted exp(-(j-1)/decay); decay {d['args']['decay']}.",
          f"Select it with model.drafter.block_size={B}.", "",
          f"* args: `{json.dumps(d.get('args', {}))}`",
          f"* greedy data: `{json.dumps(d.get('greedy_args', {}))}`",

@@ -125,7 +125,7 @@ def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdt
 @needs_cpu_library
 def test_a_chain_is_recorded_with_the_budget_it_decodes(tmp_path, kdtree_cache):
     """tree=chain tree.depth=3: bench.json and the report say budget 3 (a chain verifies its depth), not chain.yaml's
-    tree.budget=7, which a chain ignores."""
+    tree.budget=7, which a chain ignores; bench.json names the drafter's block size (which drafter drafted)."""
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["def main("]}))
     run = tmp_path / "runs" / "chain"
@@ -134,6 +134,7 @@ def test_a_chain_is_recorded_with_the_budget_it_decodes(tmp_path, kdtree_cache):
             f"hydra.run.dir={run}", "load.progress=false")
     b = json.loads((run / "bench.json").read_text())
     assert (b["tree"]["kind"], b["tree"]["width"], b["tree"]["depth"], b["tree"]["budget"]) == ("chain", 1, 3, 3)
+    assert b["drafter_block_size"] == 8                                   # tiny's default drafter
     _kdtree("-m", "kdtree.report", str(tmp_path / "runs"))
     with open(tmp_path / "runs" / "report.csv") as f:
         assert [(row["kind"], row["budget"]) for row in csv.DictReader(f)] == [("ar", "0"), ("chain", "3")]
