@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -55,6 +55,21 @@ def write_assets(cfg, target: Mapping[str, np.ndarray], drafter: Mapping[str, np
     return out
 
 
+def _drafter_history(d: dict) -> List[str]:
+    """The drafter's loss and held-out acceptance per evaluation step, as a table."""
+    return ["| step | loss | ema | chain acceptance | acc per depth | seconds |", "|---|---|---|---|---|---|",
+            *[f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
+              f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]]
+
+
+def _acceptance(ev: dict) -> List[str]:
+    """The numpy engine's acceptance table on held-out prompts (kdtree.train.evaluate) and its command."""
+    return ["", "## Acceptance (numpy engine, held-out prompts)", "",
+            f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
+            f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
+            table(ev), "", f"Command: `{ev.get('command', '')}`"]
+
+
 def training_md(info: dict, commands: str = "") -> str:
     """TRAINING.md: what was trained on what, with which settings, reaching which losses and acceptance."""
     t, d, ev = info["target"], info["drafter"], info.get("eval")
@@ -85,15 +100,9 @@ def training_md(info: dict, commands: str = "") -> str:
           "  hiddens (layers target_layer_ids) of rows < a predicts tok[a+1..a+7]; CE weighted exp(-(j-1)/decay).",
           "* acc@j / chain = top-1 accuracy per depth and expected chain acceptance on held-out greedy data.",
           f"* steps done: {d['steps_done']}", "",
-          "| step | loss | ema | chain acceptance | acc per depth | seconds |", "|---|---|---|---|---|---|"]
-    L += [f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
-          f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]
+          *_drafter_history(d)]
     if ev:
-        L += ["", "## Acceptance (numpy engine, held-out prompts)", "",
-              f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
-              f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
-              table(ev), "", f"Command: `{ev.get('command', '')}`", "",
-              "Sample greedy continuations (AR):", ""]
+        L += [*_acceptance(ev), "", "Sample greedy continuations (AR):", ""]
         L += ["```", *[repr(s) for s in ev.get("ar_samples", [])], "```"]
     if commands:
         L += ["", "## Commands", "", "```", commands.strip(), "```"]
@@ -123,15 +132,9 @@ def drafter_md(info: dict, commands: str = "") -> str:
          f"Select it with model.drafter.block_size={B}.", "",
          f"* args: `{json.dumps(d.get('args', {}))}`",
          f"* greedy data: `{json.dumps(d.get('greedy_args', {}))}`",
-         f"* steps done: {d['steps_done']}", "",
-         "| step | loss | ema | chain acceptance | acc per depth | seconds |", "|---|---|---|---|---|---|"]
-    L += [f"| {h['step']} | {h['loss']} | {h['loss_ema']} | {h.get('chain_acceptance', '')} | "
-          f"{h.get('acc_per_depth', '')} | {h['seconds']} |" for h in d["history"]]
+         f"* steps done: {d['steps_done']}", "", *_drafter_history(d)]
     if ev:
-        L += ["", "## Acceptance (numpy engine, held-out prompts)", "",
-              f"{ev['n_prompts']} prompts of {ev['prompt_len']} bytes (line starts of held-out files), "
-              f"{ev['max_new_tokens']} new tokens, greedy. mean acceptance = tokens committed per verify forward.", "",
-              table(ev), "", f"Command: `{ev.get('command', '')}`"]
+        L += _acceptance(ev)
     if commands:
         L += ["", "## Commands", "", "```", commands.strip(), "```"]
     return "\n".join(L) + "\n"

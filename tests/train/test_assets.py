@@ -54,3 +54,26 @@ def test_block16_drafter_drafts_deeper_and_equals_ar(tiny_cfg, kdtree_cache):
     assert r16["tokens_per_verify"] >= 1.2 * r8["tokens_per_verify"], (r16, r8)
     info = json.loads((ASSETS / "drafter_b16" / "training.json").read_text())
     assert info["drafter"]["block_size"] == 16 and info["drafter"]["history"]
+
+
+def test_export_drafter_rewrites_the_shipped_block16_drafter_from_its_training_record(tmp_path):
+    """`python -m kdtree.train.run export-drafter --drafter-block 16` on a work dir holding drafter_b16's weights and
+    training record (drafter.json, eval.json, COMMANDS) writes kdtree/assets/tiny/drafter_b16 byte for byte: the
+    shipped files are what the documented commands produce."""
+    from safetensors.numpy import load_file, save_file
+
+    from kdtree.train.run import main
+
+    shipped = ASSETS / "drafter_b16"
+    info = json.loads((shipped / "training.json").read_text())
+    work = tmp_path / "work"
+    work.mkdir()
+    save_file(load_file(str(shipped / "model.safetensors")), str(work / "drafter.safetensors"))
+    (work / "drafter.json").write_text(json.dumps({k: v for k, v in info["drafter"].items() if k != "block_size"}))
+    (work / "eval.json").write_text(json.dumps(info["eval"]))
+    md = (shipped / "TRAINING.md").read_text()
+    (work / "COMMANDS").write_text(md.split("## Commands\n\n```\n")[1].split("```")[0])
+    assert main(["export-drafter", "--work", str(work), "--drafter-block", "16", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "drafter_b16"
+    for f in ("config.json", "model.safetensors", "training.json", "TRAINING.md"):
+        assert (out / f).read_bytes() == (shipped / f).read_bytes(), f
