@@ -5,7 +5,8 @@
 One row per run (its bench.json) and per shape of its bench.trees, plus each model's AR baseline; the best
 configuration by speedup is marked; AR, chain (width 1) and DDTree rows are shown side by side. The plot shows
 tokens/s relative to AR and mean acceptance length vs budget, one line per (model, kind, width, depth): a directory
-holding bench runs of several models (e.g. tiny and tiny_wide) gives one plot of both.
+holding bench runs of several models (e.g. tiny and tiny_wide) gives one plot of both; runs of one model with drafters
+of different block sizes (bench.json `drafter_block_size`) are labelled apart.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def _row(b: dict, t: dict, run: str, **vals) -> dict:
         kind += f" ({t['policy']})"
     if t.get("prune_experts"):
         kind += " prune"
-    return {"model": f"{b.get('model', '')} {b.get('quant', '')}".strip(), "kind": kind, "width": t["width"],
+    return {"model": f"{b.get('model', '')} {b.get('quant', '')}".strip(), "drafter_block_size": b.get("drafter_block_size"),
+            "kind": kind, "width": t["width"],
             "depth": t["depth"], "budget": t["budget"], "temperature": b.get("temperature", 0.0), "run": run,
             "ar_tokens_per_s": b["ar_tokens_per_s"], "ar_target_forwards_per_token": b["ar_target_forwards_per_token"],
             **vals}
@@ -50,6 +52,18 @@ def collect(sweep_dir: Path) -> List[dict]:
                              greedy_mean_acceptance_length=x["mean_acceptance_length"],
                              target_forwards_per_token=x["target_forwards_per_token"],
                              outputs_equal_ar=x["outputs_equal_ar"]))
+    return _name_drafters(rows)
+
+
+def _name_drafters(rows: List[dict]) -> List[dict]:
+    """Runs of one model and quant with drafters of different block sizes (bench.json `drafter_block_size`) are
+    different models to the table and the plot: their labels gain ", drafter block B" (and each its own AR row)."""
+    for m in {r["model"] for r in rows}:
+        mine = [r for r in rows if r["model"] == m]
+        if len({r["drafter_block_size"] for r in mine}) > 1:
+            for r in mine:
+                B = r["drafter_block_size"]
+                r["model"] = f"{m}, drafter block {B if B is not None else '?'}"
     return rows
 
 

@@ -94,6 +94,26 @@ def test_a_pruned_shape_is_its_own_line_in_the_report():
     assert (plain["kind"], pruned["kind"]) == ("ddtree", "ddtree prune")
 
 
+def test_runs_with_drafters_of_two_block_sizes_are_two_models_in_the_report(tmp_path):
+    # model=tiny_wide with its block-16 drafter and with model.drafter.block_size=8, in one report dir: two labels,
+    # two AR rows (each the median of its own runs' baselines), not one label mixing both drafters
+    from kdtree.report import write_report
+
+    shape = {"kind": "ddtree", "width": 4, "depth": 7, "budget": 8, "policy": "fixed"}
+    for name, block, ar in (("b16", 16, 9.0), ("b8", 8, 8.0), ("old", None, 7.0)):
+        b = {"model": "tiny_wide" if block else "tiny", "quant": "fp32", "tree": shape, "tokens_per_s": 2 * ar,
+             "ar_tokens_per_s": ar, "speedup_vs_ar": 2.0, "mean_acceptance_length": 6.0,
+             "target_forwards_per_token": 0.2, "ar_target_forwards_per_token": 1.0, "outputs_equal_ar": True}
+        if block:
+            b["drafter_block_size"] = block
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bench.json").write_text(json.dumps(b))
+    write_report(tmp_path)
+    with open(tmp_path / "report.csv") as f:
+        ar = {row["model"]: row["tokens_per_s"] for row in csv.DictReader(f) if row["kind"] == "ar"}
+    assert ar == {"tiny fp32": "7.0", "tiny_wide fp32, drafter block 16": "9.0", "tiny_wide fp32, drafter block 8": "8.0"}
+
+
 @needs_cpu_library
 def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdtree_cache):
     """bench.trees: more shapes in the same alternating rounds as AR and `tree`, each a row of bench.json and of
