@@ -27,9 +27,9 @@ def _row(b: dict, t: dict, run: str, **vals) -> dict:
         kind += f" ({t['policy']})"
     if t.get("prune_experts"):
         kind += " prune"
-    return {"model": f"{b.get('model', '')} {b.get('quant', '')}".strip(), "drafter_block_size": b.get("drafter_block_size"),
-            "kind": kind, "width": t["width"],
-            "depth": t["depth"], "budget": t["budget"], "temperature": b.get("temperature", 0.0), "run": run,
+    return {"model": f"{b.get('model', '')} {b.get('quant', '')}".strip(),
+            "drafter_block_size": b.get("drafter_block_size"), "kind": kind, "width": t["width"], "depth": t["depth"],
+            "budget": t["budget"], "temperature": b.get("temperature", 0.0), "run": run,
             "ar_tokens_per_s": b["ar_tokens_per_s"], "ar_target_forwards_per_token": b["ar_target_forwards_per_token"],
             **vals}
 

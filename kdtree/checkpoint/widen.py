@@ -26,7 +26,7 @@ import re
 import types
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -214,11 +214,10 @@ def _check_names(have: Mapping, want: Dict[str, tuple], label: str) -> None:
             raise CheckpointError(f"widen: {label} tensor '{k}' is {tuple(have[k].shape)}, names.py wants {shape}")
 
 
-def write_widened_checkpoint(directory, model_cfg, source_dir: Path, shard_bytes: int,
-                             drafter_dir: Optional[Path] = None) -> Path:
-    """Widen the trained checkpoint in `source_dir` (target + drafter/, float32; the drafter from `drafter_dir`
-    when given) to `model_cfg`'s widths into `directory`: same bytes for the same config; at most one shard of
-    widened tensors in memory."""
+def write_widened_checkpoint(directory, model_cfg, source_dir: Path, shard_bytes: int, drafter_dir: Path) -> Path:
+    """Widen the trained target in `source_dir` and the drafter in `drafter_dir` (float32; tiny.trained_drafter picks
+    the shipped one of model.drafter's block size) to `model_cfg`'s widths into `directory`: same bytes for the same
+    config; at most one shard of widened tensors in memory."""
     from kdtree.checkpoint.loader import DRAFTER_DIR
 
     directory = Path(directory)
@@ -233,7 +232,7 @@ def write_widened_checkpoint(directory, model_cfg, source_dir: Path, shard_bytes
     write_checkpoint(directory, WidenedWeights(widener, target, names.target_tensor_shapes(dst_ns), False),
                      target_config_json(model_cfg), shard_bytes)
     del target
-    drafter = _read_dir(Path(drafter_dir) if drafter_dir is not None else source_dir / DRAFTER_DIR)
+    drafter = _read_dir(Path(drafter_dir))
     _check_names(drafter, names.drafter_tensor_shapes(src_ns), "drafter")
     write_checkpoint(directory / DRAFTER_DIR, WidenedWeights(widener, drafter, names.drafter_tensor_shapes(dst_ns), True),
                      drafter_config_json(model_cfg), 0)

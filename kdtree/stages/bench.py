@@ -28,6 +28,7 @@ from kdtree.backends import native
 from kdtree.config.validate import tree_shapes
 from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.decode.result import STAGES
+from kdtree.decode.state import tree_shape
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
@@ -51,11 +52,12 @@ class BenchConfig:
 CONFIG = BenchConfig  # cfg.bench: this stage's options (kdtree/pipeline/registry.py)
 
 
-def _shape(tree_cfg) -> dict:
-    """tree.* as decoded: a chain's width is 1 and its budget its depth, whatever tree.budget says (chain.yaml's 7)."""
+def _shape(tree_cfg, block_size: int) -> dict:
+    """tree.* as decoded (decode.state.tree_shape): a chain's width is 1 and its budget its depth, whatever
+    tree.budget says (chain.yaml's 7)."""
     t = OmegaConf.to_container(tree_cfg, resolve=True)
-    if t.get("kind") == "chain":
-        t["width"], t["budget"] = 1, int(t["depth"])
+    if t.get("kind") != "ar":
+        t["width"], t["depth"], t["budget"] = tree_shape(tree_cfg, block_size)
     return t
 
 
@@ -287,7 +289,8 @@ def run(ctx, conf: BenchConfig) -> dict:
     if not sampling.greedy and cfg.tree.kind != "ar":
         greedy_acc = _run_set(engine, prompts_ids, max_new_tokens, cfg.tree, None, grammar)["mean_acceptance_length"]
     out = {
-        "tree": _shape(cfg.tree), "drafter_block_size": int(cfg.model.drafter.block_size),
+        "tree": _shape(cfg.tree, int(cfg.model.drafter.block_size)),
+        "drafter_block_size": int(cfg.model.drafter.block_size),
         "backend": cfg.backend.name, "quant": cfg.quant.method, "model": cfg.model.name, "tp": int(cfg.tp.size),
         "prompts": texts, "max_new_tokens": max_new_tokens, "repeats": repeats,
         "tokens_per_s": tree["tokens_per_s"],

@@ -111,7 +111,8 @@ def test_runs_with_drafters_of_two_block_sizes_are_two_models_in_the_report(tmp_
     write_report(tmp_path)
     with open(tmp_path / "report.csv") as f:
         ar = {row["model"]: row["tokens_per_s"] for row in csv.DictReader(f) if row["kind"] == "ar"}
-    assert ar == {"tiny fp32": "7.0", "tiny_wide fp32, drafter block 16": "9.0", "tiny_wide fp32, drafter block 8": "8.0"}
+    assert ar == {"tiny fp32": "7.0", "tiny_wide fp32, drafter block 16": "9.0",
+                  "tiny_wide fp32, drafter block 8": "8.0"}
 
 
 @needs_cpu_library
