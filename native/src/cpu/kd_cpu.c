@@ -413,73 +413,9 @@ static void kd_dot_4x1(const float *w, int64_t ws, const float *x, int64_t n, fl
   for (int i = 0; i < 4; i++) r[i] = kd_dot_f32(w + i * ws, x, n);
 }
 
-/* ---- row-streaming AVX2 linear for T >= 2 and the fused W4A16 GEMV -------------------------------------
- * Same arithmetic as kd_dot_f32 on every output, only scheduled differently: a [2 rows x 3 outputs] register
- * tile (12 accumulators: lanes 0..7 / 8..15 of six dots) walks k in blocks of KD_KC elements; between blocks
- * each dot's 16 partial lanes wait in a per-thread buffer, so every lane still adds its products in
- * ascending k and kd_hsum combines them as kd_lanes_sum. kd_linear_rows streams each weight triple (3 rows x
- * KD_KC per block, in L1) from memory once, front to back, and applies it to every row pair of x (in L2). */
+/* ---- AVX2 short-row tiles and multi-row panels for T >= 2, and the fused W4A16 GEMV ------------------------ */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define KD_KC 1024 /* k block (floats): 3 weight rows = 12 KB in L1, x block T x 4 KB in L2 */
-
-/* acc[r][o] (its 16 lanes at P + (r * ps + o) * 16) += the dot of x row r and w row o over n elements; n is a
- * multiple of 16 except in a row's last block, whose n % 16 tail goes to lanes 0.. as in kd_dot_f32. PF: one
- * prefetch (into L2) per 16 elements, of pf + i * pfs at the i-th (kd_rows_triple's stream of the next rows). */
-__attribute__((target("avx2,fma"), always_inline)) static inline void kd_tile_avx2(
-    const int R, const int O, const int PF, const float *x, int64_t xs, const float *w, int64_t ws, int64_t n,
-    float *P, int64_t ps, const char *pf, int64_t pfs) {
-  __m256 lo[2][3], hi[2][3];
-#pragma GCC unroll 2
-  for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-    for (int o = 0; o < O; o++) {
-      lo[r][o] = _mm256_load_ps(P + (r * ps + o) * 16);
-      hi[r][o] = _mm256_load_ps(P + (r * ps + o) * 16 + 8);
-    }
-  int64_t k = 0;
-  for (; k + KD_LANES <= n; k += KD_LANES) {
-    __m256 wl[3], wh[3];
-#pragma GCC unroll 3
-    for (int o = 0; o < O; o++) wl[o] = _mm256_loadu_ps(w + o * ws + k), wh[o] = _mm256_loadu_ps(w + o * ws + k + 8);
-    if (PF) _mm_prefetch(pf + k / KD_LANES * pfs, _MM_HINT_T1);
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++) {
-      __m256 xl = _mm256_loadu_ps(x + r * xs + k), xh = _mm256_loadu_ps(x + r * xs + k + 8);
-#pragma GCC unroll 3
-      for (int o = 0; o < O; o++) {
-        lo[r][o] = _mm256_fmadd_ps(wl[o], xl, lo[r][o]);
-        hi[r][o] = _mm256_fmadd_ps(wh[o], xh, hi[r][o]);
-      }
-    }
-  }
-  if (k < n)
-#pragma GCC unroll 2
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-      for (int o = 0; o < O; o++) KD_TAIL_AVX2(lo[r][o], hi[r][o], w + o * ws, x + r * xs, k, n);
-#pragma GCC unroll 2
-  for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-    for (int o = 0; o < O; o++) {
-      _mm256_store_ps(P + (r * ps + o) * 16, lo[r][o]);
-      _mm256_store_ps(P + (r * ps + o) * 16 + 8, hi[r][o]);
-    }
-}
-
-#define KD_TILE(R, O, PF)                                                                                      \
-  __attribute__((target("avx2,fma"))) static void kd_tile_##R##x##O##_##PF(const float *x, int64_t xs, const float *w, \
-                                                                     int64_t ws, int64_t n, float *P, int64_t ps, \
-                                                                     const char *pf, int64_t pfs) {               \
-    kd_tile_avx2(R, O, PF, x, xs, w, ws, n, P, ps, pf, pfs);                                                    \
-  }
-#define KD_TILES(PF) \
-  KD_TILE(2, 3, PF) KD_TILE(2, 2, PF) KD_TILE(2, 1, PF) KD_TILE(1, 3, PF) KD_TILE(1, 2, PF) KD_TILE(1, 1, PF)
-KD_TILES(0) KD_TILES(1)
-typedef void (*kd_tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, const char *,
-                           int64_t);
-static const kd_tile_fn kd_tiles[2][2][3] = { /* [PF][R - 1][O - 1] */
-    {{kd_tile_1x1_0, kd_tile_1x2_0, kd_tile_1x3_0}, {kd_tile_2x1_0, kd_tile_2x2_0, kd_tile_2x3_0}},
-    {{kd_tile_1x1_1, kd_tile_1x2_1, kd_tile_1x3_1}, {kd_tile_2x1_1, kd_tile_2x2_1, kd_tile_2x3_1}}};
+#define KD_KC 1024 /* rows up to this many floats take the direct tiles (whole dots in registers) */
 
 /* Direct tiles for short rows (n_in <= KD_KC, the tiny model's and the drafter's matrices; T >= 2): an
  * [R rows x O outputs] tile computes whole dots in registers, from +0, and writes their kd_hsum -- no partial
@@ -597,80 +533,202 @@ __attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint
   for (int j = 0; 8 * wi + j < k1; j++) w[8 * wi + j - k0] = kd_int4_weight(wr[wi], j, kd_qs_at(sr, g));
 }
 
-/* Output rows o .. o + O - 1 (O <= 3) of out [T, n_out] = x . w^T for all T rows of x (xa: 64-byte aligned rows,
- * stride ldx): w float32 rows (stride n_in, read in place) or (w == NULL) BF16 rows w16 widened exactly, or INT4
- * rows dequantized, block by block into wb (3 x KD_KC, this thread's), each 2-row tile of x against them in turn, the 16 partial lanes of each dot in
- * P [T x 3 x 16] between k blocks.
- * Memory-bound calls (K2-sized weights) want the weight rows streamed at the T = 1 GEMV's rate while the tiles
- * compute, but a stream that waits through the later tiles of a block idles the memory: so the next triple's rows
- * (contiguous: 3 rows of n_in floats, or of n_words packed words) are prefetched into L2 evenly over this
- * triple's iterations (pfs bytes per 16 elements). When that would take more than one line per iteration (float32,
- * T <= 4: one or two row pairs, the weight stream is then mostly the tiles' own loads) the hardware prefetcher is
- * left to it: prefetching there too measured slower (2048 x 7168, T = 2: 3.9 -> 4.4 ms). */
-__attribute__((target("avx2,fma"))) static void kd_rows_triple(const float *xa, int64_t ldx, const float *w,
-                                                            const uint16_t *w16, const uint32_t *qp, kd_qs qs, int64_t n_words,
-                                                            int64_t n_groups, int64_t wpg, float *out, int64_t T,
-                                                            int64_t n_in, int64_t n_out, int64_t o, float *P,
-                                                            float *wb) {
-  const int O = n_out - o < 3 ? (int)(n_out - o) : 3;
-  const int64_t iters = (T + 1) / 2 * ((n_in + KD_LANES - 1) / KD_LANES); /* of all this triple's tiles */
-  const int64_t nx = o + 3 < n_out ? o + 3 : o, rows = n_out - nx < 3 ? n_out - nx : 3; /* the next triple */
-  const int64_t nb = rows * (w     ? n_in * (int64_t)sizeof(float)
-                             : w16 ? n_in * (int64_t)sizeof(uint16_t)
-                                   : n_words * (int64_t)sizeof(uint32_t));
-  const char *pf = w ? (const char *)(w + nx * n_in) : w16 ? (const char *)(w16 + nx * n_in) : (const char *)(qp + nx * n_words);
-  const int64_t pfs = (nb + iters - 1) / iters;
-  const int PF = nx > o && pfs <= 64; /* the last triple (nx = o) has nothing to prefetch; pf stays in bounds */
-  memset(P, 0, sizeof(float) * (size_t)(T * 3 * 16));
-  int64_t it = 0;
-  for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
-    int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC, ws = w ? n_in : KD_KC;
-    const float *wk = w ? w + o * n_in + k0 : wb;
-    if (w16) { /* this block of the BF16 rows, widened exactly once for all T rows (kd_linear_f32's weights) */
-      for (int i = 0; i < O; i++) kd_bf16_widen_avx2(w16 + (o + i) * n_in + k0, wb + i * KD_KC, n);
-    } else if (!w) { /* this block of the INT4 rows, dequantized once for all T rows */
-      for (int i = 0; i < O; i++)
-        kd_dequant_slice_avx2(qp + (o + i) * n_words, kd_qs_row(qs, (o + i) * n_groups), wb + i * KD_KC, k0, k0 + n,
-                              wpg);
+/* ---- AVX2 panels: one forward's T rows against each loaded weight block ------------------------------------
+ * kd_linear_512's schedule with 8-lane registers. A dot's 16 lanes are two registers (lo: elements k % 16 < 8, hi:
+ * the rest), and a tile holding both for 3 rows x 4 outputs would need 24 accumulators of the 16 registers, so each k
+ * block runs as two passes, first the lo lanes of every dot of the tile, then the hi lanes: 12 accumulators, 3 x
+ * rows and 4 weight rows per step. Each lane still adds its products in ascending k (its partial sum parked in P
+ * between blocks and passes; the row's n % 16 tail as zeros, 0 * 0 + acc = acc as KD_TAIL_AVX2's masked lanes), and
+ * kd_hsum_avx2 combines lo and hi at the end: kd_dot_f32's bits. So that each pass reads x contiguously, x is copied
+ * once per call with every k block de-interleaved (its lo halves, then its hi halves); weights are read in panels of
+ * KD_QO rows, k block by k block (KD_QKC elements: a float32 panel block is 8 KB, in L1 for the second pass and the
+ * later row tiles), float32 in place (every other 32 bytes per pass), BF16 in place for a few rows (widened in the
+ * register) or, like INT4 blocks, widened / dequantized once per block into the thread's buffer in the
+ * de-interleaved order. Why this shape, on a Zen 3 host (AVX2, FMA roof 102 GFLOP/s per thread): the
+ * former [2 rows x 3 outputs] tile of both halves kept 20 registers live (spilled) and ran the multi-row linears at
+ * 40-50 GFLOP/s per thread; in a C harness with x from L2 the two-pass 3 x 4 tile ran at 81-85, 4 x 3 at 66-71, 2 x 6
+ * at 67-70. Against it in the library (native/bench_ab.py, 2 threads, 2048 x 7168 / 7168 x 2048 / 18432 x 7168):
+ * float32 T = 2 0.93-0.98x, T = 5-13 0.97-1.11x, T = 17-33 1.10-1.43x; BF16 T = 2 1.7-2.0x, T = 5-33 1.02-1.2x;
+ * INT4 T = 2 0.88-0.93x, T = 5-33 0.98-1.64x. Prefetching the next block over the first row tile (one line per row
+ * per step, or spread over all tiles) measured 0.93-0.98x: the hardware prefetcher keeps up with panels of 4 rows. */
+#define KD_QO 4    /* weight rows per panel */
+#define KD_QR 3    /* x rows per register tile */
+#define KD_QBF_T 6 /* BF16 widened in the register up to this many rows of x, else once per block into the buffer */
+#define KD_QKC 512 /* k block (elements) */
+
+/* R rows of x (stride xs, contiguous 8-element steps) x KD_QO weight rows (stride ws elements) over nc steps of one
+ * half of a k block; MODE 0: weights contiguous (the de-interleaved buffer), 1: float32 in place, 2: BF16 in place
+ * (a step every 16 elements); partial lanes in P (row r, output o: 8 floats at P + r * ps + o * 16) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_qtile_avx2(
+    const int R, const int MODE, const float *x, int64_t xs, const void *w, int64_t ws, int64_t nc, float *P,
+    int64_t ps) {
+  const int64_t wstep = MODE ? 16 : 8;
+  __m256 acc[KD_QR][KD_QO];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int o = 0; o < KD_QO; o++) acc[r][o] = _mm256_load_ps(P + r * ps + o * 16);
+  for (int64_t c = 0; c < nc; c++) {
+    __m256 wv[KD_QO];
+#pragma GCC unroll 4
+    for (int o = 0; o < KD_QO; o++) wv[o] = kd_wload_avx2(kd_wrow(w, o, ws, MODE == 2), wstep * c, MODE == 2);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+      const __m256 xv = _mm256_load_ps(x + r * xs + 8 * c);
+#pragma GCC unroll 4
+      for (int o = 0; o < KD_QO; o++) acc[r][o] = _mm256_fmadd_ps(wv[o], xv, acc[r][o]);
     }
-    for (int64_t t = 0; t < T; t += 2, it += (n + KD_LANES - 1) / KD_LANES)
-      kd_tiles[PF][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wk, ws, n, P + t * 48, 3, pf + it * pfs, pfs);
   }
-  for (int64_t t = 0; t < T; t++)
-    for (int i = 0; i < O; i++) {
-      const float *p = P + (t * 3 + i) * 16;
-      out[t * n_out + o + i] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
-    }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+    for (int o = 0; o < KD_QO; o++) _mm256_store_ps(P + r * ps + o * 16, acc[r][o]);
 }
 
-/* out [T, n_out] = x [T, n_in] . w^T for T >= 2, w float32 [n_out, n_in], or w16 BF16, or INT4 rows q (packed
- * [n_out, n_words], scales [n_out, n_groups], wpg words per group). Large calls give each thread a contiguous
- * range of output triples (static schedule): an output is one thread's fixed-order dot either way, so the bits do
- * not depend on the number of threads, nor on T. */
-__attribute__((target("avx2,fma"))) static int kd_linear_rows(const float *x, const float *w, const uint16_t *w16,
-                                                           const uint32_t *qp,
-                                                           kd_qs qs, int64_t n_words, int64_t n_groups,
-                                                           int64_t wpg, float *out, int64_t T, int64_t n_in,
-                                                           int64_t n_out, int parallel) {
-  /* x rows copied once to 64-byte aligned rows (numpy's large arrays sit 16 bytes past a line, and a 32-byte load
-   * across two cache lines costs two), an odd number of lines apart: rows a multiple of 4 KB apart (n_in = 7168)
-   * would all fall in the same L1 sets. */
-  int64_t ldx = (n_in + 31) / 32 * 32 + 16, n3 = (n_out + 2) / 3;
+#define KD_QTILE(R, M)                                                                                           \
+  __attribute__((target("avx2,fma"))) static void kd_qtile_##R##M(const float *x, int64_t xs, const void *w,       \
+                                                                  int64_t ws, int64_t nc, float *P, int64_t ps) { \
+    kd_qtile_avx2(R, M, x, xs, w, ws, nc, P, ps);                                                               \
+  }
+#define KD_QTILES(R) KD_QTILE(R, 0) KD_QTILE(R, 1) KD_QTILE(R, 2)
+KD_QTILES(1) KD_QTILES(2) KD_QTILES(3)
+#if KD_QR > 3
+KD_QTILES(4)
+#endif
+typedef void (*kd_qtile_fn)(const float *, int64_t, const void *, int64_t, int64_t, float *, int64_t);
+static const kd_qtile_fn kd_qtiles[][3] = { /* [R - 1][MODE] */
+    {kd_qtile_10, kd_qtile_11, kd_qtile_12}, {kd_qtile_20, kd_qtile_21, kd_qtile_22},
+    {kd_qtile_30, kd_qtile_31, kd_qtile_32},
+#if KD_QR > 3
+    {kd_qtile_40, kd_qtile_41, kd_qtile_42}
+#endif
+};
+
+/* A linear's weights for the AVX2 panels: float32 rows w, or BF16 rows w16, or INT4 rows (qp, qs, wpg). */
+typedef struct {
+  const float *w;
+  const uint16_t *w16;
+  const uint32_t *qp;
+  kd_qs qs;
+  int64_t n_words, n_groups, wpg, n_in, n_out;
+} kd_qsrc;
+
+static const char *kd_qsrc_at(const kd_qsrc *s, int64_t o, int64_t k) { /* row o from element k (k % 8 == 0) */
+  return s->w ? (const char *)(s->w + o * s->n_in + k)
+         : s->w16 ? (const char *)(s->w16 + o * s->n_in + k)
+                  : (const char *)(s->qp + o * s->n_words + k / 8);
+}
+
+/* elements [k0, k0 + n) of row o of s, de-interleaved into d: 8-element piece j (elements k0 + 8 j ..) to
+ * d + (j % 2) * half + (j / 2) * 8, half = 8 ceil(n / 16); the pieces' missing elements are +0 */
+__attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_qsrc *s, int64_t o, int64_t k0, int64_t n,
+                                                              float *d) {
+  const int64_t half = (n + 15) / 16 * 8, np = (n + 7) / 8;
+  if (n % 16 == 0) { /* whole chunks: the hot loops */
+    if (s->qp) { /* word k / 8 holds 8 elements; its group's scale counted along, no division per word */
+      const uint32_t *r = s->qp + o * s->n_words;
+      const kd_qs sr = kd_qs_row(s->qs, o * s->n_groups);
+      int64_t wi = k0 / 8, g = wi / s->wpg, left = s->wpg - wi % s->wpg;
+      for (int64_t j = 0; j < np; j++, wi++) {
+        _mm256_store_ps(d + (j % 2) * half + (j / 2) * 8, kd_w8_avx2(r[wi], kd_qs_at(sr, g)));
+        if (--left == 0) g++, left = s->wpg;
+      }
+    } else if (s->w) {
+      const float *r = s->w + o * s->n_in + k0;
+      for (int64_t c = 0; c < n / 16; c++)
+        _mm256_store_ps(d + 8 * c, _mm256_loadu_ps(r + 16 * c)),
+            _mm256_store_ps(d + half + 8 * c, _mm256_loadu_ps(r + 16 * c + 8));
+    } else {
+      const uint16_t *r = s->w16 + o * s->n_in + k0;
+      for (int64_t c = 0; c < n / 16; c++)
+        _mm256_store_ps(d + 8 * c, kd_wload_avx2(r, 16 * c, 1)),
+            _mm256_store_ps(d + half + 8 * c, kd_wload_avx2(r, 16 * c + 8, 1));
+    }
+    return;
+  }
+  for (int64_t j = 0; j < np; j++) {
+    float *dst = d + (j % 2) * half + (j / 2) * 8;
+    const int64_t k = k0 + 8 * j, m = n - 8 * j < 8 ? n - 8 * j : 8;
+    if (s->w) {
+      if (m == 8) _mm256_store_ps(dst, _mm256_loadu_ps(s->w + o * s->n_in + k));
+      else for (int i = 0; i < 8; i++) dst[i] = i < m ? s->w[o * s->n_in + k + i] : 0.0f;
+    } else if (s->w16) {
+      if (m == 8) _mm256_store_ps(dst, kd_wload_avx2(s->w16 + o * s->n_in, k, 1));
+      else for (int i = 0; i < 8; i++) dst[i] = 0.0f;
+      if (m < 8) kd_bf16_widen_generic(s->w16 + o * s->n_in + k, dst, m);
+    } else { /* INT4: word k / 8 holds these 8 elements (k % 8 == 0) */
+      const kd_qs sr = kd_qs_row(s->qs, o * s->n_groups);
+      const uint32_t wd = s->qp[o * s->n_words + k / 8];
+      const float sc = kd_qs_at(sr, k / 8 / s->wpg);
+      if (m == 8) _mm256_store_ps(dst, kd_w8_avx2(wd, sc));
+      else for (int i = 0; i < 8; i++) dst[i] = i < m ? kd_int4_weight(wd, i, sc) : 0.0f;
+    }
+  }
+  if (np % 2) _mm256_store_ps(d + half + (np / 2) * 8, _mm256_setzero_ps()); /* an odd last piece: its hi half */
+}
+
+/* panels [p0, p1) (outputs KD_QO p ..) of out [T, n_out] for all T rows of x (the de-interleaved copy, stride ldx):
+ * for each k block of a panel, every row tile of x (from L2) against the panel's block (in L1 after the first tile's
+ * pass). P: T x KD_QO x 16 and wb: KD_QO x KD_QKC floats of this thread. A last partial panel repeats its last row
+ * (results not written). Float32 and BF16 rows of whole chunks are read in place (the hardware prefetcher keeps up:
+ * a software prefetch of the next block over the first tile measured 0.93-0.98x here), INT4 blocks, rows with a
+ * tail and a last partial panel through wb. */
+__attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s, const float *x, int64_t ldx,
+                                                                float *out, int64_t T, int64_t p0, int64_t p1,
+                                                                float *P, float *wb) {
+  const int64_t n_in = s->n_in, n_out = s->n_out, G = (T + KD_QR - 1) / KD_QR, ps = KD_QO * 16;
+  for (int64_t p = p0; p < p1; p++) {
+    const int64_t o0 = p * KD_QO, no = n_out - o0 < KD_QO ? n_out - o0 : KD_QO;
+    const int mode = no == KD_QO && n_in % 16 == 0 ? (s->w ? 1 : s->w16 && T <= KD_QBF_T ? 2 : 0) : 0;
+    memset(P, 0, sizeof(float) * (size_t)(T * ps));
+    for (int64_t k0 = 0; k0 < n_in; k0 += KD_QKC) {
+      const int64_t n = n_in - k0 < KD_QKC ? n_in - k0 : KD_QKC, nc = (n + 15) / 16, half = 8 * nc;
+      if (!mode)
+        for (int64_t i = 0; i < KD_QO; i++) kd_qsplit_row(s, o0 + (i < no ? i : no - 1), k0, n, wb + i * KD_QKC);
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t t = g * KD_QR;
+        const int R = T - t < KD_QR ? (int)(T - t) : KD_QR;
+        for (int h = 0; h < 2; h++) {
+          const void *wk = mode ? (const void *)kd_qsrc_at(s, o0, k0 + 8 * h) : (const void *)(wb + h * half);
+          kd_qtiles[R - 1][mode](x + t * ldx + k0 + h * half, ldx, wk, mode ? n_in : KD_QKC, nc, P + t * ps + 8 * h,
+                                 ps);
+        }
+      }
+    }
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t o = 0; o < no; o++) {
+        const float *q = P + t * ps + o * 16;
+        out[t * n_out + o0 + o] = kd_hsum_avx2(_mm256_load_ps(q), _mm256_load_ps(q + 8));
+      }
+  }
+}
+
+/* out [T, n_out] = x [T, n_in] . w^T for T >= 2 on AVX2 (s: the weights). x is copied once, de-interleaved block by
+ * block (kd_qsplit_row's order), to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would
+ * share L1 sets). Each thread takes a contiguous range of panels: an output is one thread's fixed-order dot either
+ * way, so the bits depend neither on T nor on the number of threads. */
+__attribute__((target("avx2,fma"))) static int kd_linear_q(const kd_qsrc *s, const float *x, float *out, int64_t T,
+                                                           int parallel) {
+  const int64_t n_in = s->n_in, n_out = s->n_out, panels = (n_out + KD_QO - 1) / KD_QO;
+  const int64_t ldx = (n_in + 15) / 16 * 16 / 32 * 32 + 48;
   float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
   if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
+  const kd_qsrc xs = {x, NULL, NULL, kd_qs_none, 0, 0, 1, n_in, T};
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t k0 = 0; k0 < n_in; k0 += KD_QKC)
+      kd_qsplit_row(&xs, t, k0, n_in - k0 < KD_QKC ? n_in - k0 : KD_QKC, xa + t * ldx + k0);
   int nomem = 0;
-#pragma omp parallel if (parallel) num_threads(kd_threads())
+#pragma omp parallel num_threads(kd_threads()) if (parallel || kd_par_worth(T * n_in * n_out, panels))
   {
-    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * 3 * 16));
-    float *wb = w ? NULL : (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
-    if (!P || (!w && !wb)) {
+    const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_QO * 16));
+    float *wb = (float *)aligned_alloc(64, sizeof(float) * KD_QO * KD_QKC);
+    if (P && wb) {
+      kd_qpanels_avx2(s, xa, ldx, out, T, panels * me / nt, panels * (me + 1) / nt, P, wb);
+    } else {
 #pragma omp atomic write
       nomem = 1;
     }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n3; i++)
-      if (P && (w || wb)) kd_rows_triple(xa, ldx, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, 3 * i, P, wb);
     free(P);
     free(wb);
   }
@@ -678,76 +736,13 @@ __attribute__((target("avx2,fma"))) static int kd_linear_rows(const float *x, co
   return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
 }
 
-/* kd_linear_rows for many rows (x beyond ~L2: KD_ROWS_X_BYTES): k blocks of KD_OB outputs, so that the x block
- * (T x KD_KC) stays in L2 across the output tiles while each 3-row weight slice is copied (or dequantized) into L1
- * and applied to every row pair. w float32 [n_out, n_in], w16 BF16 or INT4 rows as kd_linear_rows. */
-#define KD_OB 48 /* outputs per block (16 tiles of 3): partial lanes T x 48 x 64 B per thread */
-__attribute__((target("avx2,fma"))) static int kd_linear_blocked(const float *x, const float *w, const uint16_t *w16,
-                                                               const uint32_t *qp,
-                                                               kd_qs qs, int64_t n_words, int64_t n_groups,
-                                                               int64_t wpg, float *out, int64_t T, int64_t n_in,
-                                                               int64_t n_out, int parallel) {
-  /* x rows copied once to 64-byte aligned rows: numpy's large arrays sit 16 bytes past a line, and a 32-byte load
-   * across two cache lines costs two (the tile kernel is load-bound). The weight slices get the same below. */
-  int64_t ldx = (n_in + 15) / 16 * 16;
-  float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx + 16));
-  if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  for (int64_t t = 0; t < T; t++) memcpy(xa + t * ldx, x + t * n_in, sizeof(float) * (size_t)n_in);
-  int nomem = 0;
-#pragma omp parallel if (parallel) num_threads(kd_threads())
-  {
-    float *P = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * KD_OB * 16));
-    float *wb = (float *)aligned_alloc(64, sizeof(float) * 3 * KD_KC);
-#pragma omp for schedule(static)
-    for (int64_t ob = 0; ob < n_out; ob += KD_OB) {
-      if (!P || !wb) {
-#pragma omp atomic write
-        nomem = 1;
-        continue;
-      }
-      int64_t no = n_out - ob < KD_OB ? n_out - ob : KD_OB;
-      memset(P, 0, sizeof(float) * (size_t)(T * KD_OB * 16));
-      for (int64_t k0 = 0; k0 < n_in; k0 += KD_KC) {
-        int64_t n = n_in - k0 < KD_KC ? n_in - k0 : KD_KC;
-        for (int64_t o = 0; o < no; o += 3) {
-          int O = (int)(no - o < 3 ? no - o : 3);
-          for (int i = 0; i < O; i++) /* this tile's weight slice, aligned, read from memory once */
-            if (w)
-              memcpy(wb + i * KD_KC, w + (ob + o + i) * n_in + k0, sizeof(float) * (size_t)n);
-            else if (w16) /* BF16: widened exactly into the same slice, so the tiles see kd_linear_f32's weights */
-              kd_bf16_widen_avx2(w16 + (ob + o + i) * n_in + k0, wb + i * KD_KC, n);
-            else
-              kd_dequant_slice_avx2(qp + (ob + o + i) * n_words, kd_qs_row(qs, (ob + o + i) * n_groups),
-                                    wb + i * KD_KC, k0, k0 + n, wpg);
-          for (int64_t t = 0; t < T; t += 2)
-            kd_tiles[0][T - t >= 2][O - 1](xa + t * ldx + k0, ldx, wb, KD_KC, n, P + (t * KD_OB + o) * 16, KD_OB,
-                                          NULL, 0);
-        }
-      }
-      for (int64_t t = 0; t < T; t++)
-        for (int64_t o = 0; o < no; o++) {
-          const float *p = P + (t * KD_OB + o) * 16;
-          out[t * n_out + ob + o] = kd_hsum_avx2(_mm256_load_ps(p), _mm256_load_ps(p + 8));
-        }
-    }
-    free(P);
-    free(wb);
-  }
-  free(xa);
-  return nomem ? kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld)", (long long)T) : KD_OK;
-}
-
-/* x bytes (T x n_in floats) up to which kd_linear_rows keeps x in L2 while it walks whole rows (T <= 13 at
- * n_in = 7168); more rows take kd_linear_blocked, which walks k blocks across 48 outputs instead (x block in L2).
- * Both compute every output as kd_dot_f32, so the switch never changes a bit. */
-#define KD_ROWS_X_BYTES (384 << 10)
-
+/* T >= 2 rows of long rows on AVX2: float32 w, or BF16 w16, or INT4 rows q (packed [n_out, n_words], scales
+ * [n_out, n_groups], wpg words per group) */
 static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w16, const uint32_t *qp, kd_qs qs,
                               int64_t n_words, int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in,
                               int64_t n_out, int parallel) {
-  if (T * n_in * (int64_t)sizeof(float) <= KD_ROWS_X_BYTES)
-    return kd_linear_rows(x, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
-  return kd_linear_blocked(x, w, w16, qp, qs, n_words, n_groups, wpg, out, T, n_in, n_out, parallel);
+  kd_qsrc src = {w, w16, qp, qs, n_words, n_groups, wpg, n_in, n_out};
+  return kd_linear_q(&src, x, out, T, parallel);
 }
 
 /* ---- AVX-512 linear: one forward's T rows against each loaded weight block ----------------------------------
