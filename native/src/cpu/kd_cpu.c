@@ -549,19 +549,28 @@ __attribute__((target("avx2,fma"))) static void kd_dequant_slice_avx2(const uint
  * 40-50 GFLOP/s per thread; in a C harness with x from L2 the two-pass 3 x 4 tile ran at 81-85, 4 x 3 at 66-71, 2 x 6
  * at 67-70. Against it in the library (native/bench_ab.py, 2 threads, 2048 x 7168 / 7168 x 2048 / 18432 x 7168):
  * float32 T = 2 0.93-0.98x, T = 5-13 0.97-1.11x, T = 17-33 1.10-1.43x; BF16 T = 2 1.7-2.0x, T = 5-33 1.02-1.2x;
- * INT4 T = 2 0.88-0.93x, T = 5-33 0.98-1.64x. Prefetching the next block over the first row tile (one line per row
- * per step, or spread over all tiles) measured 0.93-0.98x: the hardware prefetcher keeps up with panels of 4 rows. */
+ * INT4 T = 2 0.88-0.93x, T = 5-33 0.98-1.64x. The next block's weight lines are prefetched into L2 spread evenly over
+ * all of this block's tile passes (kd_qpf): against none, BF16 T = 9-17 1.11-1.27x, float32 T = 5-9 1.05-1.11x, T >= 13
+ * even, float32 T <= 3 0.95-0.98x (so not there); all of one line per row per step in the first pass (T0) was 0.97x. */
 #define KD_QO 4    /* weight rows per panel */
 #define KD_QR 3    /* x rows per register tile */
-#define KD_QBF_T 6 /* BF16 widened in the register up to this many rows of x, else once per block into the buffer */
+#define KD_QBF_T 4  /* BF16 widened in the register up to this many rows of x, else once per block into the buffer */
 #define KD_QKC 512 /* k block (elements) */
+/* the next block's weight lines a tile pass prefetches (into L2): line l (row l >> lsh, its (l & lmask)-th 64 bytes)
+ * for l in [l0, l1), spread over the pass's steps; pf NULL: none */
+typedef struct {
+  const char *pf;
+  int64_t prs, l0, l1, lmask;
+  int lsh;
+} kd_qpf;
 
 /* R rows of x (stride xs, contiguous 8-element steps) x KD_QO weight rows (stride ws elements) over nc steps of one
  * half of a k block; MODE 0: weights contiguous (the de-interleaved buffer), 1: float32 in place, 2: BF16 in place
  * (a step every 16 elements); partial lanes in P (row r, output o: 8 floats at P + r * ps + o * 16) */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_qtile_avx2(
     const int R, const int MODE, const float *x, int64_t xs, const void *w, int64_t ws, int64_t nc, float *P,
-    int64_t ps) {
+    int64_t ps, const kd_qpf *pfp) {
+  const kd_qpf pf = *pfp;
   const int64_t wstep = MODE ? 16 : 8;
   __m256 acc[KD_QR][KD_QO];
 #pragma GCC unroll 4
@@ -569,6 +578,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_qtile_a
 #pragma GCC unroll 4
     for (int o = 0; o < KD_QO; o++) acc[r][o] = _mm256_load_ps(P + r * ps + o * 16);
   for (int64_t c = 0; c < nc; c++) {
+    for (int64_t l = pf.l0 + c; l < pf.l1; l += nc)
+      _mm_prefetch(pf.pf + (l >> pf.lsh) * pf.prs + ((l & pf.lmask) << 6), _MM_HINT_T1);
     __m256 wv[KD_QO];
 #pragma GCC unroll 4
     for (int o = 0; o < KD_QO; o++) wv[o] = kd_wload_avx2(kd_wrow(w, o, ws, MODE == 2), wstep * c, MODE == 2);
@@ -587,15 +598,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_qtile_a
 
 #define KD_QTILE(R, M)                                                                                           \
   __attribute__((target("avx2,fma"))) static void kd_qtile_##R##M(const float *x, int64_t xs, const void *w,       \
-                                                                  int64_t ws, int64_t nc, float *P, int64_t ps) { \
-    kd_qtile_avx2(R, M, x, xs, w, ws, nc, P, ps);                                                               \
+                                                                  int64_t ws, int64_t nc, float *P, int64_t ps, \
+                                                                  const kd_qpf *pf) { \
+    kd_qtile_avx2(R, M, x, xs, w, ws, nc, P, ps, pf);                                                               \
   }
 #define KD_QTILES(R) KD_QTILE(R, 0) KD_QTILE(R, 1) KD_QTILE(R, 2)
 KD_QTILES(1) KD_QTILES(2) KD_QTILES(3)
 #if KD_QR > 3
 KD_QTILES(4)
 #endif
-typedef void (*kd_qtile_fn)(const float *, int64_t, const void *, int64_t, int64_t, float *, int64_t);
+typedef void (*kd_qtile_fn)(const float *, int64_t, const void *, int64_t, int64_t, float *, int64_t, const kd_qpf *);
 static const kd_qtile_fn kd_qtiles[][3] = { /* [R - 1][MODE] */
     {kd_qtile_10, kd_qtile_11, kd_qtile_12}, {kd_qtile_20, kd_qtile_21, kd_qtile_22},
     {kd_qtile_30, kd_qtile_31, kd_qtile_32},
@@ -685,13 +697,23 @@ __attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s
       const int64_t n = n_in - k0 < KD_QKC ? n_in - k0 : KD_QKC, nc = (n + 15) / 16, half = 8 * nc;
       if (!mode)
         for (int64_t i = 0; i < KD_QO; i++) kd_qsplit_row(s, o0 + (i < no ? i : no - 1), k0, n, wb + i * KD_QKC);
+      const int64_t nk = k0 + KD_QKC < n_in ? k0 + KD_QKC : 0, np0 = nk ? o0 : o0 + KD_QO;
+      const int want_pf = !(s->w && T <= KD_QR); /* float32, one row tile: 0.95-0.98x with it */
+      const char *pf = want_pf && np0 + KD_QO <= p1 * KD_QO && np0 + KD_QO <= n_out ? kd_qsrc_at(s, np0, nk) : NULL;
+      const int64_t rbytes = s->w ? n_in * 4 : s->w16 ? n_in * 2 : s->n_words * 4;
+      const int64_t nn = n_in - nk < KD_QKC ? n_in - nk : KD_QKC, lpr = (nn * rbytes / n_in + 63) / 64;
+      int lsh = 0;
+      while (((int64_t)1 << lsh) < lpr) lsh++;
+      const int64_t L = (int64_t)KD_QO << lsh, U = 2 * G;
       for (int64_t g = 0; g < G; g++) {
         const int64_t t = g * KD_QR;
         const int R = T - t < KD_QR ? (int)(T - t) : KD_QR;
         for (int h = 0; h < 2; h++) {
+          const int64_t u = 2 * g + h;
+          const kd_qpf q = {pf, rbytes, L * u / U, pf ? L * (u + 1) / U : 0, ((int64_t)1 << lsh) - 1, lsh};
           const void *wk = mode ? (const void *)kd_qsrc_at(s, o0, k0 + 8 * h) : (const void *)(wb + h * half);
           kd_qtiles[R - 1][mode](x + t * ldx + k0 + h * half, ldx, wk, mode ? n_in : KD_QKC, nc, P + t * ps + 8 * h,
-                                 ps);
+                                 ps, &q);
         }
       }
     }
