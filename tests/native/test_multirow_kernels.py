@@ -187,9 +187,10 @@ def test_blocked_kernels_equal_the_lane_order_dot_at_every_T(n_in, n_out, group)
             np.testing.assert_array_equal(ops.linear(x[:T], wt), want[:T], err_msg=f"T={T} {type(wt).__name__}")
 
 
-# (n_in, n_out, group): rows longer than a k block (the row-streaming kernel), odd n_in (a 16-element tail), odd
-# n_out (a last triple of 1 or 2 rows), weights >= 1 M (outputs split over threads), T x n_in past KD_ROWS_X_BYTES
-# (the k-blocked kernel); group 0 = float32 only
+# (n_in, n_out, group): rows of several k blocks (the AVX2 / AVX-512 panels), odd n_in (a 16-element tail: the
+# weights through the panel buffer), n_out not a multiple of the panel (a last panel of 1-3 rows), weights >= 1 M
+# (panels split over threads), 1-33 rows (row tiles of 1-3, BF16 / INT4 in place and through the buffer); group 0 =
+# float32 only
 STREAMED = [(1037, 1031, 0), (2056, 61, 8), (1040, 1100, 16), (3000, 7, 24), (1552, 2, 0), (4104, 37, 8)]
 
 
