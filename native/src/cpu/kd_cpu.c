@@ -682,9 +682,10 @@ __attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_qsrc *s, 
 /* panels [p0, p1) (outputs KD_QO p ..) of out [T, n_out] for all T rows of x (the de-interleaved copy, stride ldx):
  * for each k block of a panel, every row tile of x (from L2) against the panel's block (in L1 after the first tile's
  * pass). P: T x KD_QO x 16 and wb: KD_QO x KD_QKC floats of this thread. A last partial panel repeats its last row
- * (results not written). Float32 and BF16 rows of whole chunks are read in place (the hardware prefetcher keeps up:
- * a software prefetch of the next block over the first tile measured 0.93-0.98x here), INT4 blocks, rows with a
- * tail and a last partial panel through wb. */
+ * (results not written). Float32 rows of whole chunks are read in place, BF16 ones too up to KD_QBF_T rows of x;
+ * INT4 blocks, BF16 of more rows, rows with a tail and a last partial panel go through wb. The next block (this
+ * panel's, else the next panel's first; none past this thread's range) is prefetched over this block's tile passes,
+ * 1 / (2 G) of its lines each. */
 __attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s, const float *x, int64_t ldx,
                                                                 float *out, int64_t T, int64_t p0, int64_t p1,
                                                                 float *P, float *wb) {
