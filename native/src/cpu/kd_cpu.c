@@ -604,28 +604,28 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_qtile_a
   }
 #define KD_QTILES(R) KD_QTILE(R, 0) KD_QTILE(R, 1) KD_QTILE(R, 2)
 KD_QTILES(1) KD_QTILES(2) KD_QTILES(3)
-#if KD_QR > 3
-KD_QTILES(4)
-#endif
 typedef void (*kd_qtile_fn)(const float *, int64_t, const void *, int64_t, int64_t, float *, int64_t, const kd_qpf *);
-static const kd_qtile_fn kd_qtiles[][3] = { /* [R - 1][MODE] */
+static const kd_qtile_fn kd_qtiles[KD_QR][3] = { /* [R - 1][MODE] */
     {kd_qtile_10, kd_qtile_11, kd_qtile_12}, {kd_qtile_20, kd_qtile_21, kd_qtile_22},
-    {kd_qtile_30, kd_qtile_31, kd_qtile_32},
-#if KD_QR > 3
-    {kd_qtile_40, kd_qtile_41, kd_qtile_42}
-#endif
-};
+    {kd_qtile_30, kd_qtile_31, kd_qtile_32}};
 
-/* A linear's weights for the AVX2 panels: float32 rows w, or BF16 rows w16, or INT4 rows (qp, qs, wpg). */
+/* A linear's weights as the AVX2 panels and kd_linear_512 read them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
+ * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
 typedef struct {
   const float *w;
   const uint16_t *w16;
   const uint32_t *qp;
   kd_qs qs;
   int64_t n_words, n_groups, wpg, n_in, n_out;
-} kd_qsrc;
+  int perm; /* INT4 in the GEMV's lane order (kd_linear_512 sets it): x copied permuted, blocks dequantized so */
+} kd_wsrc;
 
-static const char *kd_qsrc_at(const kd_qsrc *s, int64_t o, int64_t k) { /* row o from element k (k % 8 == 0) */
+/* bytes per weight row in memory (the prefetch stream) */
+static int64_t kd_wsrc_row_bytes(const kd_wsrc *s) {
+  return s->w ? s->n_in * 4 : s->w16 ? s->n_in * 2 : s->n_words * 4;
+}
+
+static const char *kd_wsrc_at(const kd_wsrc *s, int64_t o, int64_t k) { /* row o from element k (k % 8 == 0) */
   return s->w ? (const char *)(s->w + o * s->n_in + k)
          : s->w16 ? (const char *)(s->w16 + o * s->n_in + k)
                   : (const char *)(s->qp + o * s->n_words + k / 8);
@@ -633,7 +633,7 @@ static const char *kd_qsrc_at(const kd_qsrc *s, int64_t o, int64_t k) { /* row o
 
 /* elements [k0, k0 + n) of row o of s, de-interleaved into d: 8-element piece j (elements k0 + 8 j ..) to
  * d + (j % 2) * half + (j / 2) * 8, half = 8 ceil(n / 16); the pieces' missing elements are +0 */
-__attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_qsrc *s, int64_t o, int64_t k0, int64_t n,
+__attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_wsrc *s, int64_t o, int64_t k0, int64_t n,
                                                               float *d) {
   const int64_t half = (n + 15) / 16 * 8, np = (n + 7) / 8;
   if (n % 16 == 0) { /* whole chunks: the hot loops */
@@ -665,9 +665,12 @@ __attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_qsrc *s, 
       if (m == 8) _mm256_store_ps(dst, _mm256_loadu_ps(s->w + o * s->n_in + k));
       else for (int i = 0; i < 8; i++) dst[i] = i < m ? s->w[o * s->n_in + k + i] : 0.0f;
     } else if (s->w16) {
-      if (m == 8) _mm256_store_ps(dst, kd_wload_avx2(s->w16 + o * s->n_in, k, 1));
-      else for (int i = 0; i < 8; i++) dst[i] = 0.0f;
-      if (m < 8) kd_bf16_widen_generic(s->w16 + o * s->n_in + k, dst, m);
+      if (m == 8) {
+        _mm256_store_ps(dst, kd_wload_avx2(s->w16 + o * s->n_in, k, 1));
+      } else {
+        _mm256_store_ps(dst, _mm256_setzero_ps());
+        kd_bf16_widen_generic(s->w16 + o * s->n_in + k, dst, m);
+      }
     } else { /* INT4: word k / 8 holds these 8 elements (k % 8 == 0) */
       const kd_qs sr = kd_qs_row(s->qs, o * s->n_groups);
       const uint32_t wd = s->qp[o * s->n_words + k / 8];
@@ -686,10 +689,12 @@ __attribute__((target("avx2,fma"))) static void kd_qsplit_row(const kd_qsrc *s, 
  * INT4 blocks, BF16 of more rows, rows with a tail and a last partial panel go through wb. The next block (this
  * panel's, else the next panel's first; none past this thread's range) is prefetched over this block's tile passes,
  * 1 / (2 G) of its lines each. */
-__attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s, const float *x, int64_t ldx,
+__attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_wsrc *s, const float *x, int64_t ldx,
                                                                 float *out, int64_t T, int64_t p0, int64_t p1,
                                                                 float *P, float *wb) {
   const int64_t n_in = s->n_in, n_out = s->n_out, G = (T + KD_QR - 1) / KD_QR, ps = KD_QO * 16;
+  const int64_t rbytes = kd_wsrc_row_bytes(s);
+  const int want_pf = !(s->w && T <= KD_QR); /* float32, one row tile: 0.95-0.98x with it */
   for (int64_t p = p0; p < p1; p++) {
     const int64_t o0 = p * KD_QO, no = n_out - o0 < KD_QO ? n_out - o0 : KD_QO;
     const int mode = no == KD_QO && n_in % 16 == 0 ? (s->w ? 1 : s->w16 && T <= KD_QBF_T ? 2 : 0) : 0;
@@ -699,9 +704,7 @@ __attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s
       if (!mode)
         for (int64_t i = 0; i < KD_QO; i++) kd_qsplit_row(s, o0 + (i < no ? i : no - 1), k0, n, wb + i * KD_QKC);
       const int64_t nk = k0 + KD_QKC < n_in ? k0 + KD_QKC : 0, np0 = nk ? o0 : o0 + KD_QO;
-      const int want_pf = !(s->w && T <= KD_QR); /* float32, one row tile: 0.95-0.98x with it */
-      const char *pf = want_pf && np0 + KD_QO <= p1 * KD_QO && np0 + KD_QO <= n_out ? kd_qsrc_at(s, np0, nk) : NULL;
-      const int64_t rbytes = s->w ? n_in * 4 : s->w16 ? n_in * 2 : s->n_words * 4;
+      const char *pf = want_pf && np0 + KD_QO <= p1 * KD_QO && np0 + KD_QO <= n_out ? kd_wsrc_at(s, np0, nk) : NULL;
       const int64_t nn = n_in - nk < KD_QKC ? n_in - nk : KD_QKC, lpr = (nn * rbytes / n_in + 63) / 64;
       int lsh = 0;
       while (((int64_t)1 << lsh) < lpr) lsh++;
@@ -712,7 +715,7 @@ __attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s
         for (int h = 0; h < 2; h++) {
           const int64_t u = 2 * g + h;
           const kd_qpf q = {pf, rbytes, L * u / U, pf ? L * (u + 1) / U : 0, ((int64_t)1 << lsh) - 1, lsh};
-          const void *wk = mode ? (const void *)kd_qsrc_at(s, o0, k0 + 8 * h) : (const void *)(wb + h * half);
+          const void *wk = mode ? (const void *)kd_wsrc_at(s, o0, k0 + 8 * h) : (const void *)(wb + h * half);
           kd_qtiles[R - 1][mode](x + t * ldx + k0 + h * half, ldx, wk, mode ? n_in : KD_QKC, nc, P + t * ps + 8 * h,
                                  ps, &q);
         }
@@ -730,13 +733,13 @@ __attribute__((target("avx2,fma"))) static void kd_qpanels_avx2(const kd_qsrc *s
  * block (kd_qsplit_row's order), to 64-byte aligned rows an odd number of cache lines apart (rows 4 KB apart would
  * share L1 sets). Each thread takes a contiguous range of panels: an output is one thread's fixed-order dot either
  * way, so the bits depend neither on T nor on the number of threads. */
-__attribute__((target("avx2,fma"))) static int kd_linear_q(const kd_qsrc *s, const float *x, float *out, int64_t T,
+__attribute__((target("avx2,fma"))) static int kd_linear_q(const kd_wsrc *s, const float *x, float *out, int64_t T,
                                                            int parallel) {
   const int64_t n_in = s->n_in, n_out = s->n_out, panels = (n_out + KD_QO - 1) / KD_QO;
   const int64_t ldx = (n_in + 15) / 16 * 16 / 32 * 32 + 48;
   float *xa = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldx));
   if (!xa) return kd_fail(KD_ENOMEM, "kd_linear: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  const kd_qsrc xs = {x, NULL, NULL, kd_qs_none, 0, 0, 1, n_in, T};
+  const kd_wsrc xs = {x, NULL, NULL, kd_qs_none, 0, 0, 1, n_in, T, 0};
   for (int64_t t = 0; t < T; t++)
     for (int64_t k0 = 0; k0 < n_in; k0 += KD_QKC)
       kd_qsplit_row(&xs, t, k0, n_in - k0 < KD_QKC ? n_in - k0 : KD_QKC, xa + t * ldx + k0);
@@ -764,7 +767,7 @@ __attribute__((target("avx2,fma"))) static int kd_linear_q(const kd_qsrc *s, con
 static int kd_linear_multirow(const float *x, const float *w, const uint16_t *w16, const uint32_t *qp, kd_qs qs,
                               int64_t n_words, int64_t n_groups, int64_t wpg, float *out, int64_t T, int64_t n_in,
                               int64_t n_out, int parallel) {
-  kd_qsrc src = {w, w16, qp, qs, n_words, n_groups, wpg, n_in, n_out};
+  kd_wsrc src = {w, w16, qp, qs, n_words, n_groups, wpg, n_in, n_out, 0};
   return kd_linear_q(&src, x, out, T, parallel);
 }
 
@@ -915,27 +918,6 @@ __attribute__((target(KD_A512))) static void kd_dequant_perm_512(const uint32_t 
   }
 }
 
-/* A linear's weights as kd_linear_512 reads them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
- * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
-typedef struct {
-  const float *w;
-  const uint16_t *w16;
-  const uint32_t *qp;
-  kd_qs qs;
-  int64_t n_words, n_groups, wpg, n_in, n_out;
-  int perm; /* INT4 in the GEMV's lane order (kd_linear_512 sets it): x copied permuted, blocks dequantized so */
-} kd_wsrc;
-
-/* bytes per weight row in memory (the prefetch stream) */
-static int64_t kd_wsrc_row_bytes(const kd_wsrc *s) {
-  return s->w ? s->n_in * 4 : s->w16 ? s->n_in * 2 : s->n_words * 4;
-}
-
-static const char *kd_wsrc_at(const kd_wsrc *s, int64_t o, int64_t k) { /* row o from element k (k % 8 == 0) */
-  return s->w ? (const char *)(s->w + o * s->n_in + k)
-         : s->w16 ? (const char *)(s->w16 + o * s->n_in + k)
-                  : (const char *)(s->qp + o * s->n_words + k / 8);
-}
 
 /* The row tiles of a call of T rows: full 4-row tiles, the rest last (9 = 4 + 4 + 1; a 4-row tile does 24
  * multiply-adds per 10 loads, and 3 x 3 measured 1.15-1.2x slower than 4 + 4 + 1 at T = 9), and the share of the next
