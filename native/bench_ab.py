@@ -4,7 +4,8 @@ host (this project's VMs change their memory speed for seconds at a time: runs m
     # one linear of T rows on 64-byte aligned weight copies (> 1 GB in all: every call streams from memory),
     # best of --reps alternations; `roof` = kd_roof_read over the same copies
     .venv/bin/python native/bench_ab.py linear --libs /tmp/old.so,native/build/libkdtree_cpu.so \
-        [--shapes 2048x7168,7168x2048] [--kind f32,bf16] [--T 1,2,4,9] [--threads 2]
+        [--shapes 2048x7168,7168x2048] [--kind f32,bf16,int4] [--T 1,2,4,9] [--threads 2]
+    # (int4: K2.6's experts, group 32 with BF16 scales; GB/s counts the packed words, not the scales)
     # one tiny_wide target forward of T rows after a 64-token context: one engine per library on the same mapped
     # checkpoint (the page cache holds the weights once), forwards alternating; the logits must be equal
     .venv/bin/python native/bench_ab.py forward --libs /tmp/old.so,native/build/libkdtree_cpu.so \
@@ -23,6 +24,7 @@ import numpy as np
 
 from kdtree.aligned import aligned_copy
 from kdtree.backends import native
+from kdtree.quant import int4
 
 
 def _alternate(calls: Dict[str, Callable[[int], object]], reps: int, per: int) -> Dict[str, float]:
@@ -49,16 +51,26 @@ def linear(a) -> None:
         n_out, n_in = (int(s) for s in shape.split("x"))
         w0 = rng.standard_normal((n_out, n_in), dtype=np.float32)
         for kind in a.kind.split(","):
-            w = w0 if kind == "f32" else (w0.view(np.uint32) >> 16).astype(np.uint16)
-            copies = [aligned_copy(w) for _ in range(max(4, int(1.2e9 // w.nbytes)))]
+            if kind == "int4":   # K2.6's experts: group 32, BF16 scales; a copy is (packed, scales)
+                packed, scale, _ = int4.quantize_weight(w0, 32)
+                w = packed
+                copies = [(aligned_copy(packed), aligned_copy(scale))
+                          for _ in range(max(4, int(1.2e9 // (packed.nbytes + scale.nbytes))))]
+            else:
+                w = w0 if kind == "f32" else (w0.view(np.uint32) >> 16).astype(np.uint16)
+                copies = [aligned_copy(w) for _ in range(max(4, int(1.2e9 // w.nbytes)))]
             for T in (int(t) for t in a.T.split(",")):
                 x = rng.standard_normal((T, n_in), dtype=np.float32)
                 calls: Dict[str, Callable[[int], object]] = {}
                 for path, lib in libs.items():
+                    if kind == "int4":
+                        calls[path] = lambda i, lib=lib: lib.linear_w4a16(x, *copies[i % len(copies)], n_in, 32)
+                        continue
                     f = lib.linear_f32 if kind == "f32" else lib.linear_bf16
                     calls[path] = lambda i, f=f: f(x, copies[i % len(copies)])
                 calls["roof"] = lambda i: base.c.kd_roof_read(
-                    base.ffi.cast("float *", copies[i % len(copies)].ctypes.data), w.nbytes // 4, a.threads)
+                    base.ffi.cast("float *", (copies[i % len(copies)][0] if kind == "int4" else
+                                              copies[i % len(copies)]).ctypes.data), w.nbytes // 4, a.threads)
                 best = _alternate(calls, a.reps, len(copies))
                 names = list(libs)
                 print(f"{kind} {shape} threads {a.threads} T {T}: " + "  ".join(
@@ -123,7 +135,7 @@ def main() -> None:
     ap.add_argument("--T", default="1,2,4,9")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--shapes", default="2048x7168,7168x2048")   # linear: n_out x n_in
-    ap.add_argument("--kind", default="f32,bf16")                # linear: weight dtype
+    ap.add_argument("--kind", default="f32,bf16")                # linear: weight dtype (f32, bf16, int4)
     ap.add_argument("--model", default="tiny_wide")              # forward
     ap.add_argument("--quant", default="bf16")                   # forward
     a = ap.parse_args()

@@ -130,7 +130,7 @@ static void kd_dequant_row(const uint32_t *wr, kd_qs sr, float *w, int64_t n_in,
 }
 
 /* One output of W4A16, fused: the same products (q * s) * x and the same lanes (k % 16) as kd_dot_f32 on the
- * dequantized row, so both paths agree bit for bit. The portable path; the AVX2 one is kd_gemv_w4_avx2. */
+ * dequantized row, so both paths agree bit for bit. The portable path; the AVX2 one is kd_w4_small_avx2. */
 static float kd_dot_w4_generic(const uint32_t *wr, kd_qs sr, const float *x, int64_t n_in,
                                int64_t words_per_group) {
   float acc[KD_LANES] = {0};
@@ -1322,32 +1322,41 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
 }
 #endif
 
-/* Output rows per pass of the fused W4A16 GEMV. The loop is bound by vector ops (~11 per 16 weights), not by x
- * loads, so more rows gain nothing: 4 rows with the scales held in registers spilled an accumulator, and out of
- * cache 2 rows (4 accumulators + each row's scale and -8 * scale broadcasts) ran 5-10 % faster than 3. */
-#define KD_W4_ROWS 2
-#define KD_W4_GW 64 /* groups per window of the staged -8 * scales: KD_W4_ROWS x 64 floats of stack */
+/* The fused W4A16 kernel on AVX2, for R = 1..KD_W4_SMALL_T2 rows of x: each 16-weight chunk of a weight row is
+ * formed once in registers and multiplied into all R rows of x, so a small verify's or batch's rows (a K2 expert
+ * gets 1-3 of a tree's rows) stream the INT4 bytes once without the panel path's dequantize-to-L1 round trip, which
+ * at 2 rows ran 2.7x slower per weight than this kernel's GEMV (native/bench_ab.py, docs/measurements.md, 14th
+ * session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x load for both; 4 rows with the scales held in
+ * registers spilled an accumulator, and out of cache 2 rows -- 4 accumulators + each row's scale and -8 * scale
+ * broadcasts -- ran 5-10 % faster than 3); R >= 2 rows of x take 1 (2 R accumulators + the row's scale pair and its
+ * two weight registers: 14 of 16 at R = 4). The loop is bound by the two FMA pipes: 2 fused multiply-adds form a
+ * chunk's 16 weights, 2 R multiply them into the rows. */
+#define KD_W4_ROWS 2       /* weight rows per pass of the GEMV */
+#define KD_W4_SMALL_T2 4   /* rows of x per pass of the fused kernel (one weight row each) */
+#define KD_W4_GW 64        /* groups per window of the staged -8 * scales: W x 64 floats of stack */
 
-/* chunks [c0, c1) of the KD_W4_ROWS rows, all in one group: row r's weight (q - 8) * s formed as fma(q, sc[r], ns[r])
- * with ns = -8 s: the fused product-sum is exact before its one rounding, and q s - 8 s = (q - 8) s (-8 s is exact,
- * a power-of-two scaling), so the bits are kd_int4_weight's (finite scales). The products with x are a second
- * fused multiply-add into the lane, as kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk
- * reads per row). */
+/* chunks [c0, c1) of W weight rows x R rows of x (xp: permuted rows, stride ldp), all in one group: row r's weight
+ * (q - 8) * s formed as fma(q, sc[r], ns[r]) with ns = -8 s: the fused product-sum is exact before its one rounding,
+ * and q s - 8 s = (q - 8) s (-8 s is exact, a power-of-two scaling), so the bits are kd_int4_weight's (finite
+ * scales). The products with x are a second fused multiply-add into the lane (accumulator r * R + t), as
+ * kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk reads per row). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chunks_avx2(
-    const uint32_t *const *wr, const float *xp, const char *next, int64_t c0, int64_t c1, const __m256 *sc,
-    const __m256 *ns, __m256 *ev, __m256 *od) {
+    const int W, const int R, const uint32_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t c0,
+    int64_t c1, const __m256 *sc, const __m256 *ns, __m256 *ev, __m256 *od) {
   const __m256i m15 = _mm256_set1_epi32(15);
 #pragma GCC unroll 1 /* unrolled, gcc interleaves two chunks and spills their weights */
   for (int64_t c = c0; c < c1; c++) {
-    __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);
     _mm_prefetch(next + 32 * c, _MM_HINT_T0);
 #pragma GCC unroll 4
-    for (int r = 0; r < KD_W4_ROWS; r++) {
+    for (int r = 0; r < W; r++) {
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
       __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc[r], ns[r]);
       __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc[r], ns[r]);
-      ev[r] = _mm256_fmadd_ps(we, xe, ev[r]);
-      od[r] = _mm256_fmadd_ps(wo, xo, od[r]);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++) {
+        ev[r * R + t] = _mm256_fmadd_ps(we, _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
+        od[r * R + t] = _mm256_fmadd_ps(wo, _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
+      }
     }
   }
 }
@@ -1357,34 +1366,33 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
  * so that the first chunk of a group waits on two loads, not a load and a multiply (the group-32 case has only two
  * chunks per group). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_groups_avx2(
-    const uint32_t *const *wr, const kd_qs *sr, const float *xp, const char *next, int64_t nc, int64_t cpg,
-    __m256 *ev, __m256 *od) {
+    const int W, const int R, const uint32_t *const *wr, const kd_qs *sr, const float *xp, int64_t ldp,
+    const char *next, int64_t nc, int64_t cpg, __m256 *ev, __m256 *od) {
   float scb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32))), nsb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32)));
   const int64_t ng = (nc + cpg - 1) / cpg;
   for (int64_t g0 = 0; g0 < ng; g0 += KD_W4_GW) {
     int64_t gn = ng - g0 < KD_W4_GW ? ng - g0 : KD_W4_GW;
-    for (int r = 0; r < KD_W4_ROWS; r++)
+    for (int r = 0; r < W; r++)
       for (int64_t g = 0; g < gn; g++) scb[r][g] = kd_qs_at(sr[r], g0 + g), nsb[r][g] = -8.0f * scb[r][g];
     for (int64_t g = 0; g < gn; g++) {
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
 #pragma GCC unroll 4
-      for (int r = 0; r < KD_W4_ROWS; r++)
+      for (int r = 0; r < W; r++)
         sc[r] = _mm256_broadcast_ss(&scb[r][g]), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
       int64_t c0 = (g0 + g) * cpg;
       if (c0 + cpg <= nc) /* a whole group: a constant trip count (unrolled for cpg = 2) */
-        kd_w4_chunks_avx2(wr, xp, next, c0, c0 + cpg, sc, ns, ev, od);
+        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c0, c0 + cpg, sc, ns, ev, od);
       else
-        kd_w4_chunks_avx2(wr, xp, next, c0, nc, sc, ns, ev, od);
+        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c0, nc, sc, ns, ev, od);
     }
   }
 }
 
-/* Fused W4A16 GEMV (T = 1), KD_W4_ROWS output rows per pass (one x load for all of them). 16 elements = 2 packed
- * words = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in dword i; & 15 gives the even elements (lanes 0, 2,
- * .., 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted the same way once per call (xp), so register lane i
- * of `ev` is logical lane 2i and of `od` lane 2i+1: each logical lane still adds (q * s) * x in ascending k, as
- * kd_dot_f32 on the dequantized row. A chunk's 8 bytes span words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3,
- * s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
+/* One dot of the fused kernel: 16 elements = 2 packed words = 8 bytes: vpmovzxbd puts byte i (elements 2i, 2i+1) in
+ * dword i; & 15 gives the even elements (lanes 0, 2, .., 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted
+ * the same way once per call (xp), so register lane i of `ev` is logical lane 2i and of `od` lane 2i+1: each
+ * logical lane still adds (q * s) * x in ascending k, as kd_dot_f32 on the dequantized row. A chunk's 8 bytes span
+ * words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
 __attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
                                                                kd_qs sr, const float *x, int64_t n_in,
                                                                int64_t wpg) {
@@ -1398,30 +1406,30 @@ __attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __
   return kd_lanes_sum(b);
 }
 
-/* outputs o .. o + KD_W4_ROWS - 1 of the fused W4A16 GEMV (x permuted into xp) */
-__attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4_rows_avx2(
-    const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
-    const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
+/* outputs o .. o + W - 1 of out [R, n_out] for R rows of x (xp: permuted, stride ldp; x: the rows themselves) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows_avx2(
+    const int W, const int R, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+    const float *xp, int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   const int64_t nc = n_in / KD_LANES;
   /* the next rows' words: rows are short streams (2 KB at n_in = 4096), which the hardware prefetcher picks up
    * too late (out of cache: 1.99 -> 1.63 ms at 4096 x 4096). Past the last rows it prefetches these rows again (a
    * prefetch never faults) rather than branch in the loop. */
-  const char *next = (const char *)(qp + (o + KD_W4_ROWS < n_out ? o + KD_W4_ROWS : o) * n_words);
+  const char *next = (const char *)(qp + (o + W < n_out ? o + W : o) * n_words);
   const uint32_t *wr[KD_W4_ROWS];
   kd_qs sr[KD_W4_ROWS];
-  for (int r = 0; r < KD_W4_ROWS; r++) { /* past the last output: repeat it, result discarded */
+  for (int r = 0; r < W; r++) { /* past the last output: repeat it, result discarded */
     int64_t oo = o + r < n_out ? o + r : n_out - 1;
     wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
   }
-  __m256 ev[KD_W4_ROWS], od[KD_W4_ROWS];
-#pragma GCC unroll 4
-  for (int r = 0; r < KD_W4_ROWS; r++) ev[r] = od[r] = _mm256_setzero_ps();
+  __m256 ev[KD_W4_ROWS * KD_W4_SMALL_T2], od[KD_W4_ROWS * KD_W4_SMALL_T2];
+#pragma GCC unroll 8
+  for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
   if (wpg == 4) /* group 32 (the K2 checkpoints'): two chunks per group, the chunk loop unrolled */
-    kd_w4_groups_avx2(wr, sr, xp, next, nc, 2, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, 2, ev, od);
   else if (wpg == 16) /* group 128 */
-    kd_w4_groups_avx2(wr, sr, xp, next, nc, 8, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, 8, ev, od);
   else if (wpg % 2 == 0)
-    kd_w4_groups_avx2(wr, sr, xp, next, nc, wpg / 2, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, wpg / 2, ev, od);
   else { /* odd wpg (group = 8, 24, ..): a chunk may straddle two groups, its scales blended per chunk */
     const __m256 mm8 = _mm256_set1_ps(-8.0f);
     int64_t ga = 0, ra = 0; /* word 2c is word ra of group ga: no division per chunk */
@@ -1429,57 +1437,62 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_gemv_w4
       int64_t gb = ra + 1 == wpg ? ga + 1 : ga; /* group of word 2c + 1 */
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
 #pragma GCC unroll 4
-      for (int r = 0; r < KD_W4_ROWS; r++) {
+      for (int r = 0; r < W; r++) {
         sc[r] = _mm256_blend_ps(_mm256_set1_ps(kd_qs_at(sr[r], ga)), _mm256_set1_ps(kd_qs_at(sr[r], gb)), 0xF0);
         ns[r] = _mm256_mul_ps(sc[r], mm8);
       }
-      kd_w4_chunks_avx2(wr, xp, next, c, c + 1, sc, ns, ev, od);
+      kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c, c + 1, sc, ns, ev, od);
       for (ra += 2; ra >= wpg; ra -= wpg) ga++;
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < KD_W4_ROWS; r++) /* unrolled: ev/od stay in registers */
-    if (o + r < n_out) out[o + r] = kd_w4_finish_avx2(ev[r], od[r], wr[r], sr[r], x, n_in, wpg);
+  for (int r = 0; r < W; r++) /* unrolled: ev/od stay in registers */
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++)
+      if (o + r < n_out)
+        out[t * n_out + o + r] = kd_w4_finish_avx2(ev[r * R + t], od[r * R + t], wr[r], sr[r], x + t * n_in, n_in, wpg);
 }
 
-/* The W4A16 GEMV drivers (AVX2 below, AVX-512 further down): x permuted once into xp, the kernel's lane order
- * (xp[16 c + j] = x[16 c + perm[j]]), then `rows` over `step` outputs at a time, on the threads when parallel (no
- * OpenMP region at all for small matrices, see kd_gemv_f32_avx2). */
-typedef void (*kd_gemv_w4_rows_fn)(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups,
-                                   int64_t wpg, const float *xp, const float *x, float *out, int64_t n_in,
-                                   int64_t n_out, int64_t o);
-
-static int kd_gemv_w4_drive(kd_gemv_w4_rows_fn rows, const unsigned char perm[KD_LANES], int64_t step,
-                            const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
-                            const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
-  const int64_t nc = n_in / KD_LANES;
-  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(nc * KD_LANES + KD_LANES));
-  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (in=%lld)", (long long)n_in);
-  for (int64_t c = 0; c < nc; c++)
-    for (int j = 0; j < KD_LANES; j++) xp[KD_LANES * c + j] = x[KD_LANES * c + perm[j]];
-  if (parallel) {
-#pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += step) rows(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
-  } else {
-    for (int64_t o = 0; o < n_out; o += step) rows(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
+#define KD_W4_AVX2(W, R)                                                                                          \
+  __attribute__((target("avx2,fma"))) static void kd_w4_rows_avx2_##R(                                            \
+      const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp, int64_t ldp,  \
+      const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
+    kd_w4_rows_avx2(W, R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                       \
   }
-  free(xp);
-  return KD_OK;
-}
+KD_W4_AVX2(KD_W4_ROWS, 1) KD_W4_AVX2(1, 2) KD_W4_AVX2(1, 3) KD_W4_AVX2(1, 4)
 
 /* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
-__attribute__((target("avx2,fma"))) static void kd_gemv_w4_rows_avx2_call(
-    const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
-    const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
-  kd_gemv_w4_rows_avx2(qp, qs, n_words, n_groups, wpg, xp, x, out, n_in, n_out, o);
-}
-
-static int kd_gemv_w4_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
-                           const float *x, float *out, int64_t n_in, int64_t n_out, int parallel) {
-  return kd_gemv_w4_drive(kd_gemv_w4_rows_avx2_call, kd_w4_perm_avx2, KD_W4_ROWS, qp, qs, n_words, n_groups, wpg,
-                          x, out, n_in, n_out, parallel);
+/* out [T, n_out] for 1 <= T <= KD_W4_SMALL_MAX rows of x on AVX2: x permuted once per call into the kernel's lane
+ * order (xp[16 c + j] = x[16 c + perm[j]]), then W outputs at a time, on the threads when parallel (no OpenMP region
+ * at all for small matrices, see kd_gemv_f32_avx2). From 5 rows each weight row takes two passes of 2-4 rows of x
+ * back to back (the second finds the row in L1). Against the panel path (2048 x 7168 / 7168 x 2048, 2 threads,
+ * docs/measurements.md, 14th session): T = 2 2.2-2.5x, T = 4 1.6-1.9x, T = 5 1.3-1.4x, T = 7 1.07-1.10x, T = 8
+ * 0.98-1.03x, so from 8 rows the panel path's one dequantization per block takes over. */
+#define KD_W4_SMALL_MAX 7
+typedef void (*kd_w4_rows_fn)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t,
+                              const float *, float *, int64_t, int64_t, int64_t);
+static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+                            const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
+  static const kd_w4_rows_fn fns[KD_W4_SMALL_T2] = {kd_w4_rows_avx2_1, kd_w4_rows_avx2_2, kd_w4_rows_avx2_3,
+                                                    kd_w4_rows_avx2_4};
+  /* passes: T <= 4 one; else a first of ceil(T / 2) rows (<= 4) and the rest (>= 2 rows: one weight row per step) */
+  const int64_t T0 = T <= KD_W4_SMALL_T2 ? T : (T + 1) / 2, T1 = T - T0;
+  const kd_w4_rows_fn f0 = fns[T0 - 1], f1 = T1 ? fns[T1 - 1] : NULL;
+  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES, step = T == 1 ? KD_W4_ROWS : 1;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < nc; c++)
+      for (int j = 0; j < KD_LANES; j++) xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+#pragma omp parallel for schedule(static) num_threads(kd_threads()) if (parallel)
+  for (int64_t o = 0; o < n_out; o += step) {
+    f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+    if (f1) f1(qp, qs, n_words, n_groups, wpg, xp + T0 * ldp, ldp, x + T0 * n_in, out + T0 * n_out, n_in, n_out, o);
+  }
+  free(xp);
+  return KD_OK;
 }
 #endif
 
@@ -1748,7 +1761,8 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
   if (kd_host_avx2()) {
     if (T <= 2 * KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
       return kd_linear_w4_small512(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
-    if (T == 1) return kd_gemv_w4_avx2(qp, scales, n_words, n_groups, wpg, x, out, n_in, n_out, parallel);
+    if (T == 1 || (T <= KD_W4_SMALL_MAX && !kd_host_avx512())) /* AVX2: the fused kernel; AVX-512 above */
+      return kd_w4_small_avx2(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
     if (kd_host_avx512()) {
       kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
       return kd_linear_512(&src, x, out, T, parallel);
