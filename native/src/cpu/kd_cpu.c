@@ -1324,9 +1324,9 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
 
 /* The fused W4A16 kernel on AVX2, for R = 1..KD_W4_SMALL_T2 rows of x: each 16-weight chunk of a weight row is
  * formed once in registers and multiplied into all R rows of x, so a small verify's or batch's rows (a K2 expert
- * gets 1-3 of a tree's rows) stream the INT4 bytes once without the panel path's dequantize-to-L1 round trip, which
- * at 2 rows ran 2.7x slower per weight than this kernel's GEMV (native/bench_ab.py, docs/measurements.md, 14th
- * session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x load for both; 4 rows with the scales held in
+ * gets 1-3 of a tree's rows) stream the INT4 bytes once without the panel path's dequantize-to-L1 round trip, with
+ * which 2 rows cost 3.4 one-row calls (2048 x 7168, 2 threads: 1.82 vs 0.53 ms; this kernel: 0.84 ms; native/bench_ab.py,
+ * docs/measurements.md, 14th session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x load for both; 4 rows with the scales held in
  * registers spilled an accumulator, and out of cache 2 rows -- 4 accumulators + each row's scale and -8 * scale
  * broadcasts -- ran 5-10 % faster than 3); R >= 2 rows of x take 1 (2 R accumulators + the row's scale pair and its
  * two weight registers: 14 of 16 at R = 4). The loop is bound by the two FMA pipes: 2 fused multiply-adds form a
@@ -1346,6 +1346,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
   const __m256i m15 = _mm256_set1_epi32(15);
 #pragma GCC unroll 1 /* unrolled, gcc interleaves two chunks and spills their weights */
   for (int64_t c = c0; c < c1; c++) {
+    /* one row of x: its chunk loaded once for the W weight rows; more rows: read by the multiply-adds */
+    const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
+    const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
     _mm_prefetch(next + 32 * c, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int r = 0; r < W; r++) {
@@ -1354,8 +1357,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
       __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc[r], ns[r]);
 #pragma GCC unroll 4
       for (int t = 0; t < R; t++) {
-        ev[r * R + t] = _mm256_fmadd_ps(we, _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
-        od[r * R + t] = _mm256_fmadd_ps(wo, _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
+        ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
+        od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
       }
     }
   }
@@ -1392,10 +1395,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
  * dword i; & 15 gives the even elements (lanes 0, 2, .., 14), >> 4 the odd ones (lanes 1, 3, .., 15). x is permuted
  * the same way once per call (xp), so register lane i of `ev` is logical lane 2i and of `od` lane 2i+1: each
  * logical lane still adds (q * s) * x in ascending k, as kd_dot_f32 on the dequantized row. A chunk's 8 bytes span
- * words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even). */
-__attribute__((target("avx2,fma"))) static float kd_w4_finish_avx2(__m256 ev, __m256 od, const uint32_t *wr,
-                                                               kd_qs sr, const float *x, int64_t n_in,
-                                                               int64_t wpg) {
+ * words 2c and 2c+1: scale s[2c / wpg] for bytes 0..3, s[(2c+1) / wpg] for bytes 4..7 (equal when wpg is even).
+ * Inlined: a call per output made the caller spill the other rows' accumulators (T = 1 at 128-512 wide rows: 0.92x). */
+__attribute__((target("avx2,fma"), always_inline)) static inline float kd_w4_finish_avx2(
+    __m256 ev, __m256 od, const uint32_t *wr, kd_qs sr, const float *x, int64_t n_in, int64_t wpg) {
   float a[KD_LANES];
   _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
   _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od)); /* lanes 4,5,6,7 | 12,13,14,15 */
@@ -1486,10 +1489,17 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   for (int64_t t = 0; t < T; t++)
     for (int64_t c = 0; c < nc; c++)
       for (int j = 0; j < KD_LANES; j++) xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  if (!f1 && !parallel) {
+    for (int64_t o = 0; o < n_out; o += step) f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+  } else if (!f1) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n_out; o += step) f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+  } else { /* two passes per weight row: T >= 5 rows, a parallel call (fused_t) */
 #pragma omp parallel for schedule(static) num_threads(kd_threads()) if (parallel)
-  for (int64_t o = 0; o < n_out; o += step) {
-    f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
-    if (f1) f1(qp, qs, n_words, n_groups, wpg, xp + T0 * ldp, ldp, x + T0 * n_in, out + T0 * n_out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += step) {
+      f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
+      f1(qp, qs, n_words, n_groups, wpg, xp + T0 * ldp, ldp, x + T0 * n_in, out + T0 * n_out, n_in, n_out, o);
+    }
   }
   free(xp);
   return KD_OK;
@@ -1761,7 +1771,10 @@ static int kd_linear_w4a16_q(const char *op, const float *x, const int32_t *pack
   if (kd_host_avx2()) {
     if (T <= 2 * KD_W4_SMALL_T && kd_host_avx512() && wpg % 2 == 0)
       return kd_linear_w4_small512(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
-    if (T == 1 || (T <= KD_W4_SMALL_MAX && !kd_host_avx512())) /* AVX2: the fused kernel; AVX-512 above */
+    /* AVX2: the fused kernel up to KD_W4_SMALL_MAX rows; for short rows the direct tiles below win from 4 rows
+     * (n_in = 512: 0.88x at T = 5) and at any T below 512 elements (n_in = 128: 0.5-0.9x) */
+    const int64_t fused_t = n_in > KD_KC || parallel ? KD_W4_SMALL_MAX : n_in >= 512 ? 3 : 1;
+    if (T == 1 || (T <= fused_t && !kd_host_avx512()))
       return kd_w4_small_avx2(qp, scales, n_words, n_groups, wpg, x, out, T, n_in, n_out, parallel);
     if (kd_host_avx512()) {
       kd_wsrc src = {NULL, NULL, qp, scales, n_words, n_groups, wpg, n_in, n_out, 0};
