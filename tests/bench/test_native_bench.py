@@ -172,7 +172,7 @@ def linear_data():
 
 
 @pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("T", [9, 33])
+@pytest.mark.parametrize("T", [2, 4, 9, 33])   # 2-4: a K2 verify's rows per expert
 @pytest.mark.parametrize("impl", ["native_f32", "native_w4a16", "numpy_blas"])
 def test_linear(benchmark, linear_data, impl, T, threads):
     w4, w, xs = linear_data
