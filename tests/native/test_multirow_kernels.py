@@ -105,7 +105,8 @@ for H, L, R, P, T in [(8, 32, 8, 20, 9), (3, 16, 1, 5, 6), (5, 9, 8, 0, 4), (4, 
     kv = rng.standard_normal((P + T, L + R), dtype=np.float32)
     out[f"attn_{H}_{L}_{R}"] = ops.mla_attention(q, kv, P, None, 0.2, L)
 np.savez(sys.argv[1], **out)
-""" % (SIZES + [(1100, 12), (1544, 18), (1040, 1100), (2080, 13)],)   # + in-place panels, split over threads
+""" % (SIZES + [(1100, 12), (1544, 18), (1040, 1100), (2080, 13), (2080, 520)],)   # + in-place panels,
+# split over threads; 2080: the k-blocked fused INT4 kernel (group 32, 3+ rows), 520 rows: several row groups, threaded
 
 
 # the CPU build's three kernel families: AVX-512 where the host has it (this VM does), AVX2 + FMA, portable C

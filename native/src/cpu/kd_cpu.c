@@ -1339,17 +1339,18 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
  * (q - 8) * s formed as fma(q, sc[r], ns[r]) with ns = -8 s: the fused product-sum is exact before its one rounding,
  * and q s - 8 s = (q - 8) s (-8 s is exact, a power-of-two scaling), so the bits are kd_int4_weight's (finite
  * scales). The products with x are a second fused multiply-add into the lane (accumulator r * R + t), as
- * kd_dot_f32. The next rows' words are prefetched, 32 bytes per chunk (>= the 8 bytes a chunk reads per row). */
+ * kd_dot_f32. The next rows' words are prefetched, pfs bytes per chunk (whole rows: 32, >= the 8 bytes a chunk reads
+ * per row; k blocks: 8, the same chunk of a later row). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chunks_avx2(
-    const int W, const int R, const uint32_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t c0,
-    int64_t c1, const __m256 *sc, const __m256 *ns, __m256 *ev, __m256 *od) {
+    const int W, const int R, const uint32_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs,
+    int64_t c0, int64_t c1, const __m256 *sc, const __m256 *ns, __m256 *ev, __m256 *od) {
   const __m256i m15 = _mm256_set1_epi32(15);
 #pragma GCC unroll 1 /* unrolled, gcc interleaves two chunks and spills their weights */
   for (int64_t c = c0; c < c1; c++) {
     /* one row of x: its chunk loaded once for the W weight rows; more rows: read by the multiply-adds */
     const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
     const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
-    _mm_prefetch(next + 32 * c, _MM_HINT_T0);
+    _mm_prefetch(next + pfs * c, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int r = 0; r < W; r++) {
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
@@ -1370,10 +1371,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
  * chunks per group). */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_groups_avx2(
     const int W, const int R, const uint32_t *const *wr, const kd_qs *sr, const float *xp, int64_t ldp,
-    const char *next, int64_t nc, int64_t cpg, __m256 *ev, __m256 *od) {
+    const char *next, int64_t pfs, int64_t c_lo, int64_t nc, int64_t cpg, __m256 *ev, __m256 *od) {
   float scb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32))), nsb[KD_W4_ROWS][KD_W4_GW] __attribute__((aligned(32)));
-  const int64_t ng = (nc + cpg - 1) / cpg;
-  for (int64_t g0 = 0; g0 < ng; g0 += KD_W4_GW) {
+  const int64_t ng = (nc + cpg - 1) / cpg; /* chunks [c_lo, nc), c_lo a multiple of cpg */
+  for (int64_t g0 = c_lo / cpg; g0 < ng; g0 += KD_W4_GW) {
     int64_t gn = ng - g0 < KD_W4_GW ? ng - g0 : KD_W4_GW;
     for (int r = 0; r < W; r++)
       for (int64_t g = 0; g < gn; g++) scb[r][g] = kd_qs_at(sr[r], g0 + g), nsb[r][g] = -8.0f * scb[r][g];
@@ -1384,9 +1385,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
         sc[r] = _mm256_broadcast_ss(&scb[r][g]), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
       int64_t c0 = (g0 + g) * cpg;
       if (c0 + cpg <= nc) /* a whole group: a constant trip count (unrolled for cpg = 2) */
-        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c0, c0 + cpg, sc, ns, ev, od);
+        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, pfs, c0, c0 + cpg, sc, ns, ev, od);
       else
-        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c0, nc, sc, ns, ev, od);
+        kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, pfs, c0, nc, sc, ns, ev, od);
     }
   }
 }
@@ -1428,11 +1429,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
 #pragma GCC unroll 8
   for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
   if (wpg == 4) /* group 32 (the K2 checkpoints'): two chunks per group, the chunk loop unrolled */
-    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, 2, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, 32, 0, nc, 2, ev, od);
   else if (wpg == 16) /* group 128 */
-    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, 8, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, 32, 0, nc, 8, ev, od);
   else if (wpg % 2 == 0)
-    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, nc, wpg / 2, ev, od);
+    kd_w4_groups_avx2(W, R, wr, sr, xp, ldp, next, 32, 0, nc, wpg / 2, ev, od);
   else { /* odd wpg (group = 8, 24, ..): a chunk may straddle two groups, its scales blended per chunk */
     const __m256 mm8 = _mm256_set1_ps(-8.0f);
     int64_t ga = 0, ra = 0; /* word 2c is word ra of group ga: no division per chunk */
@@ -1444,7 +1445,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
         sc[r] = _mm256_blend_ps(_mm256_set1_ps(kd_qs_at(sr[r], ga)), _mm256_set1_ps(kd_qs_at(sr[r], gb)), 0xF0);
         ns[r] = _mm256_mul_ps(sc[r], mm8);
       }
-      kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, c, c + 1, sc, ns, ev, od);
+      kd_w4_chunks_avx2(W, R, wr, xp, ldp, next, 32, c, c + 1, sc, ns, ev, od);
       for (ra += 2; ra >= wpg; ra -= wpg) ga++;
     }
   }
@@ -1464,43 +1465,93 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
   }
 KD_W4_AVX2(KD_W4_ROWS, 1) KD_W4_AVX2(1, 2) KD_W4_AVX2(1, 3) KD_W4_AVX2(1, 4)
 
+/* The same kernel k-blocked, for 2-4 rows of x over long rows (even wpg): rows of x 28 KB long (n_in = 7168) do not
+ * stay in L1, and every chunk read R x 64 bytes of x from L2. Here KD_W4_RG weight rows pass over one k block of x
+ * (KD_W4_KB chunks: R x 4 KB, in L1) before the next block; each row's lane sums wait in P between blocks, and the
+ * blocks go in ascending k, so every lane still adds its products in ascending k: the same bits. The next-but-one
+ * row's chunk is prefetched (the rows of a group are visited one block at a time). */
+#define KD_W4_KB 64 /* chunks per k block (1024 elements) */
+/* floats of x a pass's rows may span and still run unblocked: at 2048 x 2 rows (16 KB, in L1) the blocked form ran
+ * 0.89x, at 2048 x 4 rows 1.0x, at 7168 x 2-4 rows 1.04-1.35x (2 threads, native/bench_ab.py) */
+#define KD_W4_XL1 6144
+#define KD_W4_RG 16 /* weight rows per group */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_group_avx2(
+    const int R, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o0) {
+  const int64_t nc = n_in / KD_LANES, cpg = wpg / 2, kb = KD_W4_KB > cpg ? KD_W4_KB / cpg * cpg : cpg;
+  const int64_t o1 = o0 + KD_W4_RG < n_out ? o0 + KD_W4_RG : n_out;
+  __m256 P[KD_W4_RG][2 * KD_W4_SMALL_T2];
+  for (int64_t c_lo = 0; c_lo < nc; c_lo += kb) {
+    const int64_t c_hi = c_lo + kb < nc ? c_lo + kb : nc;
+    for (int64_t o = o0; o < o1; o++) {
+      const uint32_t *wr[1] = {qp + o * n_words};
+      const kd_qs sr[1] = {kd_qs_row(qs, o * n_groups)};
+      const char *next = (const char *)(qp + (o + 2 < n_out ? o + 2 : o) * n_words);
+      __m256 ev[KD_W4_SMALL_T2], od[KD_W4_SMALL_T2];
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++)
+        ev[t] = c_lo ? P[o - o0][2 * t] : _mm256_setzero_ps(), od[t] = c_lo ? P[o - o0][2 * t + 1] : _mm256_setzero_ps();
+      kd_w4_groups_avx2(1, R, wr, sr, xp, ldp, next, 8, c_lo, c_hi, cpg, ev, od);
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++) P[o - o0][2 * t] = ev[t], P[o - o0][2 * t + 1] = od[t];
+    }
+  }
+  for (int64_t o = o0; o < o1; o++)
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++)
+      out[t * n_out + o] = kd_w4_finish_avx2(P[o - o0][2 * t], P[o - o0][2 * t + 1], qp + o * n_words,
+                                             kd_qs_row(qs, o * n_groups), x + t * n_in, n_in, wpg);
+}
+
+#define KD_W4_GROUP(R)                                                                                            \
+  __attribute__((target("avx2,fma"))) static void kd_w4_group_avx2_##R(                                           \
+      const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp, int64_t ldp,  \
+      const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
+    kd_w4_group_avx2(R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                         \
+  }
+KD_W4_GROUP(2) KD_W4_GROUP(3) KD_W4_GROUP(4)
+
 /* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
 /* out [T, n_out] for 1 <= T <= KD_W4_SMALL_MAX rows of x on AVX2: x permuted once per call into the kernel's lane
  * order (xp[16 c + j] = x[16 c + perm[j]]), then W outputs at a time, on the threads when parallel (no OpenMP region
- * at all for small matrices, see kd_gemv_f32_avx2). From 5 rows each weight row takes two passes of 2-4 rows of x
- * back to back (the second finds the row in L1). Against the panel path (2048 x 7168 / 7168 x 2048, 2 threads,
- * docs/measurements.md, 14th session): T = 2 2.2-2.5x, T = 4 1.6-1.9x, T = 5 1.3-1.4x, T = 7 1.07-1.10x, T = 8
- * 0.98-1.03x, so from 8 rows the panel path's one dequantization per block takes over. */
-#define KD_W4_SMALL_MAX 7
+ * at all for small matrices, see kd_gemv_f32_avx2). From 5 rows each weight row (or group of rows, k-blocked)
+ * takes ceil(T / 4) passes of 2-4 rows of x back to back, the later ones finding it in L1. Against the panel path
+ * (2048 x 7168 / 7168 x 2048, 2 threads, docs/measurements.md, 14th session): T = 2 2.3-2.5x, T = 3-4 2.0-2.2x,
+ * T = 5-8 1.3-1.4x, T = 12-16 1.06-1.21x; from 17 rows the panel path's one dequantization per block takes over. */
+#define KD_W4_SMALL_MAX 16
 typedef void (*kd_w4_rows_fn)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t,
                               const float *, float *, int64_t, int64_t, int64_t);
 static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
                             const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
-  static const kd_w4_rows_fn fns[KD_W4_SMALL_T2] = {kd_w4_rows_avx2_1, kd_w4_rows_avx2_2, kd_w4_rows_avx2_3,
-                                                    kd_w4_rows_avx2_4};
-  /* passes: T <= 4 one; else a first of ceil(T / 2) rows (<= 4) and the rest (>= 2 rows: one weight row per step) */
-  const int64_t T0 = T <= KD_W4_SMALL_T2 ? T : (T + 1) / 2, T1 = T - T0;
-  const kd_w4_rows_fn f0 = fns[T0 - 1], f1 = T1 ? fns[T1 - 1] : NULL;
-  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES, step = T == 1 ? KD_W4_ROWS : 1;
+  /* by rows of x per pass; the k-blocked form where a pass's rows of x would not stay in L1 (KD_W4_RG weight rows
+   * per step) */
+  static const kd_w4_rows_fn fns[KD_W4_SMALL_T2 + 1] = {NULL, kd_w4_rows_avx2_1, kd_w4_rows_avx2_2, kd_w4_rows_avx2_3,
+                                                        kd_w4_rows_avx2_4};
+  static const kd_w4_rows_fn gfns[KD_W4_SMALL_T2 + 1] = {NULL, NULL, kd_w4_group_avx2_2, kd_w4_group_avx2_3,
+                                                         kd_w4_group_avx2_4};
+  /* ceil(T / 4) passes of 2-4 rows each (as even as they come; T = 1: the GEMV), back to back per weight row */
+  const int64_t np = (T + KD_W4_SMALL_T2 - 1) / KD_W4_SMALL_T2, rmax = (T + np - 1) / np;
+  const int blocked = T >= 2 && rmax * n_in > KD_W4_XL1 && wpg % 2 == 0;
+  const kd_w4_rows_fn *tab = blocked ? gfns : fns;
+  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
+  const int64_t step = blocked ? KD_W4_RG : T == 1 ? KD_W4_ROWS : 1;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
   for (int64_t t = 0; t < T; t++)
     for (int64_t c = 0; c < nc; c++)
       for (int j = 0; j < KD_LANES; j++) xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
-  if (!f1 && !parallel) {
-    for (int64_t o = 0; o < n_out; o += step) f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
-  } else if (!f1) {
+  int64_t tb[KD_W4_SMALL_MAX / KD_W4_SMALL_T2 + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
+  for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
+#define KD_W4_PASSES(o)                                                                                             for (int64_t p = 0; p < np; p++)                                                                                    tab[tb[p + 1] - tb[p]](qp, qs, n_words, n_groups, wpg, xp + tb[p] * ldp, ldp, x + tb[p] * n_in,                                          out + tb[p] * n_out, n_in, n_out, o)
+  if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += step) f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
-  } else { /* two passes per weight row: T >= 5 rows, a parallel call (fused_t) */
-#pragma omp parallel for schedule(static) num_threads(kd_threads()) if (parallel)
-    for (int64_t o = 0; o < n_out; o += step) {
-      f0(qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);
-      f1(qp, qs, n_words, n_groups, wpg, xp + T0 * ldp, ldp, x + T0 * n_in, out + T0 * n_out, n_in, n_out, o);
-    }
+    for (int64_t o = 0; o < n_out; o += step) KD_W4_PASSES(o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += step) KD_W4_PASSES(o);
   }
+#undef KD_W4_PASSES
   free(xp);
   return KD_OK;
 }
