@@ -1489,8 +1489,10 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
       const char *next = (const char *)(qp + (o + 2 < n_out ? o + 2 : o) * n_words);
       __m256 ev[KD_W4_SMALL_T2], od[KD_W4_SMALL_T2];
 #pragma GCC unroll 4
-      for (int t = 0; t < R; t++)
-        ev[t] = c_lo ? P[o - o0][2 * t] : _mm256_setzero_ps(), od[t] = c_lo ? P[o - o0][2 * t + 1] : _mm256_setzero_ps();
+      for (int t = 0; t < R; t++) {
+        ev[t] = c_lo ? P[o - o0][2 * t] : _mm256_setzero_ps();
+        od[t] = c_lo ? P[o - o0][2 * t + 1] : _mm256_setzero_ps();
+      }
       kd_w4_groups_avx2(1, R, wr, sr, xp, ldp, next, 8, c_lo, c_hi, cpg, ev, od);
 #pragma GCC unroll 4
       for (int t = 0; t < R; t++) P[o - o0][2 * t] = ev[t], P[o - o0][2 * t + 1] = od[t];
