@@ -609,8 +609,8 @@ static const kd_qtile_fn kd_qtiles[KD_QR][3] = { /* [R - 1][MODE] */
     {kd_qtile_10, kd_qtile_11, kd_qtile_12}, {kd_qtile_20, kd_qtile_21, kd_qtile_22},
     {kd_qtile_30, kd_qtile_31, kd_qtile_32}};
 
-/* A linear's weights as the AVX2 panels and kd_linear_512 read them: float32 rows w, or BF16 rows w16, or INT4 rows (packed qp
- * [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
+/* A linear's weights as the AVX2 panels and kd_linear_512 read them: float32 rows w, or BF16 rows w16, or INT4 rows
+ * (packed qp [n_out, n_words], scales qs [n_out, n_groups], wpg words per group). */
 typedef struct {
   const float *w;
   const uint16_t *w16;
@@ -917,7 +917,6 @@ __attribute__((target(KD_A512))) static void kd_dequant_perm_512(const uint32_t 
     }
   }
 }
-
 
 /* The row tiles of a call of T rows: full 4-row tiles, the rest last (9 = 4 + 4 + 1; a 4-row tile does 24
  * multiply-adds per 10 loads, and 3 x 3 measured 1.15-1.2x slower than 4 + 4 + 1 at T = 9), and the share of the next
@@ -1322,18 +1321,20 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
 }
 #endif
 
-/* The fused W4A16 kernel on AVX2, for R = 1..KD_W4_SMALL_T2 rows of x: each 16-weight chunk of a weight row is
- * formed once in registers and multiplied into all R rows of x, so a small verify's or batch's rows (a K2 expert
- * gets 1-3 of a tree's rows) stream the INT4 bytes once without the panel path's dequantize-to-L1 round trip, with
- * which 2 rows cost 3.4 one-row calls (2048 x 7168, 2 threads: 1.82 vs 0.53 ms; this kernel: 0.84 ms; native/bench_ab.py,
- * docs/measurements.md, 14th session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x load for both; 4 rows with the scales held in
- * registers spilled an accumulator, and out of cache 2 rows -- 4 accumulators + each row's scale and -8 * scale
- * broadcasts -- ran 5-10 % faster than 3); R >= 2 rows of x take 1 (2 R accumulators + the row's scale pair and its
- * two weight registers: 14 of 16 at R = 4). The loop is bound by the two FMA pipes: 2 fused multiply-adds form a
- * chunk's 16 weights, 2 R multiply them into the rows. */
-#define KD_W4_ROWS 2       /* weight rows per pass of the GEMV */
-#define KD_W4_SMALL_T2 4   /* rows of x per pass of the fused kernel (one weight row each) */
-#define KD_W4_GW 64        /* groups per window of the staged -8 * scales: W x 64 floats of stack */
+/* The fused W4A16 kernel on AVX2, for R = 1..KD_W4_PASS_T rows of x per pass: each 16-weight chunk of a weight row
+ * is formed once in registers and multiplied into all R rows of x, so a small verify's or batch's rows (a K2 expert
+ * gets 1-3 of a tree's rows) stream the INT4 bytes once, without the panel path's dequantize-to-L1 round trip, with
+ * which 2 rows cost 3.4 one-row calls (2048 x 7168, 2 threads: 1.82 vs 0.53 ms; this kernel 0.84 ms;
+ * native/bench_ab.py, docs/measurements.md, 14th session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x
+ * load for both; 4 rows with the scales held in registers spilled an accumulator, and out of cache 2 rows -- 4
+ * accumulators + each row's scale and -8 * scale broadcasts -- ran 5-10 % faster than 3); R >= 2 rows of x take 1
+ * (2 R accumulators + the row's scale pair and its two weight registers: 14 of 16 at R = 4). Per chunk 2 fused
+ * multiply-adds form the 16 weights and 2 R multiply them into the rows; cache-hot it runs at about half that
+ * count's rate, held by the per-lane accumulator chains at R = 1-2 (one 4-cycle multiply-add per chunk, in the
+ * order the bits fix) and by x read from L2 at R = 3-4 where x leaves L1 (the k-blocked form below). */
+#define KD_W4_ROWS 2   /* weight rows per pass of the GEMV */
+#define KD_W4_PASS_T 4 /* rows of x per pass of the fused kernel (one weight row each) */
+#define KD_W4_GW 64    /* groups per window of the staged -8 * scales: W x 64 floats of stack */
 
 /* chunks [c0, c1) of W weight rows x R rows of x (xp: permuted rows, stride ldp), all in one group: row r's weight
  * (q - 8) * s formed as fma(q, sc[r], ns[r]) with ns = -8 s: the fused product-sum is exact before its one rounding,
@@ -1425,7 +1426,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
     int64_t oo = o + r < n_out ? o + r : n_out - 1;
     wr[r] = qp + oo * n_words, sr[r] = kd_qs_row(qs, oo * n_groups);
   }
-  __m256 ev[KD_W4_ROWS * KD_W4_SMALL_T2], od[KD_W4_ROWS * KD_W4_SMALL_T2];
+  __m256 ev[KD_W4_ROWS * KD_W4_PASS_T], od[KD_W4_ROWS * KD_W4_PASS_T];
 #pragma GCC unroll 8
   for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
   if (wpg == 4) /* group 32 (the K2 checkpoints'): two chunks per group, the chunk loop unrolled */
@@ -1454,7 +1455,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
 #pragma GCC unroll 4
     for (int t = 0; t < R; t++)
       if (o + r < n_out)
-        out[t * n_out + o + r] = kd_w4_finish_avx2(ev[r * R + t], od[r * R + t], wr[r], sr[r], x + t * n_in, n_in, wpg);
+        out[t * n_out + o + r] =
+            kd_w4_finish_avx2(ev[r * R + t], od[r * R + t], wr[r], sr[r], x + t * n_in, n_in, wpg);
 }
 
 #define KD_W4_AVX2(W, R)                                                                                          \
@@ -1480,14 +1482,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
     int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o0) {
   const int64_t nc = n_in / KD_LANES, cpg = wpg / 2, kb = KD_W4_KB > cpg ? KD_W4_KB / cpg * cpg : cpg;
   const int64_t o1 = o0 + KD_W4_RG < n_out ? o0 + KD_W4_RG : n_out;
-  __m256 P[KD_W4_RG][2 * KD_W4_SMALL_T2];
+  __m256 P[KD_W4_RG][2 * KD_W4_PASS_T];
   for (int64_t c_lo = 0; c_lo < nc; c_lo += kb) {
     const int64_t c_hi = c_lo + kb < nc ? c_lo + kb : nc;
     for (int64_t o = o0; o < o1; o++) {
       const uint32_t *wr[1] = {qp + o * n_words};
       const kd_qs sr[1] = {kd_qs_row(qs, o * n_groups)};
       const char *next = (const char *)(qp + (o + 2 < n_out ? o + 2 : o) * n_words);
-      __m256 ev[KD_W4_SMALL_T2], od[KD_W4_SMALL_T2];
+      __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
 #pragma GCC unroll 4
       for (int t = 0; t < R; t++) {
         ev[t] = c_lo ? P[o - o0][2 * t] : _mm256_setzero_ps();
@@ -1529,12 +1531,12 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
                             const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
   /* by rows of x per pass; the k-blocked form where a pass's rows of x would not stay in L1 (KD_W4_RG weight rows
    * per step) */
-  static const kd_w4_rows_fn fns[KD_W4_SMALL_T2 + 1] = {NULL, kd_w4_rows_avx2_1, kd_w4_rows_avx2_2, kd_w4_rows_avx2_3,
-                                                        kd_w4_rows_avx2_4};
-  static const kd_w4_rows_fn gfns[KD_W4_SMALL_T2 + 1] = {NULL, NULL, kd_w4_group_avx2_2, kd_w4_group_avx2_3,
-                                                         kd_w4_group_avx2_4};
+  static const kd_w4_rows_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_w4_rows_avx2_1, kd_w4_rows_avx2_2,
+                                                      kd_w4_rows_avx2_3, kd_w4_rows_avx2_4};
+  static const kd_w4_rows_fn gfns[KD_W4_PASS_T + 1] = {NULL, NULL, kd_w4_group_avx2_2, kd_w4_group_avx2_3,
+                                                       kd_w4_group_avx2_4};
   /* ceil(T / 4) passes of 2-4 rows each (as even as they come; T = 1: the GEMV), back to back per weight row */
-  const int64_t np = (T + KD_W4_SMALL_T2 - 1) / KD_W4_SMALL_T2, rmax = (T + np - 1) / np;
+  const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T, rmax = (T + np - 1) / np;
   const int blocked = T >= 2 && rmax * n_in > KD_W4_XL1 && wpg % 2 == 0;
   const kd_w4_rows_fn *tab = blocked ? gfns : fns;
   const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
@@ -1543,17 +1545,22 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
   for (int64_t t = 0; t < T; t++)
     for (int64_t c = 0; c < nc; c++)
-      for (int j = 0; j < KD_LANES; j++) xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
-  int64_t tb[KD_W4_SMALL_MAX / KD_W4_SMALL_T2 + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
+      for (int j = 0; j < KD_LANES; j++)
+        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  int64_t tb[KD_W4_SMALL_MAX / KD_W4_PASS_T + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
   for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
-#define KD_W4_PASSES(o)                                                                                             for (int64_t p = 0; p < np; p++)                                                                                    tab[tb[p + 1] - tb[p]](qp, qs, n_words, n_groups, wpg, xp + tb[p] * ldp, ldp, x + tb[p] * n_in,                                          out + tb[p] * n_out, n_in, n_out, o)
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += step) KD_W4_PASSES(o);
+    for (int64_t o = 0; o < n_out; o += step)
+      for (int64_t p = 0; p < np; p++)
+        tab[tb[p + 1] - tb[p]](qp, qs, n_words, n_groups, wpg, xp + tb[p] * ldp, ldp, x + tb[p] * n_in,
+                               out + tb[p] * n_out, n_in, n_out, o);
   } else {
-    for (int64_t o = 0; o < n_out; o += step) KD_W4_PASSES(o);
+    for (int64_t o = 0; o < n_out; o += step)
+      for (int64_t p = 0; p < np; p++)
+        tab[tb[p + 1] - tb[p]](qp, qs, n_words, n_groups, wpg, xp + tb[p] * ldp, ldp, x + tb[p] * n_in,
+                               out + tb[p] * n_out, n_in, n_out, o);
   }
-#undef KD_W4_PASSES
   free(xp);
   return KD_OK;
 }
