@@ -219,13 +219,13 @@ def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
         ops.lib.set_threads(0)
 
 
-@pytest.mark.parametrize("n_in,n_out", [(4112, 13), (4096, 6), (1040, 50)])
+@pytest.mark.parametrize("n_in,n_out", [(4112, 13), (4096, 6), (1040, 50), (2056, 37)])
 def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
-    """BF16 weights widened exactly: the row-tile loop (whole weight rows, passes of 4 rows of x, while x fits L2:
-    T x n_in x 4 <= 1 MiB) and the k-blocked tiles beyond it (T = 64, 70 at n_in 4096-4112) give every output the
-    lane-order dot of the widened row (one row: twelve weight rows per pass, n_in 4112 and 1040 an odd last chunk) -- so
-    a row's bits do not depend on how many rows came with it. n_out 13: a last
-    partial panel; one and two threads (the panels split)."""
+    """BF16 weights widened exactly: the AVX2 fused kernel (T = 2-7: passes of 2-4 rows of x over each weight row,
+    x in L1 whole or k-blocked with every pass of a row over a block back to back), the panels (T = 2 over long rows,
+    T >= 8) and the AVX-512 kernels give every output the lane-order dot of the widened row -- so a row's bits do not
+    depend on how many rows came with it. n_in 2056: a 16-element chunk's tail of 8; n_out 13 / 37 / 50: a last
+    partial panel or row group; one and two threads (the outputs split)."""
     ops = native.NativeOps("cpu")
     rng = np.random.default_rng(n_in + 3 * n_out)
     x = rng.standard_normal((70, n_in), dtype=np.float32)
@@ -234,7 +234,7 @@ def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
     try:
         for threads in (1, 2):
             ops.lib.set_threads(threads)
-            for T in (1, 2, 4, 5, 9, 33, 64, 70):
+            for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 64, 70):
                 np.testing.assert_array_equal(ops.lib.linear_bf16(x[:T], w16), want[:T],
                                               err_msg=f"T={T} threads={threads} (x {T * n_in * 4} bytes)")
     finally:

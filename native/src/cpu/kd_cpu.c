@@ -1564,6 +1564,172 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   free(xp);
   return KD_OK;
 }
+
+/* ---- the fused kernel on BF16 weights (AVX2), 2-7 rows of x ---------------------------------------------------
+ * kd_w4_small_avx2's passes with a BF16 chunk in place of an INT4 one: 16 elements are 32 bytes, one load; dword i
+ * holds elements 2i (low half) and 2i + 1 (high half), so `<< 16` widens the even elements and `& 0xffff0000` the
+ * odd ones, exactly, one op each, into the INT4 kernel's permuted lane order (register lane i of `ev` is logical
+ * lane 2i, of `od` 2i + 1; x permuted the same way once per call). Each logical lane adds w * x in ascending k, the
+ * n % 16 tail and the lane sum as kd_dot_f32 on the widened row: the bits of every other BF16 path. Why: the panels
+ * (two passes over each 512-element block, a 4-row panel per row tile) ran BF16 calls of 3-8 rows at 35-47 GFLOP/s
+ * per thread, streaming 13-25 GB/s where one row streams 38-48 (2048 x 7168, 2 threads); this kernel runs 3 rows
+ * 1.18-1.31x, 4 rows 1.39-1.45x, 5-7 rows 1.05-1.20x faster (docs/measurements.md, 15th session). Not for 2 rows
+ * whose x leaves L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x) nor from 8 rows. */
+#define KD_B16_FUSED_T 7
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chunks_avx2(
+    const int W, const int R, const uint16_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs,
+    int64_t c0, int64_t c1, __m256 *ev, __m256 *od) {
+  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 2
+  for (int64_t c = c0; c < c1; c++) {
+    const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
+    const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
+    _mm_prefetch(next + pfs * c, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int r = 0; r < W; r++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + 16 * c));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+#pragma GCC unroll 4
+      for (int t = 0; t < R; t++) {
+        ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
+        od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
+      }
+    }
+  }
+}
+
+/* one dot of the BF16 fused kernel: the lanes un-permuted, the tail added (lane k % 16, ascending), the lane sum */
+__attribute__((target("avx2,fma"), always_inline)) static inline float kd_b16_finish_avx2(__m256 ev, __m256 od,
+                                                                                         const uint16_t *wr,
+                                                                                         const float *x, int64_t n_in) {
+  float a[KD_LANES];
+  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od));
+  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od));
+  float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
+                       a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
+  for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) {
+    uint32_t u = (uint32_t)wr[k] << 16;
+    float wv;
+    memcpy(&wv, &u, 4);
+    b[k % KD_LANES] = fmaf(wv, x[k], b[k % KD_LANES]);
+  }
+  return kd_lanes_sum(b);
+}
+
+/* outputs o .. o + W - 1 of out [R, n_out] for R rows of x (xp permuted, stride ldp; x the rows themselves) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_rows_avx2(
+    const int W, const int R, const uint16_t *w, const float *xp, int64_t ldp, const float *x, float *out,
+    int64_t n_in, int64_t n_out, int64_t o) {
+  const int64_t nc = n_in / KD_LANES;
+  const char *next = (const char *)(w + (o + W < n_out ? o + W : o) * n_in);
+  const uint16_t *wr[KD_W4_ROWS];
+  for (int r = 0; r < W; r++) wr[r] = w + (o + r < n_out ? o + r : n_out - 1) * n_in;
+  __m256 ev[KD_W4_ROWS * KD_W4_PASS_T], od[KD_W4_ROWS * KD_W4_PASS_T];
+#pragma GCC unroll 8
+  for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
+  kd_b16_chunks_avx2(W, R, wr, xp, ldp, next, 64, 0, nc, ev, od); /* a chunk: 32 bytes of W rows, 64 ahead */
+#pragma GCC unroll 4
+  for (int r = 0; r < W; r++)
+#pragma GCC unroll 4
+    for (int t = 0; t < R; t++)
+      if (o + r < n_out)
+        out[t * n_out + o + r] = kd_b16_finish_avx2(ev[r * R + t], od[r * R + t], wr[r], x + t * n_in, n_in);
+}
+
+/* one pass of R rows of x over chunks [c_lo, c_hi) of one weight row, its lane sums taken from and left in P */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_pass_avx2(
+    const int R, const uint16_t *w, const float *xp, int64_t ldp, const char *next, int64_t c_lo, int64_t c_hi,
+    __m256 *P) {
+  const uint16_t *wr[1] = {w};
+  __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
+#pragma GCC unroll 4
+  for (int t = 0; t < R; t++) {
+    ev[t] = c_lo ? P[2 * t] : _mm256_setzero_ps();
+    od[t] = c_lo ? P[2 * t + 1] : _mm256_setzero_ps();
+  }
+  kd_b16_chunks_avx2(1, R, wr, xp, ldp, next, 32, c_lo, c_hi, ev, od);
+#pragma GCC unroll 4
+  for (int t = 0; t < R; t++) P[2 * t] = ev[t], P[2 * t + 1] = od[t];
+}
+
+/* the same k-blocked: KD_W4_RG weight rows over one block of x before the next block, every pass of a row over the
+ * block back to back (the row's block then in L1 for the later passes; the block kb chunks, so that all T rows of
+ * it stay in L1 too: against whole passes one after another, 5-7 rows 1.03-1.10x), each (row, pass)'s lane sums
+ * parked in P between blocks, blocks in ascending k */
+__attribute__((target("avx2,fma"))) static void kd_b16_group_avx2(const uint16_t *w, const float *xp, int64_t ldp,
+                                                                  const float *x, float *out, int64_t T,
+                                                                  const int64_t *tb, int64_t np, int64_t n_in,
+                                                                  int64_t n_out, int64_t o0) {
+  const int64_t nc = n_in / KD_LANES, o1 = o0 + KD_W4_RG < n_out ? o0 + KD_W4_RG : n_out;
+  const int64_t kb = T * KD_W4_KB > 256 ? (256 / T > 16 ? 256 / T : 16) : KD_W4_KB; /* T x kb x 64 B <= 16 KB */
+  __m256 P[KD_W4_RG][2 * KD_B16_FUSED_T];
+  for (int64_t c_lo = 0; c_lo < nc; c_lo += kb) {
+    const int64_t c_hi = c_lo + kb < nc ? c_lo + kb : nc;
+    for (int64_t o = o0; o < o1; o++) {
+      const char *next = (const char *)(w + (o + 2 < n_out ? o + 2 : o) * n_in);
+      for (int64_t p = 0; p < np; p++) {
+        const float *xq = xp + tb[p] * ldp;
+        __m256 *Pq = P[o - o0] + 2 * tb[p];
+        switch (tb[p + 1] - tb[p]) {
+        case 1: kd_b16_pass_avx2(1, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        case 2: kd_b16_pass_avx2(2, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        case 3: kd_b16_pass_avx2(3, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        default: kd_b16_pass_avx2(4, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        }
+      }
+    }
+  }
+  for (int64_t o = o0; o < o1; o++)
+    for (int64_t t = 0; t < T; t++)
+      out[t * n_out + o] =
+          kd_b16_finish_avx2(P[o - o0][2 * t], P[o - o0][2 * t + 1], w + o * n_in, x + t * n_in, n_in);
+}
+
+typedef void (*kd_b16_fn)(const uint16_t *, const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t);
+#define KD_B16_ROWS(W, R)                                                                                        \
+  __attribute__((target("avx2,fma"))) static void kd_b16_rows_avx2_##R(const uint16_t *w, const float *xp,        \
+                                                                       int64_t ldp, const float *x, float *out,   \
+                                                                       int64_t n_in, int64_t n_out, int64_t o) {  \
+    kd_b16_rows_avx2(W, R, w, xp, ldp, x, out, n_in, n_out, o);                                                  \
+  }
+KD_B16_ROWS(1, 1) KD_B16_ROWS(1, 2) KD_B16_ROWS(1, 3) KD_B16_ROWS(1, 4) /* one weight row per pass */
+
+/* out [T, n_out] for 2 <= T <= KD_B16_FUSED_T rows of x: kd_w4_small_avx2's passes (ceil(T / 4) of 2-4 rows of x
+ * back to back per weight row), k-blocked where the T rows of x span more than KD_W4_XL1 floats */
+static int kd_b16_small_avx2(const uint16_t *w, const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out,
+                             int parallel) {
+  static const kd_b16_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_b16_rows_avx2_1, kd_b16_rows_avx2_2, kd_b16_rows_avx2_3,
+                                                  kd_b16_rows_avx2_4};
+  const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T;
+  const int blocked = T * n_in > KD_W4_XL1; /* the passes over a weight row read all T rows of x */
+  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES, step = blocked ? KD_W4_RG : 1;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
+  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_bf16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < nc; c++)
+      for (int j = 0; j < KD_LANES; j++)
+        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  int64_t tb[(KD_B16_FUSED_T + KD_W4_PASS_T - 1) / KD_W4_PASS_T + 1];
+  for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
+  if (blocked && parallel) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n_out; o += step) kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
+  } else if (blocked) {
+    for (int64_t o = 0; o < n_out; o += step) kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
+  } else if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n_out; o += step)
+      for (int64_t p = 0; p < np; p++)
+        fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
+  } else {
+    for (int64_t o = 0; o < n_out; o += step)
+      for (int64_t p = 0; p < np; p++)
+        fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
+  }
+  free(xp);
+  return KD_OK;
+}
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -1779,6 +1945,8 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
     }
     return KD_OK;
   }
+  if (T >= 2 && T <= KD_B16_FUSED_T && (T >= 3 || T * n_in <= KD_W4_XL1) && kd_host_avx2()) /* a few rows */
+    return kd_b16_small_avx2(w, x, out, T, n_in, n_out, parallel);
   if (T >= 2 && kd_host_avx2())
     return kd_linear_multirow(x, NULL, w, NULL, kd_qs_none, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
