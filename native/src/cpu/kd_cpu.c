@@ -1572,9 +1572,9 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
  * lane 2i, of `od` 2i + 1; x permuted the same way once per call). Each logical lane adds w * x in ascending k, the
  * n % 16 tail and the lane sum as kd_dot_f32 on the widened row: the bits of every other BF16 path. Why: the panels
  * (two passes over each 512-element block, a 4-row panel per row tile) ran BF16 calls of 3-8 rows at 35-47 GFLOP/s
- * per thread, streaming 13-25 GB/s where one row streams 38-48 (2048 x 7168, 2 threads); this kernel runs 3 rows
- * 1.18-1.31x, 4 rows 1.39-1.45x, 5-7 rows 1.05-1.20x faster (docs/measurements.md, 15th session). Not for 2 rows
- * whose x leaves L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x) nor from 8 rows. */
+ * per thread, streaming 12-25 GB/s where one row streams 38-48 (2 threads); this kernel runs 3 rows 1.22-1.35x,
+ * 4 rows 1.43-1.52x, 5-7 rows 1.07-1.23x faster (docs/measurements.md, 15th session). Not for 2 rows whose x leaves
+ * L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x) nor from 8 rows. */
 #define KD_B16_FUSED_T 7
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chunks_avx2(
     const int W, const int R, const uint16_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs,
@@ -1655,7 +1655,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_pas
 
 /* the same k-blocked: KD_W4_RG weight rows over one block of x before the next block, every pass of a row over the
  * block back to back (the row's block then in L1 for the later passes; the block kb chunks, so that all T rows of
- * it stay in L1 too: against whole passes one after another, 5-7 rows 1.03-1.10x), each (row, pass)'s lane sums
+ * it stay in L1 too: against whole passes one after another, 5-7 rows 1.00-1.15x), each (row, pass)'s lane sums
  * parked in P between blocks, blocks in ascending k */
 __attribute__((target("avx2,fma"))) static void kd_b16_group_avx2(const uint16_t *w, const float *xp, int64_t ldp,
                                                                   const float *x, float *out, int64_t T,
