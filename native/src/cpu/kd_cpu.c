@@ -1336,6 +1336,29 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
 #define KD_W4_PASS_T 4 /* rows of x per pass of the fused kernel (one weight row each) */
 #define KD_W4_GW 64    /* groups per window of the staged -8 * scales: W x 64 floats of stack */
 
+/* the fused kernels' multiply-adds: chunk c's weights of row r (we: the even elements, wo: the odd ones) into the
+ * accumulators of R rows of x (xe / xo: the one row's chunk, already loaded when R == 1; else read from xp, stride
+ * ldp) */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_fused_fma_avx2(
+    const int R, int r, int64_t c, __m256 we, __m256 wo, __m256 xe, __m256 xo, const float *xp, int64_t ldp,
+    __m256 *ev, __m256 *od) {
+#pragma GCC unroll 4
+  for (int t = 0; t < R; t++) {
+    ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
+    od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
+  }
+}
+
+/* the 16 lanes of a fused kernel's dot in logical order: register lane i of ev is logical lane 2i, of od 2i + 1 */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_fused_lanes_avx2(__m256 ev, __m256 od,
+                                                                                          float *b) {
+  float a[KD_LANES];
+  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
+  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od)); /* lanes 4,5,6,7 | 12,13,14,15 */
+  static const int at[KD_LANES] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+  for (int i = 0; i < KD_LANES; i++) b[i] = a[at[i]];
+}
+
 /* chunks [c0, c1) of W weight rows x R rows of x (xp: permuted rows, stride ldp), all in one group: row r's weight
  * (q - 8) * s formed as fma(q, sc[r], ns[r]) with ns = -8 s: the fused product-sum is exact before its one rounding,
  * and q s - 8 s = (q - 8) s (-8 s is exact, a power-of-two scaling), so the bits are kd_int4_weight's (finite
@@ -1357,11 +1380,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
       __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc[r], ns[r]);
       __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sc[r], ns[r]);
-#pragma GCC unroll 4
-      for (int t = 0; t < R; t++) {
-        ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
-        od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
-      }
+      kd_fused_fma_avx2(R, r, c, we, wo, xe, xo, xp, ldp, ev, od);
     }
   }
 }
@@ -1401,11 +1420,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
  * Inlined: a call per output made the caller spill the other rows' accumulators (T = 1 at 128-512 wide rows: 0.92x). */
 __attribute__((target("avx2,fma"), always_inline)) static inline float kd_w4_finish_avx2(
     __m256 ev, __m256 od, const uint32_t *wr, kd_qs sr, const float *x, int64_t n_in, int64_t wpg) {
-  float a[KD_LANES];
-  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od)); /* lanes 0,1,2,3 | 8,9,10,11 */
-  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od)); /* lanes 4,5,6,7 | 12,13,14,15 */
-  float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
-                       a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
+  float b[KD_LANES];
+  kd_fused_lanes_avx2(ev, od, b);
   for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) /* tail: lane k % 16, ascending */
     b[k % KD_LANES] = fmaf(kd_int4_weight(wr[k / 8], (int)(k % 8), kd_qs_at(sr, k / 8 / wpg)), x[k], b[k % KD_LANES]);
   return kd_lanes_sum(b);
@@ -1590,11 +1606,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chu
       const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + 16 * c));
       const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-#pragma GCC unroll 4
-      for (int t = 0; t < R; t++) {
-        ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
-        od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
-      }
+      kd_fused_fma_avx2(R, r, c, we, wo, xe, xo, xp, ldp, ev, od);
     }
   }
 }
@@ -1603,11 +1615,8 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chu
 __attribute__((target("avx2,fma"), always_inline)) static inline float kd_b16_finish_avx2(__m256 ev, __m256 od,
                                                                                          const uint16_t *wr,
                                                                                          const float *x, int64_t n_in) {
-  float a[KD_LANES];
-  _mm256_storeu_ps(a, _mm256_unpacklo_ps(ev, od));
-  _mm256_storeu_ps(a + 8, _mm256_unpackhi_ps(ev, od));
-  float b[KD_LANES] = {a[0], a[1], a[2], a[3], a[8], a[9], a[10], a[11],
-                       a[4], a[5], a[6], a[7], a[12], a[13], a[14], a[15]};
+  float b[KD_LANES];
+  kd_fused_lanes_avx2(ev, od, b);
   for (int64_t k = n_in / KD_LANES * KD_LANES; k < n_in; k++) {
     uint32_t u = (uint32_t)wr[k] << 16;
     float wv;
