@@ -1637,7 +1637,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_row
   __m256 ev[KD_W4_ROWS * KD_W4_PASS_T], od[KD_W4_ROWS * KD_W4_PASS_T];
 #pragma GCC unroll 8
   for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
-  kd_b16_chunks_avx2(W, R, wr, xp, ldp, next, 64, 0, nc, ev, od); /* a chunk: 32 bytes of W rows, 64 ahead */
+  kd_b16_chunks_avx2(W, R, wr, xp, ldp, next, 64, 0, nc, ev, od); /* 64 bytes ahead per 32-byte chunk: 2 rows */
 #pragma GCC unroll 4
   for (int r = 0; r < W; r++)
 #pragma GCC unroll 4
@@ -1926,8 +1926,9 @@ __attribute__((target("avx2,fma"))) static void kd_bf16_direct_col(const uint16_
 #endif
 
 /* kd_linear_f32 on BF16 weights, path for path: T = 1 widens in registers (kd_gemv_bf16_avx2: the f32 GEMV's dots
- * with the widening load), T >= 2 widens each weight slice into the L1 buffer the f32 tiles read; the portable path
- * widens four rows at a time for kd_linear_block. Every output is the same float32 sequence as kd_linear_f32 over
+ * with the widening load), 3-7 rows (and 2 over short rows) in the fused kernel's registers (kd_b16_small_avx2),
+ * other T >= 2 in the panels (in the register for a few rows, else each weight slice into the L1 buffer the f32
+ * tiles read); the portable path widens four rows at a time for kd_linear_block. Every output is the same float32 sequence as kd_linear_f32 over
  * the widened weights, so the two agree bit for bit (tests/native/test_bf16_weights.py). */
 int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                    void *stream) {
