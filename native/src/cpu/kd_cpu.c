@@ -1596,7 +1596,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chu
     const int W, const int R, const uint16_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs,
     int64_t c0, int64_t c1, __m256 *ev, __m256 *od) {
   const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-#pragma GCC unroll 2
+#pragma GCC unroll 4 /* against 2: 3 rows 1.03-1.09x, others within 2 % */
   for (int64_t c = c0; c < c1; c++) {
     const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
     const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
