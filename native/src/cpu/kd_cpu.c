@@ -1534,6 +1534,22 @@ KD_W4_GROUP(2) KD_W4_GROUP(3) KD_W4_GROUP(4)
 /* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
+/* the fused kernels' copy of x [T, n_in]: each row's whole chunks in the kernels' lane order (xp[16 c + j] =
+ * x[16 c + perm[j]]), rows ldp floats apart, 64-byte aligned; NULL (the error set, naming op) when out of memory */
+static float *kd_fused_x(const char *op, const float *x, int64_t T, int64_t n_in, int64_t ldp) {
+  const int64_t nc = n_in / KD_LANES;
+  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
+  if (!xp) {
+    kd_fail(KD_ENOMEM, "%s: out of memory for a %lld x %lld copy of x", op, (long long)T, (long long)n_in);
+    return NULL;
+  }
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < nc; c++)
+      for (int j = 0; j < KD_LANES; j++)
+        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  return xp;
+}
+
 /* out [T, n_out] for 1 <= T <= KD_W4_SMALL_MAX rows of x on AVX2: x permuted once per call into the kernel's lane
  * order (xp[16 c + j] = x[16 c + perm[j]]), then W outputs at a time, on the threads when parallel (no OpenMP region
  * at all for small matrices, see kd_gemv_f32_avx2). From 5 rows each weight row (or group of rows, k-blocked)
@@ -1555,14 +1571,10 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T, rmax = (T + np - 1) / np;
   const int blocked = T >= 2 && rmax * n_in > KD_W4_XL1 && wpg % 2 == 0;
   const kd_w4_rows_fn *tab = blocked ? gfns : fns;
-  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
+  const int64_t ldp = n_in / KD_LANES * KD_LANES + KD_LANES;
   const int64_t step = blocked ? KD_W4_RG : T == 1 ? KD_W4_ROWS : 1;
-  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
-  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t c = 0; c < nc; c++)
-      for (int j = 0; j < KD_LANES; j++)
-        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  float *xp = kd_fused_x("kd_linear_w4a16", x, T, n_in, ldp);
+  if (!xp) return KD_ENOMEM;
   int64_t tb[KD_W4_SMALL_MAX / KD_W4_PASS_T + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
   for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
   if (parallel) {
@@ -1593,21 +1605,18 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
  * L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x) nor from 8 rows. */
 #define KD_B16_FUSED_T 7
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chunks_avx2(
-    const int W, const int R, const uint16_t *const *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs,
-    int64_t c0, int64_t c1, __m256 *ev, __m256 *od) {
+    const int R, const uint16_t *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs, int64_t c0,
+    int64_t c1, __m256 *ev, __m256 *od) {
   const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
 #pragma GCC unroll 4 /* against 2: 3 rows 1.03-1.09x, others within 2 % */
   for (int64_t c = c0; c < c1; c++) {
     const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
     const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
     _mm_prefetch(next + pfs * c, _MM_HINT_T0);
-#pragma GCC unroll 4
-    for (int r = 0; r < W; r++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[r] + 16 * c));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
-      kd_fused_fma_avx2(R, r, c, we, wo, xe, xo, xp, ldp, ev, od);
-    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(wr + 16 * c));
+    const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+    kd_fused_fma_avx2(R, 0, c, we, wo, xe, xo, xp, ldp, ev, od);
   }
 }
 
@@ -1626,38 +1635,32 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float kd_b16_fi
   return kd_lanes_sum(b);
 }
 
-/* outputs o .. o + W - 1 of out [R, n_out] for R rows of x (xp permuted, stride ldp; x the rows themselves) */
-__attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_rows_avx2(
-    const int W, const int R, const uint16_t *w, const float *xp, int64_t ldp, const float *x, float *out,
-    int64_t n_in, int64_t n_out, int64_t o) {
-  const int64_t nc = n_in / KD_LANES;
-  const char *next = (const char *)(w + (o + W < n_out ? o + W : o) * n_in);
-  const uint16_t *wr[KD_W4_ROWS];
-  for (int r = 0; r < W; r++) wr[r] = w + (o + r < n_out ? o + r : n_out - 1) * n_in;
-  __m256 ev[KD_W4_ROWS * KD_W4_PASS_T], od[KD_W4_ROWS * KD_W4_PASS_T];
-#pragma GCC unroll 8
-  for (int i = 0; i < W * R; i++) ev[i] = od[i] = _mm256_setzero_ps();
-  kd_b16_chunks_avx2(W, R, wr, xp, ldp, next, 64, 0, nc, ev, od); /* 64 bytes ahead per 32-byte chunk: 2 rows */
+/* output o of out [R, n_out] for R rows of x (xp permuted, stride ldp; x the rows themselves): one weight row per
+ * pass, whole */
+__attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_row_avx2(
+    const int R, const uint16_t *w, const float *xp, int64_t ldp, const float *x, float *out, int64_t n_in,
+    int64_t n_out, int64_t o) {
+  const uint16_t *wr = w + o * n_in;
+  const char *next = (const char *)(w + (o + 1 < n_out ? o + 1 : o) * n_in);
+  __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
 #pragma GCC unroll 4
-  for (int r = 0; r < W; r++)
+  for (int t = 0; t < R; t++) ev[t] = od[t] = _mm256_setzero_ps();
+  kd_b16_chunks_avx2(R, wr, xp, ldp, next, 64, 0, n_in / KD_LANES, ev, od); /* 64 bytes per 32-byte chunk: 2 rows */
 #pragma GCC unroll 4
-    for (int t = 0; t < R; t++)
-      if (o + r < n_out)
-        out[t * n_out + o + r] = kd_b16_finish_avx2(ev[r * R + t], od[r * R + t], wr[r], x + t * n_in, n_in);
+  for (int t = 0; t < R; t++) out[t * n_out + o] = kd_b16_finish_avx2(ev[t], od[t], wr, x + t * n_in, n_in);
 }
 
 /* one pass of R rows of x over chunks [c_lo, c_hi) of one weight row, its lane sums taken from and left in P */
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_pass_avx2(
     const int R, const uint16_t *w, const float *xp, int64_t ldp, const char *next, int64_t c_lo, int64_t c_hi,
     __m256 *P) {
-  const uint16_t *wr[1] = {w};
   __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
 #pragma GCC unroll 4
   for (int t = 0; t < R; t++) {
     ev[t] = c_lo ? P[2 * t] : _mm256_setzero_ps();
     od[t] = c_lo ? P[2 * t + 1] : _mm256_setzero_ps();
   }
-  kd_b16_chunks_avx2(1, R, wr, xp, ldp, next, 32, c_lo, c_hi, ev, od);
+  kd_b16_chunks_avx2(R, w, xp, ldp, next, 32, c_lo, c_hi, ev, od);
 #pragma GCC unroll 4
   for (int t = 0; t < R; t++) P[2 * t] = ev[t], P[2 * t + 1] = od[t];
 }
@@ -1696,45 +1699,45 @@ __attribute__((target("avx2,fma"))) static void kd_b16_group_avx2(const uint16_t
 }
 
 typedef void (*kd_b16_fn)(const uint16_t *, const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t);
-#define KD_B16_ROWS(W, R)                                                                                        \
-  __attribute__((target("avx2,fma"))) static void kd_b16_rows_avx2_##R(const uint16_t *w, const float *xp,        \
-                                                                       int64_t ldp, const float *x, float *out,   \
-                                                                       int64_t n_in, int64_t n_out, int64_t o) {  \
-    kd_b16_rows_avx2(W, R, w, xp, ldp, x, out, n_in, n_out, o);                                                  \
+#define KD_B16_ROW(R)                                                                                            \
+  __attribute__((target("avx2,fma"))) static void kd_b16_row_avx2_##R(const uint16_t *w, const float *xp,         \
+                                                                      int64_t ldp, const float *x, float *out,    \
+                                                                      int64_t n_in, int64_t n_out, int64_t o) {   \
+    kd_b16_row_avx2(R, w, xp, ldp, x, out, n_in, n_out, o);                                                      \
   }
-KD_B16_ROWS(1, 1) KD_B16_ROWS(1, 2) KD_B16_ROWS(1, 3) KD_B16_ROWS(1, 4) /* one weight row per pass */
+KD_B16_ROW(1) KD_B16_ROW(2) KD_B16_ROW(3) KD_B16_ROW(4)
+
+/* KD_W4_RG outputs from o (blocked) or output o, every pass (inlined: a call per output cost 2 rows 0.96x) */
+static inline __attribute__((always_inline)) void kd_b16_step(int blocked, const uint16_t *w, const float *xp,
+                                                             int64_t ldp, const float *x, float *out, int64_t T,
+                                                             const int64_t *tb, int64_t np, int64_t n_in,
+                                                             int64_t n_out, int64_t o) {
+  static const kd_b16_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_b16_row_avx2_1, kd_b16_row_avx2_2, kd_b16_row_avx2_3,
+                                                  kd_b16_row_avx2_4};
+  if (blocked) {
+    kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
+    return;
+  }
+  for (int64_t p = 0; p < np; p++)
+    fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
+}
 
 /* out [T, n_out] for 2 <= T <= KD_B16_FUSED_T rows of x: kd_w4_small_avx2's passes (ceil(T / 4) of 2-4 rows of x
  * back to back per weight row), k-blocked where the T rows of x span more than KD_W4_XL1 floats */
 static int kd_b16_small_avx2(const uint16_t *w, const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out,
                              int parallel) {
-  static const kd_b16_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_b16_rows_avx2_1, kd_b16_rows_avx2_2, kd_b16_rows_avx2_3,
-                                                  kd_b16_rows_avx2_4};
   const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T;
   const int blocked = T * n_in > KD_W4_XL1; /* the passes over a weight row read all T rows of x */
-  const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES, step = blocked ? KD_W4_RG : 1;
-  float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
-  if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_bf16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t c = 0; c < nc; c++)
-      for (int j = 0; j < KD_LANES; j++)
-        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  const int64_t ldp = n_in / KD_LANES * KD_LANES + KD_LANES, step = blocked ? KD_W4_RG : 1;
+  float *xp = kd_fused_x("kd_linear_bf16", x, T, n_in, ldp);
+  if (!xp) return KD_ENOMEM;
   int64_t tb[(KD_B16_FUSED_T + KD_W4_PASS_T - 1) / KD_W4_PASS_T + 1];
   for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
-  if (blocked && parallel) {
+  if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += step) kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
-  } else if (blocked) {
-    for (int64_t o = 0; o < n_out; o += step) kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
-  } else if (parallel) {
-#pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n_out; o += step)
-      for (int64_t p = 0; p < np; p++)
-        fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += step) kd_b16_step(blocked, w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
   } else {
-    for (int64_t o = 0; o < n_out; o += step)
-      for (int64_t p = 0; p < np; p++)
-        fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
+    for (int64_t o = 0; o < n_out; o += step) kd_b16_step(blocked, w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
   }
   free(xp);
   return KD_OK;
@@ -1928,8 +1931,9 @@ __attribute__((target("avx2,fma"))) static void kd_bf16_direct_col(const uint16_
 /* kd_linear_f32 on BF16 weights, path for path: T = 1 widens in registers (kd_gemv_bf16_avx2: the f32 GEMV's dots
  * with the widening load), 3-7 rows (and 2 over short rows) in the fused kernel's registers (kd_b16_small_avx2),
  * other T >= 2 in the panels (in the register for a few rows, else each weight slice into the L1 buffer the f32
- * tiles read); the portable path widens four rows at a time for kd_linear_block. Every output is the same float32 sequence as kd_linear_f32 over
- * the widened weights, so the two agree bit for bit (tests/native/test_bf16_weights.py). */
+ * tiles read); the portable path widens four rows at a time for kd_linear_block. Every output is the same float32
+ * sequence as kd_linear_f32 over the widened weights, so the two agree bit for bit
+ * (tests/native/test_bf16_weights.py). */
 int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                    void *stream) {
   (void)stream;
