@@ -23,7 +23,8 @@ pytestmark = needs_cpu_library
 
 TS = [1, 2, 3, 5, 9, 17, 33]
 SIZES = [(1, 1), (7, 5), (15, 3), (16, 4), (17, 9), (33, 7), (100, 13), (257, 6), (1023, 5), (1030, 11),
-         (2051, 3)]   # (n_in, n_out): n_in % 16 != 0 mostly; > 1024: the k-blocked path
+         (2051, 3), (4113, 5)]   # (n_in, n_out): n_in % 16 != 0 mostly; > 1024: the k-blocked path; > 4096: the
+                                 # BF16 GEMV's permuted copy of x on the heap
 
 
 def _bits(rng, shape):

@@ -361,18 +361,6 @@ __attribute__((target("avx2,fma"))) static void kd_gemv_f32_avx2(const float *x,
   for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_avx2(w + o * n_in, x, n_in);
 }
 
-/* kd_gemv_f32_avx2 over BF16 weights: the same dots (kd_dot_4x1_avx2_t / kd_dot_avx2_t with bf = 1), half the bytes */
-__attribute__((target("avx2,fma"))) static void kd_gemv_bf16_avx2(const float *x, const uint16_t *w, float *out,
-                                                               int64_t n_in, int64_t n_out, int parallel) {
-  int64_t n4 = n_out / 4 * 4;
-  if (parallel) {
-#pragma omp parallel for schedule(static) num_threads(kd_threads())
-    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_bf16_avx2(w + o * n_in, n_in, x, n_in, out + o);
-  } else {
-    for (int64_t o = 0; o < n4; o += 4) kd_dot_4x1_bf16_avx2(w + o * n_in, n_in, x, n_in, out + o);
-  }
-  for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_bf16_avx2(w + o * n_in, x, n_in);
-}
 #endif
 
 /* dst[0..n) = the BF16 bits src widened to float32 (exact) */
@@ -1742,6 +1730,66 @@ static int kd_b16_small_avx2(const uint16_t *w, const float *x, float *out, int6
   free(xp);
   return KD_OK;
 }
+
+/* ---- BF16 GEMV (T = 1) on AVX2 ----------------------------------------------------------------------------------
+ * The f32 GEMV's dots over BF16 weights (kd_dot_4x1_bf16_avx2) widen 8 weights with a zero-extend and a shift, two
+ * operations on the two shuffle/shift pipes per 8 weights beside the multiply-add: from L3 they ran at 27-35 GB/s per
+ * thread, and with two threads streamed 33-50 GB/s where the read roof was 42-62 (16th session). Here, as in
+ * kd_b16_small_avx2, 16 elements are one 32-byte load widened by a shift (the even elements) and a mask (the odd ones)
+ * into the permuted lane order, x permuted once per call: half the widening operations, none of them a shuffle. Four
+ * weight rows per pass (eight independent accumulators, x loaded once for the four); the lanes are un-permuted in
+ * registers, then the tail and kd_hsum4_avx2 as kd_dot_4x1_bf16_avx2: the same bits. Against those dots, 2 threads:
+ * 1.3-1.6 % faster per linear at a 40 GB/s roof, 3-8 % at 42-64 GB/s; prefetching the next rows (L1 or L2, or at a
+ * fixed distance in the row) cost 2-25 %. */
+__attribute__((target("avx2,fma"))) static void kd_b16_gemv4_avx2(const uint16_t *w, int64_t ws, const float *xp,
+                                                                  const float *x, int64_t n, float *r) {
+  const uint16_t *wr[4] = {w, w + ws, w + 2 * ws, w + 3 * ws};
+  const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+  __m256 ev[4], od[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) ev[i] = od[i] = _mm256_setzero_ps();
+  const int64_t nc = n / KD_LANES;
+  for (int64_t c = 0; c < nc; c++) {
+    const __m256 xe = _mm256_load_ps(xp + 16 * c), xo = _mm256_load_ps(xp + 16 * c + 8);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i *)(wr[i] + 16 * c));
+      ev[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xe, ev[i]);
+      od[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi)), xo, od[i]);
+    }
+  }
+  __m256 lo[4], hv[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; i++) { /* register lane j of ev is logical lane 2j, of od 2j + 1 */
+    const __m256 a = _mm256_unpacklo_ps(ev[i], od[i]), b = _mm256_unpackhi_ps(ev[i], od[i]); /* 0-3|8-11, 4-7|12-15 */
+    lo[i] = _mm256_permute2f128_ps(a, b, 0x20), hv[i] = _mm256_permute2f128_ps(a, b, 0x31);
+    KD_WTAIL_AVX2(lo[i], hv[i], wr[i], x, nc * KD_LANES, n, 1);
+  }
+  _mm_storeu_ps(r, kd_hsum4_avx2(lo[0], hv[0], lo[1], hv[1], lo[2], hv[2], lo[3], hv[3]));
+}
+
+#define KD_B16_GEMV_XS 4096 /* rows of x up to this many floats are permuted on the stack, longer ones on the heap */
+static int kd_b16_gemv_avx2(const float *x, const uint16_t *w, float *out, int64_t n_in, int64_t n_out,
+                            int parallel) {
+  const int64_t ldp = n_in / KD_LANES * KD_LANES + KD_LANES, n4 = n_out / 4 * 4;
+  float xs[KD_B16_GEMV_XS + KD_LANES] __attribute__((aligned(64)));
+  float *xp = xs;
+  if (ldp <= KD_B16_GEMV_XS + KD_LANES) {
+    for (int64_t c = 0; c < n_in / KD_LANES; c++)
+      for (int j = 0; j < KD_LANES; j++) xs[KD_LANES * c + j] = x[KD_LANES * c + kd_w4_perm_avx2[j]];
+  } else if (!(xp = kd_fused_x("kd_linear_bf16", x, 1, n_in, ldp))) {
+    return KD_ENOMEM;
+  }
+  if (parallel) {
+#pragma omp parallel for schedule(static) num_threads(kd_threads())
+    for (int64_t o = 0; o < n4; o += 4) kd_b16_gemv4_avx2(w + o * n_in, n_in, xp, x, n_in, out + o);
+  } else {
+    for (int64_t o = 0; o < n4; o += 4) kd_b16_gemv4_avx2(w + o * n_in, n_in, xp, x, n_in, out + o);
+  }
+  for (int64_t o = n4; o < n_out; o++) out[o] = kd_dot_bf16_avx2(w + o * n_in, x, n_in);
+  if (xp != xs) free(xp);
+  return KD_OK;
+}
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -1928,12 +1976,11 @@ __attribute__((target("avx2,fma"))) static void kd_bf16_direct_col(const uint16_
 }
 #endif
 
-/* kd_linear_f32 on BF16 weights, path for path: T = 1 widens in registers (kd_gemv_bf16_avx2: the f32 GEMV's dots
- * with the widening load), 3-7 rows (and 2 over short rows) in the fused kernel's registers (kd_b16_small_avx2),
- * other T >= 2 in the panels (in the register for a few rows, else each weight slice into the L1 buffer the f32
- * tiles read); the portable path widens four rows at a time for kd_linear_block. Every output is the same float32
- * sequence as kd_linear_f32 over the widened weights, so the two agree bit for bit
- * (tests/native/test_bf16_weights.py). */
+/* kd_linear_f32 on BF16 weights, path for path: T = 1 widens in registers (kd_b16_gemv_avx2: the f32 GEMV's dots in the
+ * fused kernels' lane order), 3-7 rows (and 2 over short rows) in the fused kernel's registers (kd_b16_small_avx2),
+ * other T >= 2 in the panels (in the register for a few rows, else each weight slice into the L1 buffer the f32 tiles
+ * read); the portable path widens four rows at a time for kd_linear_block. Every output is the same float32 sequence as
+ * kd_linear_f32 over the widened weights, so the two agree bit for bit (tests/native/test_bf16_weights.py). */
 int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int64_t n_in, int64_t n_out,
                    void *stream) {
   (void)stream;
@@ -1964,8 +2011,7 @@ int kd_linear_bf16(const float *x, const uint16_t *w, float *out, int64_t T, int
   if (T >= 2 && kd_host_avx2())
     return kd_linear_multirow(x, NULL, w, NULL, kd_qs_none, 0, 0, 1, out, T, n_in, n_out, parallel);
   if (kd_host_avx2()) {
-    kd_gemv_bf16_avx2(x, w, out, n_in, n_out, parallel);
-    return KD_OK;
+    return kd_b16_gemv_avx2(x, w, out, n_in, n_out, parallel);
   }
 #endif
   /* portable: four rows widened (L1-resident), then kd_linear_f32's portable block kernel */
