@@ -1,12 +1,12 @@
 """bench: the fixed prompt set with tree=ar as the baseline and the composed tree, in one process.
 
 Writes bench.json: tokens/s (prefill included; decode_tokens_per_s: the tokens after the first over the time after
-the prefill), speedup vs AR, target forwards per token, mean acceptance length and its
-histogram, per-stage seconds, per-prompt outputs (for exact reproduction), whether the tree output equals
-AR token for token, and the provenance needed to rerun the row (overrides, commit, seeds, versions, CPU/GPU,
-native library build). With sampling.temperature > 0 both AR and the tree sample (prompt i with the seed
-sampling.for_sample(i), the same for both, so outputs_equal_ar still holds) and bench.json reports the
-acceptance length under sampling next to greedy's (one greedy tree pass).
+the prefill; every prompt is prefilled cold in every round, the prefix cache off during the timed runs), speedup vs
+AR, target forwards per token, mean acceptance length and its histogram, per-stage seconds, per-prompt outputs (for
+exact reproduction), whether the tree output equals AR token for token, and the provenance needed to rerun the row
+(overrides, commit, seeds, versions, CPU/GPU, native library build). With sampling.temperature > 0 both AR and the
+tree sample (prompt i with the seed sampling.for_sample(i), the same for both, so outputs_equal_ar still holds) and
+bench.json reports the acceptance length under sampling next to greedy's (one greedy tree pass).
 """
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from omegaconf import OmegaConf
 
@@ -194,8 +195,32 @@ def bytes_bound(ar_moe: dict, moe: dict) -> Optional[float]:
     return ar_moe["bytes_per_token"] / need if ar_moe.get("bytes_per_token") and need else None
 
 
+@contextmanager
+def cold_prefill(engine) -> Iterator[None]:
+    """The engine's prefix cache off meanwhile (neither looked up nor filled), then as it was: a bench repeats its
+    prompts round after round and runs every shape on the same ones, so with the cache on only the first run of a
+    prompt would prefill it (and llama.cpp in bench_peer, reset before each prompt, prefills every time: on
+    k26_mini the cached prefills had made kdtree's tokens/s 1.22x its cold figure)."""
+    sched = engine.scheduler
+    if sched.prefix_cache is None:
+        yield
+        return
+    was = sched.prefix_enabled
+    sched.set_prefix_cache(False)
+    try:
+        yield
+    finally:
+        sched.set_prefix_cache(was)
+
+
 def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, grammar=None) -> dict:
-    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i). grammar: a GrammarSpec."""
+    """sampling None/greedy: argmax; else prompt i samples with sampling.for_sample(i). grammar: a GrammarSpec.
+    Every prompt prefilled cold (cold_prefill)."""
+    with cold_prefill(engine):
+        return _run_set_cold(engine, prompts_ids, max_new_tokens, tree_cfg, sampling, grammar)
+
+
+def _run_set_cold(engine, prompts_ids, max_new_tokens, tree_cfg, sampling, grammar) -> dict:
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
     tokens = forwards = drafts = 0

@@ -13,7 +13,10 @@ reported as tree_tokens_per_s / tree_vs_peer: the best shape is chosen against t
 The prompt is tokenized with the project's tokenizer and fed to llama.cpp as ids (the GGUF's ids are the
 project's), so both engines see the same ids; tokens_equal says whether llama.cpp's greedy tokens equal
 kdtree's AR tokens on every prompt (and the tree's equal AR's: the lossless invariant). Tokens/s = new tokens /
-seconds of the whole call (prefill + decode), summed over the prompts, as in pipeline=bench.
+seconds of the whole call (prefill + decode), summed over the prompts, as in pipeline=bench; decode tok/s (the
+*_decode_tokens_per_s fields) = the tokens after the first over the time after the first token. Both engines prefill
+every prompt cold in every round: llama.cpp is reset before each prompt, and kdtree's prefix cache is off during the
+timed runs (bench.cold_prefill; with it on, kdtree would prefill a prompt only in the first round).
 
 The exports (the model's GGUF, and one per bench_peer.peer_dtypes) are written once into <cache_dir>/gguf and reused by
 later runs while the checkpoint's files, the model/quant config and the GGUF writer are unchanged
@@ -111,24 +114,30 @@ def limit_threads(n: int) -> Dict[str, int]:
 
 
 def _peer_set(llm, prompts_ids: List[List[int]], max_new_tokens: int, eos_id: int) -> dict:
-    """llama.cpp greedy (temperature 0) on every prompt: tokens (eos not included, like kdtree) and seconds."""
-    per_prompt, tokens, seconds = [], 0, 0.0
+    """llama.cpp greedy (temperature 0) on every prompt: tokens (eos not included, like kdtree) and seconds; the
+    decode rate as kdtree's (bench._run_set): the tokens after the first over the time after the first token."""
+    per_prompt, tokens, seconds, first_s = [], 0, 0.0, 0.0
     for ids in prompts_ids:
         llm.reset()                                           # no KV prefix reuse from the previous round
         out: List[int] = []
         t0 = time.perf_counter()
+        t_first = None
         for tok in llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
                                 reset=True):
+            if t_first is None:                                # the prompt's prefill and the first token
+                t_first = time.perf_counter() - t0
             if tok == eos_id:
                 break
             out.append(int(tok))
             if len(out) >= max_new_tokens:
                 break
         dt = time.perf_counter() - t0
-        per_prompt.append({"tokens": out, "seconds": dt})
+        per_prompt.append({"tokens": out, "seconds": dt, "first_token_seconds": t_first or dt})
         tokens += len(out)
         seconds += dt
+        first_s += t_first or dt
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9),
+            "decode_tokens_per_s": (tokens - len(prompts_ids)) / max(seconds - first_s, 1e-9),
             "per_prompt": per_prompt}
 
 
@@ -283,6 +292,12 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "ar_vs_peer": ar["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
         "tree_vs_peer": tree["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
         "tree_vs_ar": tree["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+        # the same without each prompt's prefill and first token (both engines prefill cold, every round)
+        "peer_decode_tokens_per_s": peer["decode_tokens_per_s"],
+        "ar_decode_tokens_per_s": ar["decode_tokens_per_s"],
+        "tree_decode_tokens_per_s": tree["decode_tokens_per_s"],
+        "decode_ar_vs_peer": ar["decode_tokens_per_s"] / max(peer["decode_tokens_per_s"], 1e-9),
+        "decode_tree_vs_peer": tree["decode_tokens_per_s"] / max(peer["decode_tokens_per_s"], 1e-9),
         "tokens_equal": tokens_equal,
         "first_difference": first_diff,                     # per prompt: first token where llama.cpp != kdtree AR
         "prompt_logits_max_abs_diff": logits_diff,          # llama.cpp vs kdtree, prefill of the first prompt
@@ -291,12 +306,16 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "trees": [{"tree": OmegaConf.to_container(t, resolve=True), "tokens_per_s": best[n]["tokens_per_s"],
                    "vs_peer": best[n]["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9),
                    "vs_ar": best[n]["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
+                   "decode_tokens_per_s": best[n]["decode_tokens_per_s"],
+                   "decode_vs_peer": best[n]["decode_tokens_per_s"] / max(peer["decode_tokens_per_s"], 1e-9),
                    "mean_acceptance_length": best[n]["mean_acceptance_length"], "outputs_equal_ar": lossless_by[n]}
                   for n, t in zip(names, shapes)],
         "peers": [{"dtype": d, "gguf": summary["path"], "bytes": summary["bytes"],
                    "tokens_per_s": best[f"peer {d}"]["tokens_per_s"],
                    "ar_vs_it": ar["tokens_per_s"] / max(best[f"peer {d}"]["tokens_per_s"], 1e-9),
                    "tree_vs_it": tree["tokens_per_s"] / max(best[f"peer {d}"]["tokens_per_s"], 1e-9),
+                   "decode_tokens_per_s": best[f"peer {d}"]["decode_tokens_per_s"],
+                   "decode_ar_vs_it": ar["decode_tokens_per_s"] / max(best[f"peer {d}"]["decode_tokens_per_s"], 1e-9),
                    "tokens_equal_ar": [p["tokens"] for p in best[f"peer {d}"]["per_prompt"]]
                    == [a["tokens"] for a in ar["per_prompt"]]}
                   for d, (summary, _) in extra.items()],
@@ -304,19 +323,21 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "provenance": provenance(ctx),
     }
     (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
-    rows = [(f"llama.cpp {dtype} AR", peer["tokens_per_s"], 1.0),
-            *((f"llama.cpp {p['dtype']} AR ({p['bytes'] / 1e6:.0f} MB file)", p["tokens_per_s"],
+    pd = max(peer["decode_tokens_per_s"], 1e-9)
+    rows = [(f"llama.cpp {dtype} AR", peer, 1.0),
+            *((f"llama.cpp {p['dtype']} AR ({p['bytes'] / 1e6:.0f} MB file)", p,
                p["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9)) for p in out["peers"]),
-            (f"kdtree backend={cfg.backend.name} AR", ar["tokens_per_s"], out["ar_vs_peer"])]
+            (f"kdtree backend={cfg.backend.name} AR", ar, out["ar_vs_peer"])]
     for i, (n, t) in enumerate(zip(names, out["trees"])):
         rows.append((f"kdtree backend={cfg.backend.name} {n}" + (" (fastest)" if i == fastest and len(names) > 1
-                                                                  else ""), t["tokens_per_s"], t["vs_peer"]))
+                                                                  else ""), t, t["vs_peer"]))
     print(f"bench_peer: {len(texts)} prompts x {max_new_tokens} new tokens, {threads} thread(s), best of {rounds} "
           f"alternating rounds, model={cfg.model.name}, load average {load_before[0]:.1f} on {os.cpu_count()} cores")
-    print(f"| {'engine':<50} | {'tokens/s':>9} | {'vs llama.cpp':>12} |")
-    print(f"|{'-' * 52}|{'-' * 11}|{'-' * 14}|")
-    for label, tps, ratio in rows:
-        print(f"| {label:<50} | {tps:>9.1f} | {ratio:>12.2f} |")
+    print(f"| {'engine':<50} | {'tokens/s':>9} | {'vs llama.cpp':>12} | {'decode tok/s':>12} | {'vs llama.cpp':>12} |")
+    print(f"|{'-' * 52}|{'-' * 11}|{'-' * 14}|{'-' * 14}|{'-' * 14}|")
+    for label, r, ratio in rows:
+        print(f"| {label:<50} | {r['tokens_per_s']:>9.1f} | {ratio:>12.2f} | {r['decode_tokens_per_s']:>12.1f} | "
+              f"{r['decode_tokens_per_s'] / pd:>12.2f} |")
     diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
         f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
     print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "

@@ -52,9 +52,15 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     for key in ("peer_ar_tokens_per_s", "ar_tokens_per_s", "tree_tokens_per_s"):
         assert res[key] > 0
     assert res["ar_vs_peer"] == pytest.approx(res["ar_tokens_per_s"] / res["peer_ar_tokens_per_s"])
-    assert "| llama.cpp F32 AR" in r.stdout and "tokens_equal=True" in r.stdout
+    # decode alone (the tokens after the first over the time after it), for both engines: above the whole-call rate
+    for who, res_of in (("peer", res["peer_result"]), ("ar", res["ar"])):
+        assert res[f"{who}_decode_tokens_per_s"] == res_of["decode_tokens_per_s"] > res_of["tokens_per_s"]
+    assert res["decode_ar_vs_peer"] == pytest.approx(res["ar_decode_tokens_per_s"] / res["peer_decode_tokens_per_s"])
+    assert all(0 < p["first_token_seconds"] < p["seconds"] for p in res["peer_result"]["per_prompt"])
+    assert "| llama.cpp F32 AR" in r.stdout and "tokens_equal=True" in r.stdout and "decode tok/s" in r.stdout
     (q8,) = res["peers"]                                  # an extra llama.cpp row on a Q8_0 export, same rounds
     assert q8["dtype"] == "Q8_0" and q8["tokens_per_s"] > 0 and q8["bytes"] < 0.4 * Path(res["gguf"]).stat().st_size
+    assert q8["decode_tokens_per_s"] > q8["tokens_per_s"] and q8["decode_ar_vs_it"] > 0
     assert "| llama.cpp Q8_0 AR" in r.stdout
     # both shapes ran in the same rounds; the fastest is the one reported as the tree
     shapes = [(t["tree"]["kind"], t["tree"]["width"], t["tree"]["budget"]) for t in res["trees"]]
