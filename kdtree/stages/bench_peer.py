@@ -206,6 +206,28 @@ def prompt_logits_difference(path: str, model, ids: List[int], threads: int, rep
     return float(np.abs(peer - ours).max())
 
 
+def gguf_step_bytes(path: str, top_k: int, n_experts: int) -> int:
+    """Bytes one decode step (one row) of llama.cpp reads from this GGUF: every tensor but the token embedding (one
+    row of it), each layer's packed routed experts (blk.L.ffn_*_exps) at top_k of n_experts."""
+    from gguf import GGUFReader
+    total = 0.0
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == "token_embd.weight":
+            continue
+        total += int(t.n_bytes) * (top_k / n_experts if "_exps." in t.name and n_experts else 1)
+    return int(total)
+
+
+def kdtree_step_bytes(engine) -> Optional[int]:
+    """Bytes one decode step (one row) of kdtree streams, as its library holds them: every linear but the routed
+    experts, and top_k experts of each MoE layer (NativeTarget.weight_bytes); None where the backend does not say."""
+    held = getattr(engine.model, "weight_bytes", None)
+    if held is None:
+        return None
+    E, k = int(engine.cfg.model.n_routed_experts or 1), int(engine.cfg.model.num_experts_per_tok or 1)
+    return int(sum(b * (k / E if ".mlp.experts." in name else 1) for name, (b, _n) in held().items()))
+
+
 def _shape_name(t) -> str:
     if t.kind == "ar":
         return "ar"
@@ -278,6 +300,11 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     tokens_equal = all(d < 0 for d in first_diff)
     lossless_by = {n: _same_tokens(ar, best[n]) for n in names}
     lossless = all(lossless_by.values())
+    E, k = int(cfg.model.n_routed_experts or 1), int(cfg.model.num_experts_per_tok or 1)
+    step_bytes = {"kdtree AR": kdtree_step_bytes(engine), f"llama.cpp {dtype}": gguf_step_bytes(path, k, E),
+                  **{f"llama.cpp {d}": gguf_step_bytes(summary["path"], k, E) for d, (summary, _) in extra.items()}}
+    decode_rate = {"kdtree AR": ar["decode_tokens_per_s"], f"llama.cpp {dtype}": peer["decode_tokens_per_s"],
+                   **{f"llama.cpp {d}": best[f"peer {d}"]["decode_tokens_per_s"] for d in extra}}
     out = {
         "peer": f"llama.cpp (llama-cpp-python {_version('llama_cpp_python')}) deepseek2 {dtype} GGUF, greedy",
         "gguf_dtype": dtype,
@@ -298,6 +325,9 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         "tree_decode_tokens_per_s": tree["decode_tokens_per_s"],
         "decode_ar_vs_peer": ar["decode_tokens_per_s"] / max(peer["decode_tokens_per_s"], 1e-9),
         "decode_tree_vs_peer": tree["decode_tokens_per_s"] / max(peer["decode_tokens_per_s"], 1e-9),
+        # what one AR decode step reads (top_k experts per MoE layer) and the rate it streams that at while decoding
+        "step_bytes": step_bytes,
+        "decode_gb_s": {n: b * decode_rate[n] / 1e9 for n, b in step_bytes.items() if b is not None},
         "tokens_equal": tokens_equal,
         "first_difference": first_diff,                     # per prompt: first token where llama.cpp != kdtree AR
         "prompt_logits_max_abs_diff": logits_diff,          # llama.cpp vs kdtree, prefill of the first prompt
@@ -324,20 +354,23 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     }
     (Path(ctx.run_dir) / "bench_peer.json").write_text(json.dumps(out, indent=2))
     pd = max(peer["decode_tokens_per_s"], 1e-9)
-    rows = [(f"llama.cpp {dtype} AR", peer, 1.0),
+    rows = [(f"llama.cpp {dtype} AR", peer, 1.0, f"llama.cpp {dtype}"),
             *((f"llama.cpp {p['dtype']} AR ({p['bytes'] / 1e6:.0f} MB file)", p,
-               p["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9)) for p in out["peers"]),
-            (f"kdtree backend={cfg.backend.name} AR", ar, out["ar_vs_peer"])]
+               p["tokens_per_s"] / max(peer["tokens_per_s"], 1e-9), f"llama.cpp {p['dtype']}") for p in out["peers"]),
+            (f"kdtree backend={cfg.backend.name} AR", ar, out["ar_vs_peer"], "kdtree AR")]
     for i, (n, t) in enumerate(zip(names, out["trees"])):
         rows.append((f"kdtree backend={cfg.backend.name} {n}" + (" (fastest)" if i == fastest and len(names) > 1
-                                                                  else ""), t, t["vs_peer"]))
+                                                                  else ""), t, t["vs_peer"], ""))
     print(f"bench_peer: {len(texts)} prompts x {max_new_tokens} new tokens, {threads} thread(s), best of {rounds} "
           f"alternating rounds, model={cfg.model.name}, load average {load_before[0]:.1f} on {os.cpu_count()} cores")
-    print(f"| {'engine':<50} | {'tokens/s':>9} | {'vs llama.cpp':>12} | {'decode tok/s':>12} | {'vs llama.cpp':>12} |")
-    print(f"|{'-' * 52}|{'-' * 11}|{'-' * 14}|{'-' * 14}|{'-' * 14}|")
-    for label, r, ratio in rows:
+    print(f"| {'engine':<50} | {'tokens/s':>9} | {'vs llama.cpp':>12} | {'decode tok/s':>12} | {'vs llama.cpp':>12} "
+          f"| {'MB/step':>8} | {'GB/s':>5} |")
+    print(f"|{'-' * 52}|{'-' * 11}|{'-' * 14}|{'-' * 14}|{'-' * 14}|{'-' * 10}|{'-' * 7}|")
+    for label, r, ratio, key in rows:
+        b = step_bytes.get(key)
+        mb, gbs = (f"{b / 1e6:8.0f}", f"{out['decode_gb_s'][key]:5.1f}") if b is not None else (f"{'-':>8}", f"{'-':>5}")
         print(f"| {label:<50} | {r['tokens_per_s']:>9.1f} | {ratio:>12.2f} | {r['decode_tokens_per_s']:>12.1f} | "
-              f"{r['decode_tokens_per_s'] / pd:>12.2f} |")
+              f"{r['decode_tokens_per_s'] / pd:>12.2f} | {mb} | {gbs} |")
     diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
         f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
     print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "

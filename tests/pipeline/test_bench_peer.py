@@ -61,6 +61,13 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     (q8,) = res["peers"]                                  # an extra llama.cpp row on a Q8_0 export, same rounds
     assert q8["dtype"] == "Q8_0" and q8["tokens_per_s"] > 0 and q8["bytes"] < 0.4 * Path(res["gguf"]).stat().st_size
     assert q8["decode_tokens_per_s"] > q8["tokens_per_s"] and q8["decode_ar_vs_it"] > 0
+    # what one decode step reads: kdtree's fp32 linears are the F32 GGUF's tensors (less the embedding, top-2 of 8
+    # experts each), Q8_0 is 34 bytes per 32 weights; GB/s = those bytes x decode tok/s
+    sb = res["step_bytes"]
+    assert sb["kdtree AR"] == pytest.approx(sb["llama.cpp F32"], rel=0.02)
+    assert sb["llama.cpp Q8_0"] == pytest.approx(sb["llama.cpp F32"] * 34 / 128, rel=0.05)
+    assert res["decode_gb_s"]["kdtree AR"] == pytest.approx(sb["kdtree AR"] * res["ar_decode_tokens_per_s"] / 1e9)
+    assert "MB/step" in r.stdout
     assert "| llama.cpp Q8_0 AR" in r.stdout
     # both shapes ran in the same rounds; the fastest is the one reported as the tree
     shapes = [(t["tree"]["kind"], t["tree"]["width"], t["tree"]["budget"]) for t in res["trees"]]
