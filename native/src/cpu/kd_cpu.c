@@ -1330,7 +1330,7 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_fused_fma_avx2(
     const int R, int r, int64_t c, __m256 we, __m256 wo, __m256 xe, __m256 xo, const float *xp, int64_t ldp,
     __m256 *ev, __m256 *od) {
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < R; t++) {
     ev[r * R + t] = _mm256_fmadd_ps(we, R == 1 ? xe : _mm256_load_ps(xp + t * ldp + 16 * c), ev[r * R + t]);
     od[r * R + t] = _mm256_fmadd_ps(wo, R == 1 ? xo : _mm256_load_ps(xp + t * ldp + 16 * c + 8), od[r * R + t]);
@@ -1589,9 +1589,14 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
  * n % 16 tail and the lane sum as kd_dot_f32 on the widened row: the bits of every other BF16 path. Why: the panels
  * (two passes over each 512-element block, a 4-row panel per row tile) ran BF16 calls of 3-8 rows at 35-47 GFLOP/s
  * per thread, streaming 12-25 GB/s where one row streams 38-48 (2 threads); this kernel runs 3 rows 1.22-1.35x,
- * 4 rows 1.43-1.52x, 5-7 rows 1.07-1.23x faster (docs/measurements.md, 15th session). Not for 2 rows whose x leaves
- * L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x) nor from 8 rows. */
+ * 4 rows 1.43-1.52x, 5-7 rows 1.07-1.23x faster (docs/measurements.md, 15th session; 5-6 rows in one pass since,
+ * below). Not for 2 rows whose x leaves L1 (the panels stream them at ~0.85 of the read roof already: 0.87-0.90x)
+ * nor from 8 rows (passes of 4-6 rows over 8-12: 0.67-1.0x, 16th session). */
 #define KD_B16_FUSED_T 7
+/* rows of x per pass: 2 R accumulators + the two weight registers + the mask, 15 of 16 at R = 6 (R = 7 spilled:
+ * 0.82x). One pass of 5-6 rows against passes of 3 + 2 / 3 + 3: 1.13-1.14x / 1.07-1.12x (16th session): a pass of
+ * R <= 3 rows is held by its 2 R four-cycle accumulator chains (one multiply-add each per chunk). */
+#define KD_B16_PASS_T 6
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_chunks_avx2(
     const int R, const uint16_t *wr, const float *xp, int64_t ldp, const char *next, int64_t pfs, int64_t c0,
     int64_t c1, __m256 *ev, __m256 *od) {
@@ -1630,11 +1635,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_row
     int64_t n_out, int64_t o) {
   const uint16_t *wr = w + o * n_in;
   const char *next = (const char *)(w + (o + 1 < n_out ? o + 1 : o) * n_in);
-  __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
-#pragma GCC unroll 4
+  __m256 ev[KD_B16_PASS_T], od[KD_B16_PASS_T];
+#pragma GCC unroll 8
   for (int t = 0; t < R; t++) ev[t] = od[t] = _mm256_setzero_ps();
   kd_b16_chunks_avx2(R, wr, xp, ldp, next, 64, 0, n_in / KD_LANES, ev, od); /* 64 bytes per 32-byte chunk: 2 rows */
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < R; t++) out[t * n_out + o] = kd_b16_finish_avx2(ev[t], od[t], wr, x + t * n_in, n_in);
 }
 
@@ -1642,14 +1647,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_row
 __attribute__((target("avx2,fma"), always_inline)) static inline void kd_b16_pass_avx2(
     const int R, const uint16_t *w, const float *xp, int64_t ldp, const char *next, int64_t c_lo, int64_t c_hi,
     __m256 *P) {
-  __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
-#pragma GCC unroll 4
+  __m256 ev[KD_B16_PASS_T], od[KD_B16_PASS_T];
+#pragma GCC unroll 8
   for (int t = 0; t < R; t++) {
     ev[t] = c_lo ? P[2 * t] : _mm256_setzero_ps();
     od[t] = c_lo ? P[2 * t + 1] : _mm256_setzero_ps();
   }
   kd_b16_chunks_avx2(R, w, xp, ldp, next, 32, c_lo, c_hi, ev, od);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int t = 0; t < R; t++) P[2 * t] = ev[t], P[2 * t + 1] = od[t];
 }
 
@@ -1675,7 +1680,9 @@ __attribute__((target("avx2,fma"))) static void kd_b16_group_avx2(const uint16_t
         case 1: kd_b16_pass_avx2(1, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
         case 2: kd_b16_pass_avx2(2, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
         case 3: kd_b16_pass_avx2(3, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
-        default: kd_b16_pass_avx2(4, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        case 4: kd_b16_pass_avx2(4, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        case 5: kd_b16_pass_avx2(5, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
+        default: kd_b16_pass_avx2(6, w + o * n_in, xq, ldp, next, c_lo, c_hi, Pq); break;
         }
       }
     }
@@ -1693,15 +1700,15 @@ typedef void (*kd_b16_fn)(const uint16_t *, const float *, int64_t, const float 
                                                                       int64_t n_in, int64_t n_out, int64_t o) {   \
     kd_b16_row_avx2(R, w, xp, ldp, x, out, n_in, n_out, o);                                                      \
   }
-KD_B16_ROW(1) KD_B16_ROW(2) KD_B16_ROW(3) KD_B16_ROW(4)
+KD_B16_ROW(1) KD_B16_ROW(2) KD_B16_ROW(3) KD_B16_ROW(4) KD_B16_ROW(5) KD_B16_ROW(6)
 
 /* KD_W4_RG outputs from o (blocked) or output o, every pass (inlined: a call per output cost 2 rows 0.96x) */
 static inline __attribute__((always_inline)) void kd_b16_step(int blocked, const uint16_t *w, const float *xp,
                                                              int64_t ldp, const float *x, float *out, int64_t T,
                                                              const int64_t *tb, int64_t np, int64_t n_in,
                                                              int64_t n_out, int64_t o) {
-  static const kd_b16_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_b16_row_avx2_1, kd_b16_row_avx2_2, kd_b16_row_avx2_3,
-                                                  kd_b16_row_avx2_4};
+  static const kd_b16_fn fns[KD_B16_PASS_T + 1] = {NULL, kd_b16_row_avx2_1, kd_b16_row_avx2_2, kd_b16_row_avx2_3,
+                                                    kd_b16_row_avx2_4, kd_b16_row_avx2_5, kd_b16_row_avx2_6};
   if (blocked) {
     kd_b16_group_avx2(w, xp, ldp, x, out, T, tb, np, n_in, n_out, o);
     return;
@@ -1710,16 +1717,17 @@ static inline __attribute__((always_inline)) void kd_b16_step(int blocked, const
     fns[tb[p + 1] - tb[p]](w, xp + tb[p] * ldp, ldp, x + tb[p] * n_in, out + tb[p] * n_out, n_in, n_out, o);
 }
 
-/* out [T, n_out] for 2 <= T <= KD_B16_FUSED_T rows of x: kd_w4_small_avx2's passes (ceil(T / 4) of 2-4 rows of x
- * back to back per weight row), k-blocked where the T rows of x span more than KD_W4_XL1 floats */
+/* out [T, n_out] for 2 <= T <= KD_B16_FUSED_T rows of x: kd_w4_small_avx2's passes (one of all T rows up to
+ * KD_B16_PASS_T, else two of 3-4 rows, back to back per weight row), k-blocked where the T rows of x span more
+ * than KD_W4_XL1 floats */
 static int kd_b16_small_avx2(const uint16_t *w, const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out,
                              int parallel) {
-  const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T;
+  const int64_t np = (T + KD_B16_PASS_T - 1) / KD_B16_PASS_T;
   const int blocked = T * n_in > KD_W4_XL1; /* the passes over a weight row read all T rows of x */
   const int64_t ldp = n_in / KD_LANES * KD_LANES + KD_LANES, step = blocked ? KD_W4_RG : 1;
   float *xp = kd_fused_x("kd_linear_bf16", x, T, n_in, ldp);
   if (!xp) return KD_ENOMEM;
-  int64_t tb[(KD_B16_FUSED_T + KD_W4_PASS_T - 1) / KD_W4_PASS_T + 1];
+  int64_t tb[KD_B16_FUSED_T + 1];
   for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
