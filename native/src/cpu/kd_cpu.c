@@ -1316,12 +1316,13 @@ __attribute__((target(KD_A512))) static int kd_linear_512(const kd_wsrc *src, co
  * native/bench_ab.py, docs/measurements.md, 14th session). W weight rows per pass: the GEMV (R = 1) takes 2 (one x
  * load for both; 4 rows with the scales held in registers spilled an accumulator, and out of cache 2 rows -- 4
  * accumulators + each row's scale and -8 * scale broadcasts -- ran 5-10 % faster than 3); R >= 2 rows of x take 1
- * (2 R accumulators + the row's scale pair and its two weight registers: 14 of 16 at R = 4). Per chunk 2 fused
- * multiply-adds form the 16 weights and 2 R multiply them into the rows; cache-hot it runs at about half that
- * count's rate, held by the per-lane accumulator chains at R = 1-2 (one 4-cycle multiply-add per chunk, in the
- * order the bits fix) and by x read from L2 at R = 3-4 where x leaves L1 (the k-blocked form below). */
+ * (2 R accumulators + the row's scale pair and its two weight registers: 14 of 16 at R = 4, 16 at R = 5). Per
+ * chunk 2 fused multiply-adds form the 16 weights and 2 R multiply them into the rows; cache-hot it runs at about
+ * half that count's rate, held by the per-lane accumulator chains at R = 1-3 (one 4-cycle multiply-add per chunk, in
+ * the order the bits fix: one pass of 5 rows ran 1.29x passes of 3 + 2) and by x read from L2 where x leaves L1 (the
+ * k-blocked form below). */
 #define KD_W4_ROWS 2   /* weight rows per pass of the GEMV */
-#define KD_W4_PASS_T 4 /* rows of x per pass of the fused kernel (one weight row each) */
+#define KD_W4_PASS_T 5 /* rows of x per pass of the fused kernel (one weight row each) */
 #define KD_W4_GW 64    /* groups per window of the staged -8 * scales: W x 64 floats of stack */
 
 /* the fused kernels' multiply-adds: chunk c's weights of row r (we: the even elements, wo: the odd ones) into the
@@ -1363,7 +1364,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_chun
     const __m256 xe = R == 1 ? _mm256_load_ps(xp + 16 * c) : _mm256_setzero_ps();
     const __m256 xo = R == 1 ? _mm256_load_ps(xp + 16 * c + 8) : _mm256_setzero_ps();
     _mm_prefetch(next + pfs * c, _MM_HINT_T0);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < W; r++) {
       __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wr[r] + 2 * c)));
       __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, m15)), sc[r], ns[r]);
@@ -1388,7 +1389,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
       for (int64_t g = 0; g < gn; g++) scb[r][g] = kd_qs_at(sr[r], g0 + g), nsb[r][g] = -8.0f * scb[r][g];
     for (int64_t g = 0; g < gn; g++) {
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < W; r++)
         sc[r] = _mm256_broadcast_ss(&scb[r][g]), ns[r] = _mm256_broadcast_ss(&nsb[r][g]);
       int64_t c0 = (g0 + g) * cpg;
@@ -1445,7 +1446,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
     for (int64_t c = 0; c < nc; c++) {
       int64_t gb = ra + 1 == wpg ? ga + 1 : ga; /* group of word 2c + 1 */
       __m256 sc[KD_W4_ROWS], ns[KD_W4_ROWS];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < W; r++) {
         sc[r] = _mm256_blend_ps(_mm256_set1_ps(kd_qs_at(sr[r], ga)), _mm256_set1_ps(kd_qs_at(sr[r], gb)), 0xF0);
         ns[r] = _mm256_mul_ps(sc[r], mm8);
@@ -1454,9 +1455,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
       for (ra += 2; ra >= wpg; ra -= wpg) ga++;
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < W; r++) /* unrolled: ev/od stay in registers */
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < R; t++)
       if (o + r < n_out)
         out[t * n_out + o + r] =
@@ -1469,7 +1470,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
       const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
     kd_w4_rows_avx2(W, R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                       \
   }
-KD_W4_AVX2(KD_W4_ROWS, 1) KD_W4_AVX2(1, 2) KD_W4_AVX2(1, 3) KD_W4_AVX2(1, 4)
+KD_W4_AVX2(KD_W4_ROWS, 1) KD_W4_AVX2(1, 2) KD_W4_AVX2(1, 3) KD_W4_AVX2(1, 4) KD_W4_AVX2(1, 5)
 
 /* The same kernel k-blocked, for 2-4 rows of x over long rows (even wpg): rows of x 28 KB long (n_in = 7168) do not
  * stay in L1, and every chunk read R x 64 bytes of x from L2. Here KD_W4_RG weight rows pass over one k block of x
@@ -1494,18 +1495,18 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
       const kd_qs sr[1] = {kd_qs_row(qs, o * n_groups)};
       const char *next = (const char *)(qp + (o + 2 < n_out ? o + 2 : o) * n_words);
       __m256 ev[KD_W4_PASS_T], od[KD_W4_PASS_T];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int t = 0; t < R; t++) {
         ev[t] = c_lo ? P[o - o0][2 * t] : _mm256_setzero_ps();
         od[t] = c_lo ? P[o - o0][2 * t + 1] : _mm256_setzero_ps();
       }
       kd_w4_groups_avx2(1, R, wr, sr, xp, ldp, next, 8, c_lo, c_hi, cpg, ev, od);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int t = 0; t < R; t++) P[o - o0][2 * t] = ev[t], P[o - o0][2 * t + 1] = od[t];
     }
   }
   for (int64_t o = o0; o < o1; o++)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int t = 0; t < R; t++)
       out[t * n_out + o] = kd_w4_finish_avx2(P[o - o0][2 * t], P[o - o0][2 * t + 1], qp + o * n_words,
                                              kd_qs_row(qs, o * n_groups), x + t * n_in, n_in, wpg);
@@ -1517,7 +1518,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_grou
       const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
     kd_w4_group_avx2(R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                         \
   }
-KD_W4_GROUP(2) KD_W4_GROUP(3) KD_W4_GROUP(4)
+KD_W4_GROUP(2) KD_W4_GROUP(3) KD_W4_GROUP(4) KD_W4_GROUP(5)
 
 /* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
@@ -1540,10 +1541,12 @@ static float *kd_fused_x(const char *op, const float *x, int64_t T, int64_t n_in
 
 /* out [T, n_out] for 1 <= T <= KD_W4_SMALL_MAX rows of x on AVX2: x permuted once per call into the kernel's lane
  * order (xp[16 c + j] = x[16 c + perm[j]]), then W outputs at a time, on the threads when parallel (no OpenMP region
- * at all for small matrices, see kd_gemv_f32_avx2). From 5 rows each weight row (or group of rows, k-blocked)
- * takes ceil(T / 4) passes of 2-4 rows of x back to back, the later ones finding it in L1. Against the panel path
+ * at all for small matrices, see kd_gemv_f32_avx2). From 6 rows each weight row (or group of rows, k-blocked)
+ * takes ceil(T / 5) passes of 2-5 rows of x back to back, the later ones finding it in L1. Against the panel path
  * (2048 x 7168 / 7168 x 2048, 2 threads, docs/measurements.md, 14th session): T = 2 2.3-2.5x, T = 3-4 2.0-2.2x,
- * T = 5-8 1.3-1.4x, T = 12-16 1.06-1.21x; from 17 rows the panel path's one dequantization per block takes over. */
+ * T = 5-8 1.3-1.4x, T = 12-16 1.06-1.21x; from 17 rows the panel path's one dequantization per block takes over.
+ * Passes of up to 5 rows instead of 4 (16th session): T = 5 1.29-1.30x, T = 9 1.14-1.27x, T = 10 1.09-1.11x, T = 13
+ * 1.10x, other T 1.00-1.03x. */
 #define KD_W4_SMALL_MAX 16
 typedef void (*kd_w4_rows_fn)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t,
                               const float *, float *, int64_t, int64_t, int64_t);
@@ -1552,10 +1555,10 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   /* by rows of x per pass; the k-blocked form where a pass's rows of x would not stay in L1 (KD_W4_RG weight rows
    * per step) */
   static const kd_w4_rows_fn fns[KD_W4_PASS_T + 1] = {NULL, kd_w4_rows_avx2_1, kd_w4_rows_avx2_2,
-                                                      kd_w4_rows_avx2_3, kd_w4_rows_avx2_4};
+                                                      kd_w4_rows_avx2_3, kd_w4_rows_avx2_4, kd_w4_rows_avx2_5};
   static const kd_w4_rows_fn gfns[KD_W4_PASS_T + 1] = {NULL, NULL, kd_w4_group_avx2_2, kd_w4_group_avx2_3,
-                                                       kd_w4_group_avx2_4};
-  /* ceil(T / 4) passes of 2-4 rows each (as even as they come; T = 1: the GEMV), back to back per weight row */
+                                                       kd_w4_group_avx2_4, kd_w4_group_avx2_5};
+  /* ceil(T / 5) passes of 2-5 rows each (as even as they come; T = 1: the GEMV), back to back per weight row */
   const int64_t np = (T + KD_W4_PASS_T - 1) / KD_W4_PASS_T, rmax = (T + np - 1) / np;
   const int blocked = T >= 2 && rmax * n_in > KD_W4_XL1 && wpg % 2 == 0;
   const kd_w4_rows_fn *tab = blocked ? gfns : fns;
@@ -1563,7 +1566,7 @@ static int kd_w4_small_avx2(const uint32_t *qp, kd_qs qs, int64_t n_words, int64
   const int64_t step = blocked ? KD_W4_RG : T == 1 ? KD_W4_ROWS : 1;
   float *xp = kd_fused_x("kd_linear_w4a16", x, T, n_in, ldp);
   if (!xp) return KD_ENOMEM;
-  int64_t tb[KD_W4_SMALL_MAX / KD_W4_PASS_T + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
+  int64_t tb[(KD_W4_SMALL_MAX + KD_W4_PASS_T - 1) / KD_W4_PASS_T + 1]; /* pass p: rows [tb[p], tb[p + 1]) */
   for (int64_t p = 0; p <= np; p++) tb[p] = p * T / np;
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
