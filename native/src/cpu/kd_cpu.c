@@ -1472,7 +1472,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void kd_w4_rows
   }
 KD_W4_AVX2(KD_W4_ROWS, 1) KD_W4_AVX2(1, 2) KD_W4_AVX2(1, 3) KD_W4_AVX2(1, 4) KD_W4_AVX2(1, 5)
 
-/* The same kernel k-blocked, for 2-4 rows of x over long rows (even wpg): rows of x 28 KB long (n_in = 7168) do not
+/* The same kernel k-blocked, for 2-5 rows of x over long rows (even wpg): rows of x 28 KB long (n_in = 7168) do not
  * stay in L1, and every chunk read R x 64 bytes of x from L2. Here KD_W4_RG weight rows pass over one k block of x
  * (KD_W4_KB chunks: R x 4 KB, in L1) before the next block; each row's lane sums wait in P between blocks, and the
  * blocks go in ascending k, so every lane still adds its products in ascending k: the same bits. The next-but-one
