@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -157,6 +157,23 @@ def load_grammar(engine, spec: str):
     return g.json_schema(schema, param="bench.grammar")
 
 
+def held_bytes(engine) -> Optional[Tuple[float, Dict[int, float]]]:
+    """What the target's library holds (NativeTarget.weight_bytes), split: (bytes of every linear but the routed
+    experts, {MoE layer: one routed expert's bytes}); None where the backend does not say."""
+    held = getattr(engine.model, "weight_bytes", None)
+    if held is None:
+        return None
+    E = int(engine.cfg.model.n_routed_experts or 1)
+    dense, per_expert = 0.0, {}
+    for name, (b, _n) in held().items():
+        if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*
+            layer = int(name.split(".")[2])
+            per_expert[layer] = per_expert.get(layer, 0.0) + b / E
+        else:
+            dense += b
+    return dense, per_expert
+
+
 def moe_columns(engine, stats: dict, forwards: int, tokens: int, drafts: int = 0) -> dict:
     """The MoE tax of a run: per MoE layer the mean distinct routed experts per target forward (a forward streams
     the union of its rows' experts), and where the backend says what it holds (NativeTarget.weight_bytes) the target
@@ -169,17 +186,10 @@ def moe_columns(engine, stats: dict, forwards: int, tokens: int, drafts: int = 0
     out = {"experts_per_forward": per_layer,
            "mean_experts_per_forward": sum(per_layer.values()) / len(per_layer),
            "rows_per_forward": sum(st["rows"] for st in stats.values()) / max(sum(st["forwards"] for st in stats.values()), 1)}
-    held = getattr(engine.model, "weight_bytes", None)
-    if held is None:
+    split = held_bytes(engine)
+    if split is None:
         return out
-    E = int(engine.cfg.model.n_routed_experts or 1)
-    dense, per_expert = 0, {}
-    for name, (b, _n) in held().items():
-        if ".mlp.experts." in name:                   # model.layers.L.mlp.experts.e.*
-            layer = int(name.split(".")[2])
-            per_expert[layer] = per_expert.get(layer, 0.0) + b / E
-        else:
-            dense += b
+    dense, per_expert = split
     routed = sum(per_expert.get(i, 0.0) * st["experts"] for i, st in stats.items())
     out["bytes_per_token"] = (forwards * dense + routed) / max(tokens, 1)
     out["expert_bytes_per_token"] = routed / max(tokens, 1)

@@ -45,7 +45,7 @@ from kdtree.config.validate import peer_tree_shapes
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
-from kdtree.stages.bench import _faster, _run_set, _same_tokens, load_prompts, provenance
+from kdtree.stages.bench import _faster, _run_set, _same_tokens, held_bytes, load_prompts, provenance
 from kdtree.checkpoint.to_gguf import DTYPES, file_dtype
 from kdtree.stages.export_gguf import cached_export, export
 
@@ -220,12 +220,12 @@ def gguf_step_bytes(path: str, top_k: int, n_experts: int) -> int:
 
 def kdtree_step_bytes(engine) -> Optional[int]:
     """Bytes one decode step (one row) of kdtree streams, as its library holds them: every linear but the routed
-    experts, and top_k experts of each MoE layer (NativeTarget.weight_bytes); None where the backend does not say."""
-    held = getattr(engine.model, "weight_bytes", None)
-    if held is None:
+    experts, and top_k experts of each MoE layer (bench.held_bytes); None where the backend does not say."""
+    split = held_bytes(engine)
+    if split is None:
         return None
-    E, k = int(engine.cfg.model.n_routed_experts or 1), int(engine.cfg.model.num_experts_per_tok or 1)
-    return int(sum(b * (k / E if ".mlp.experts." in name else 1) for name, (b, _n) in held().items()))
+    dense, per_expert = split
+    return int(dense + int(engine.cfg.model.num_experts_per_tok or 1) * sum(per_expert.values()))
 
 
 def _shape_name(t) -> str:

@@ -221,7 +221,7 @@ def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
 
 @pytest.mark.parametrize("n_in,n_out", [(4112, 13), (4096, 6), (1040, 50), (2056, 37)])
 def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
-    """BF16 weights widened exactly: the AVX2 fused kernel (T = 2-7: passes of 2-4 rows of x over each weight row,
+    """BF16 weights widened exactly: the AVX2 fused kernel (T = 2-7: passes of 2-6 rows of x over each weight row,
     x in L1 whole or k-blocked with every pass of a row over a block back to back), the panels (T = 2 over long rows,
     T >= 8) and the AVX-512 kernels give every output the lane-order dot of the widened row -- so a row's bits do not
     depend on how many rows came with it. n_in 2056: a 16-element chunk's tail of 8; n_out 13 / 37 / 50: a last

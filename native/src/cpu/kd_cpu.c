@@ -1523,19 +1523,24 @@ KD_W4_GROUP(2) KD_W4_GROUP(3) KD_W4_GROUP(4) KD_W4_GROUP(5)
 /* register lanes 0..7 take the even elements of a chunk, 8..15 the odd ones (the two words' nibble order) */
 static const unsigned char kd_w4_perm_avx2[KD_LANES] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
-/* the fused kernels' copy of x [T, n_in]: each row's whole chunks in the kernels' lane order (xp[16 c + j] =
- * x[16 c + perm[j]]), rows ldp floats apart, 64-byte aligned; NULL (the error set, naming op) when out of memory */
-static float *kd_fused_x(const char *op, const float *x, int64_t T, int64_t n_in, int64_t ldp) {
+/* the fused kernels' copy of x [T, n_in] into xp: each row's whole chunks in the kernels' lane order (xp[16 c + j] =
+ * x[16 c + perm[j]]), rows ldp floats apart */
+static void kd_fused_permute(float *xp, const float *x, int64_t T, int64_t n_in, int64_t ldp) {
   const int64_t nc = n_in / KD_LANES;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < nc; c++)
+      for (int j = 0; j < KD_LANES; j++)
+        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+}
+
+/* kd_fused_permute into a new 64-byte aligned buffer; NULL (the error set, naming op) when out of memory */
+static float *kd_fused_x(const char *op, const float *x, int64_t T, int64_t n_in, int64_t ldp) {
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) {
     kd_fail(KD_ENOMEM, "%s: out of memory for a %lld x %lld copy of x", op, (long long)T, (long long)n_in);
     return NULL;
   }
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t c = 0; c < nc; c++)
-      for (int j = 0; j < KD_LANES; j++)
-        xp[t * ldp + KD_LANES * c + j] = x[t * n_in + KD_LANES * c + kd_w4_perm_avx2[j]];
+  kd_fused_permute(xp, x, T, n_in, ldp);
   return xp;
 }
 
@@ -1785,12 +1790,10 @@ static int kd_b16_gemv_avx2(const float *x, const uint16_t *w, float *out, int64
   const int64_t ldp = n_in / KD_LANES * KD_LANES + KD_LANES, n4 = n_out / 4 * 4;
   float xs[KD_B16_GEMV_XS + KD_LANES] __attribute__((aligned(64)));
   float *xp = xs;
-  if (ldp <= KD_B16_GEMV_XS + KD_LANES) {
-    for (int64_t c = 0; c < n_in / KD_LANES; c++)
-      for (int j = 0; j < KD_LANES; j++) xs[KD_LANES * c + j] = x[KD_LANES * c + kd_w4_perm_avx2[j]];
-  } else if (!(xp = kd_fused_x("kd_linear_bf16", x, 1, n_in, ldp))) {
+  if (ldp <= KD_B16_GEMV_XS + KD_LANES)
+    kd_fused_permute(xs, x, 1, n_in, ldp);
+  else if (!(xp = kd_fused_x("kd_linear_bf16", x, 1, n_in, ldp)))
     return KD_ENOMEM;
-  }
   if (parallel) {
 #pragma omp parallel for schedule(static) num_threads(kd_threads())
     for (int64_t o = 0; o < n4; o += 4) kd_b16_gemv4_avx2(w + o * n_in, n_in, xp, x, n_in, out + o);
