@@ -1825,7 +1825,7 @@ static int kd_b16_gemv_avx2(const float *x, const uint16_t *w, float *out, int64
  * the GEMV's dot -- lanes in ascending k, then the same un-permuted sum -- so the bits do not depend on T. */
 #define KD_W4_SMALL_T 4 /* accumulators KD_W4R512 x 4 + 4 tables + 4 x rows + the shifts, the ramp, a weight: 28 */
 __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small512(
-    const int R, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
+    const int R, const int H, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
     int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   const int64_t nc = n_in / KD_LANES, cpg = wpg / 2;
   const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
@@ -1842,11 +1842,23 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
   for (int r = 0; r < KD_W4R512; r++)
 #pragma GCC unroll 4
     for (int t = 0; t < R; t++) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t c0 = 0, g = 0; c0 < nc; c0 += cpg, g++) {
-    const int64_t c1 = c0 + cpg < nc ? c0 + cpg : nc;
+  /* the scales of 16 groups at a time, widened once into sc (H: BF16 bits), so a group's table is one multiply by a
+   * broadcast load: no scalar widening and register broadcast on the shuffle ports the lookups need */
+  float sc[KD_W4R512][KD_LANES] __attribute__((aligned(64)));
+  const int64_t ngc = (nc + cpg - 1) / cpg; /* groups with whole chunks */
+  for (int64_t g0 = 0; g0 < ngc; g0 += KD_LANES) {
+    const int64_t gn = ngc - g0 < KD_LANES ? ngc - g0 : KD_LANES;
+    const __mmask16 gm = (__mmask16)((1u << gn) - 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < KD_W4R512; r++)
+      _mm512_store_ps(sc[r], H ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(gm, sr[r].h + g0)), 16))
+                               : _mm512_maskz_loadu_ps(gm, sr[r].f + g0));
+  for (int64_t j = 0; j < gn; j++) {
+    const int64_t c0 = (g0 + j) * cpg, c1 = c0 + cpg < nc ? c0 + cpg : nc;
     __m512 tab[KD_W4R512];
 #pragma GCC unroll 4
-    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(kd_qs_at(sr[r], g)));
+    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(sc[r][j]));
     for (int64_t c = c0; c < c1; c++) {
       __m512 xv[KD_W4_SMALL_T];
 #pragma GCC unroll 4
@@ -1860,6 +1872,7 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
         for (int t = 0; t < R; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
       }
     }
+  }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < KD_W4R512; r++) {
@@ -1877,13 +1890,14 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
   }
 }
 
-#define KD_W4_SMALL(R)                                                                                            \
-  __attribute__((target(KD_A512))) static void kd_w4_small512_##R(                                               \
+#define KD_W4_SMALL(R, H, S)                                                                                      \
+  __attribute__((target(KD_A512))) static void kd_w4_small512_##R##S(                                            \
       const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp, int64_t ldp,  \
       const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {                                        \
-    kd_w4_small512(R, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                          \
+    kd_w4_small512(R, H, qp, qs, n_words, n_groups, wpg, xp, ldp, x, out, n_in, n_out, o);                       \
   }
-KD_W4_SMALL(1) KD_W4_SMALL(2) KD_W4_SMALL(3) KD_W4_SMALL(4)
+KD_W4_SMALL(1, 0, f) KD_W4_SMALL(2, 0, f) KD_W4_SMALL(3, 0, f) KD_W4_SMALL(4, 0, f)
+KD_W4_SMALL(1, 1, h) KD_W4_SMALL(2, 1, h) KD_W4_SMALL(3, 1, h) KD_W4_SMALL(4, 1, h)
 
 /* out [T, n_out] for 1 <= T <= 2 x KD_W4_SMALL_T rows of x, even wpg: x permuted once per call, then
  * one pass per KD_W4_SMALL_T rows (2048x7168, 2 threads: T = 5 1.29 -> 1.11 ms, T = 8 1.67 -> 1.43 against the
@@ -1892,14 +1906,15 @@ static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, 
                                  const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
   typedef void (*fn_t)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
                        float *, int64_t, int64_t, int64_t);
-  static const fn_t fns[KD_W4_SMALL_T] = {kd_w4_small512_1, kd_w4_small512_2, kd_w4_small512_3, kd_w4_small512_4};
+  static const fn_t fns[2][KD_W4_SMALL_T] = {{kd_w4_small512_1f, kd_w4_small512_2f, kd_w4_small512_3f, kd_w4_small512_4f},
+                                             {kd_w4_small512_1h, kd_w4_small512_2h, kd_w4_small512_3h, kd_w4_small512_4h}};
   const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
   kd_x_perm512(x, T, n_in, xp, ldp);
   for (int64_t t0 = 0; t0 < T; t0 += KD_W4_SMALL_T) {
     const int64_t R = T - t0 < KD_W4_SMALL_T ? T - t0 : KD_W4_SMALL_T;
-    const fn_t fn = fns[R - 1];
+    const fn_t fn = fns[qs.h != NULL][R - 1];
     const float *xq = xp + t0 * ldp, *xt = x + t0 * n_in;
     float *ot = out + t0 * n_out;
     /* one row enters no OpenMP region for a small matrix (even an if(0) region costs a GOMP_parallel call) */
