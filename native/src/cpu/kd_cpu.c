@@ -1825,8 +1825,8 @@ static int kd_b16_gemv_avx2(const float *x, const uint16_t *w, float *out, int64
  * the GEMV's dot -- lanes in ascending k, then the same un-permuted sum -- so the bits do not depend on T. */
 #define KD_W4_SMALL_T 4 /* accumulators KD_W4R512 x 4 + 4 tables + 4 x rows + the shifts, the ramp, a weight: 28 */
 __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small512(
-    const int R, const int H, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg, const float *xp,
-    int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
+    const int R, const int H, const uint32_t *qp, kd_qs qs, int64_t n_words, int64_t n_groups, int64_t wpg,
+    const float *xp, int64_t ldp, const float *x, float *out, int64_t n_in, int64_t n_out, int64_t o) {
   const int64_t nc = n_in / KD_LANES, cpg = wpg / 2;
   const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
   const __m512 ramp = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -1854,25 +1854,25 @@ __attribute__((target(KD_A512), always_inline)) static inline void kd_w4_small51
       _mm512_store_ps(sc[r], H ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(gm, sr[r].h + g0)), 16))
                                : _mm512_maskz_loadu_ps(gm, sr[r].f + g0));
-  for (int64_t j = 0; j < gn; j++) {
-    const int64_t c0 = (g0 + j) * cpg, c1 = c0 + cpg < nc ? c0 + cpg : nc;
-    __m512 tab[KD_W4R512];
+    for (int64_t j = 0; j < gn; j++) {
+      const int64_t c0 = (g0 + j) * cpg, c1 = c0 + cpg < nc ? c0 + cpg : nc;
+      __m512 tab[KD_W4R512];
 #pragma GCC unroll 4
-    for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(sc[r][j]));
-    for (int64_t c = c0; c < c1; c++) {
-      __m512 xv[KD_W4_SMALL_T];
+      for (int r = 0; r < KD_W4R512; r++) tab[r] = _mm512_mul_ps(ramp, _mm512_set1_ps(sc[r][j]));
+      for (int64_t c = c0; c < c1; c++) {
+        __m512 xv[KD_W4_SMALL_T];
 #pragma GCC unroll 4
-      for (int t = 0; t < R; t++) xv[t] = _mm512_load_ps(xp + t * ldp + 16 * c);
-      if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
+        for (int t = 0; t < R; t++) xv[t] = _mm512_load_ps(xp + t * ldp + 16 * c);
+        if ((c & 1) == 0) _mm_prefetch(next + KD_W4R512 * 8 * c, _MM_HINT_T0);
 #pragma GCC unroll 4
-      for (int r = 0; r < KD_W4R512; r++) {
-        const __m512 wv = _mm512_permutexvar_ps(
-            _mm512_srlv_epi32(_mm512_set1_epi64(*(const int64_t *)(wr[r] + 2 * c)), sh), tab[r]);
+        for (int r = 0; r < KD_W4R512; r++) {
+          const __m512 wv = _mm512_permutexvar_ps(
+              _mm512_srlv_epi32(_mm512_set1_epi64(*(const int64_t *)(wr[r] + 2 * c)), sh), tab[r]);
 #pragma GCC unroll 4
-        for (int t = 0; t < R; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+          for (int t = 0; t < R; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
       }
     }
-  }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < KD_W4R512; r++) {
@@ -1906,8 +1906,9 @@ static int kd_linear_w4_small512(const uint32_t *qp, kd_qs qs, int64_t n_words, 
                                  const float *x, float *out, int64_t T, int64_t n_in, int64_t n_out, int parallel) {
   typedef void (*fn_t)(const uint32_t *, kd_qs, int64_t, int64_t, int64_t, const float *, int64_t, const float *,
                        float *, int64_t, int64_t, int64_t);
-  static const fn_t fns[2][KD_W4_SMALL_T] = {{kd_w4_small512_1f, kd_w4_small512_2f, kd_w4_small512_3f, kd_w4_small512_4f},
-                                             {kd_w4_small512_1h, kd_w4_small512_2h, kd_w4_small512_3h, kd_w4_small512_4h}};
+  static const fn_t fns[2][KD_W4_SMALL_T] = { /* [BF16 scales][R - 1] */
+      {kd_w4_small512_1f, kd_w4_small512_2f, kd_w4_small512_3f, kd_w4_small512_4f},
+      {kd_w4_small512_1h, kd_w4_small512_2h, kd_w4_small512_3h, kd_w4_small512_4h}};
   const int64_t nc = n_in / KD_LANES, ldp = nc * KD_LANES + KD_LANES;
   float *xp = (float *)aligned_alloc(64, sizeof(float) * (size_t)(T * ldp));
   if (!xp) return kd_fail(KD_ENOMEM, "kd_linear_w4a16: out of memory (T=%lld, in=%lld)", (long long)T, (long long)n_in);
