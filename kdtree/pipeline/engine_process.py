@@ -115,8 +115,14 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
     ctx = None
     modules: List[Any] = []
 
+    # The signal lands wherever the engine is: inside a library (OmegaConf loading the config, a stage's own code) the
+    # EngineTerminated it raises can be caught and come out as another error. `terminated` remembers the signal, so
+    # such an error still ends the engine as terminated (143), not as failed (1).
+    terminated: List[str] = []
+
     def on_term(signum, frame):
-        raise EngineTerminated(signal.Signals(signum).name)
+        terminated.append(signal.Signals(signum).name)
+        raise EngineTerminated(terminated[0])
 
     signal.signal(signal.SIGTERM, on_term)
     try:
@@ -136,6 +142,8 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
                 try:
                     hook(ctx)
                 except Exception as e:
+                    if terminated:
+                        raise EngineTerminated(terminated[0]) from e
                     events.emit("stage_fail", stage=spec.stage, index=spec.index, side="host", seconds=0.0,
                                 error_type=type(e).__name__, error=f"on_process_start: {e}")
                     _mark_failed(ctx.status, type(e).__name__, f"on_process_start: {e}", spec.stage)
@@ -152,6 +160,8 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
 
         for spec in specs:
             if not execute_stage(ctx, spec, events, hard_exit=hard_exit):
+                if terminated:  # the stage's failure is the signal, turned into another error on its way out
+                    raise EngineTerminated(terminated[0])
                 code = EXIT_FAILED
                 f = events.last_fail or {}
                 _mark_failed(ctx.status, f.get("error_type", "Error"), f.get("error", f"stage {spec.stage!r} failed"),
@@ -162,10 +172,14 @@ def engine_main(run_dir: Path, stage_names: List[str], at: int) -> int:
         events.emit("engine_terminated", signal=str(e))
         code = EXIT_TERMINATED
     except Exception as e:  # config/pipeline files unreadable: still leave an exit status behind
-        events.emit("engine_error", error_type=type(e).__name__, error=str(e))
-        _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir, modules), type(e).__name__,
-                     str(e))
-        code = EXIT_FAILED
+        if terminated:  # the signal, turned into another error by the code it interrupted
+            events.emit("engine_terminated", signal=terminated[0])
+            code = EXIT_TERMINATED
+        else:
+            events.emit("engine_error", error_type=type(e).__name__, error=str(e))
+            _mark_failed(ctx.status if ctx is not None else _make_status_quietly(run_dir, modules),
+                         type(e).__name__, str(e))
+            code = EXIT_FAILED
     _close_shared(ctx)
     return _finish(run_dir, events, code)
 

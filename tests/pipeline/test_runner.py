@@ -171,6 +171,33 @@ def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_pa
     assert (run_dir / "engine.exit").read_text().strip() == "143"
 
 
+def test_a_stop_that_the_interrupted_code_turns_into_another_error_still_ends_the_engine_as_terminated(
+        tmp_path, kdtree_cache):
+    # SIGTERM raises inside whatever the engine runs; a library may catch that and raise its own error (OmegaConf did,
+    # loading the config: the engine then exited 1 with a ConfigKeyError). The engine still ends as terminated.
+    path = _pipeline(tmp_path, LONG_ENGINE.replace("delay_s: 60}", "delay_s: 60, wrap_interrupts: true}"))
+    run_dir = tmp_path / "wrapped"
+    env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "kdtree.run", f"pipeline={path}", f"hydra.run.dir={run_dir}",
+                             "stop.timeout_s=5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):  # the engine is inside the stage's wrapped sleep
+            if any(e["kind"] == "stage_start" and e["where"] == "engine" for e in read_events(run_dir)):
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    engine = [e for e in read_events(run_dir) if e["where"] == "engine"]
+    assert [e["signal"] for e in engine if e["kind"] == "engine_terminated"] == ["SIGTERM"]
+    assert not [e for e in engine if e["kind"] == "engine_error"]
+    assert [e["outcome"] for e in read_events(run_dir) if e["kind"] == "engine_stop"] == ["terminated"]
+    assert (run_dir / "engine.exit").read_text().strip() == "143"
+
+
 def test_remote_run_dir_on_another_filesystem_is_copied_there_and_back(sshd, compose_cfg, run_dir, tmp_path,
                                                                        monkeypatch, capsys):
     from kdtree.pipeline import engine_process as ep

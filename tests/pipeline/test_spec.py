@@ -41,7 +41,8 @@ def test_params_interpolate_the_composed_config(compose_cfg, tmp_path):
                            "${model.name}', delay_s: '${serve.port}', timeout_s: 3}}\n")
     spec = load_pipeline(path, compose_cfg(f"pipeline={path}", "serve.port=4242"))
     (s,) = spec.stages
-    assert (s.stage, s.on, s.params, s.timeout_s) == ("fail", "host", {"message": "p=4242 tiny", "delay_s": 4242}, 3.0)
+    assert (s.stage, s.on, s.timeout_s) == ("fail", "host", 3.0)
+    assert s.params == {"message": "p=4242 tiny", "delay_s": 4242, "wrap_interrupts": False}  # + the default
 
 
 def test_groups_put_consecutive_host_stages_in_one_process(compose_cfg):
@@ -57,7 +58,7 @@ def test_unknown_stage_lists_the_known_ones(compose_cfg, tmp_path):
 
 def test_unknown_parameter(compose_cfg, tmp_path):
     msg = _fails(compose_cfg, tmp_path, "stages:\n  - {stage: fail, params: {mesage: x}}\n")
-    assert "unknown parameter(s) mesage; known: delay_s, message, timeout_s" in msg
+    assert "unknown parameter(s) mesage; known: delay_s, message, wrap_interrupts, timeout_s" in msg
 
 
 def _stage_with_config(name: str, conf: type) -> types.ModuleType:
