@@ -141,23 +141,17 @@ def test_stop_kills_an_engine_that_ignores_sigterm(compose_cfg, tmp_path, run_di
     assert not host.is_alive(pid)
 
 
-@pytest.mark.parametrize("sig, inherit_ignored_int", [(signal.SIGINT, False), (signal.SIGTERM, False),
-                                                     (signal.SIGHUP, False), (signal.SIGINT, True)],
-                         ids=["ctrl-c", "sigterm", "sighup", "sigint-to-a-background-job"])
-def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache, sig,
-                                                                          inherit_ignored_int):
-    # inherit_ignored_int: started as a script's background job is (SIGINT ignored on entry), which Python keeps
-    path = _pipeline(tmp_path, LONG_ENGINE)
-    run_dir = tmp_path / "fg"
+def _signal_foreground_run(tmp_path, kdtree_cache, body: str, run_dir: Path, sig, ready, preexec_fn=None):
+    """Run `python -m kdtree.run pipeline=<body>` in the foreground, send it `sig` once ready(events) holds;
+    (its exit code, its output, the engine's pid)."""
+    path = _pipeline(tmp_path, body)
     env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherit_ignored_int else None
     proc = subprocess.Popen([sys.executable, "-m", "kdtree.run", f"pipeline={path}", f"hydra.run.dir={run_dir}",
                              "stop.timeout_s=5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=ignore)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
     try:
-        for _ in range(300):  # until the controller is past its last stage, waiting on the engine
-            kinds = {e["kind"] for e in read_events(run_dir)}
-            if {"stage_end", "engine_start"} <= kinds:  # the engine's SIGTERM handler is installed by now
+        for _ in range(300):
+            if ready(read_events(run_dir)):
                 break
             time.sleep(0.1)
         pid = int((run_dir / "engine.pid").read_text())
@@ -165,7 +159,22 @@ def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_pa
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert proc.returncode == 130, out
+    return proc.returncode, out, pid
+
+
+@pytest.mark.parametrize("sig, inherit_ignored_int", [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                                     (signal.SIGHUP, False), (signal.SIGINT, True)],
+                         ids=["ctrl-c", "sigterm", "sighup", "sigint-to-a-background-job"])
+def test_ctrl_c_or_a_supervisor_signal_in_the_foreground_stops_the_engine(tmp_path, kdtree_cache, sig,
+                                                                          inherit_ignored_int):
+    # inherit_ignored_int: started as a script's background job is (SIGINT ignored on entry), which Python keeps
+    run_dir = tmp_path / "fg"
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if inherit_ignored_int else None
+    # until the controller is past its last stage, waiting on the engine (whose SIGTERM handler is installed by then)
+    code, out, pid = _signal_foreground_run(
+        tmp_path, kdtree_cache, LONG_ENGINE, run_dir, sig,
+        lambda events: {"stage_end", "engine_start"} <= {e["kind"] for e in events}, preexec_fn=ignore)
+    assert code == 130, out
     assert not Path(f"/proc/{pid}/cmdline").exists() or not open(f"/proc/{pid}/cmdline").read()
     assert [e["outcome"] for e in read_events(run_dir) if e["kind"] == "engine_stop"] == ["terminated"]
     assert (run_dir / "engine.exit").read_text().strip() == "143"
@@ -175,22 +184,11 @@ def test_a_stop_that_the_interrupted_code_turns_into_another_error_still_ends_th
         tmp_path, kdtree_cache):
     # SIGTERM raises inside whatever the engine runs; a library may catch that and raise its own error (OmegaConf did,
     # loading the config: the engine then exited 1 with a ConfigKeyError). The engine still ends as terminated.
-    path = _pipeline(tmp_path, LONG_ENGINE.replace("delay_s: 60}", "delay_s: 60, wrap_interrupts: true}"))
     run_dir = tmp_path / "wrapped"
-    env = dict(os.environ, KDTREE_CACHE=str(kdtree_cache), PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-m", "kdtree.run", f"pipeline={path}", f"hydra.run.dir={run_dir}",
-                             "stop.timeout_s=5"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        for _ in range(300):  # the engine is inside the stage's wrapped sleep
-            if any(e["kind"] == "stage_start" and e["where"] == "engine" for e in read_events(run_dir)):
-                break
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out
+    code, out, _pid = _signal_foreground_run(  # once the engine is inside the stage's wrapped sleep
+        tmp_path, kdtree_cache, LONG_ENGINE.replace("delay_s: 60}", "delay_s: 60, wrap_interrupts: true}"), run_dir,
+        signal.SIGTERM, lambda events: any(e["kind"] == "stage_start" and e["where"] == "engine" for e in events))
+    assert code == 130, out
     engine = [e for e in read_events(run_dir) if e["where"] == "engine"]
     assert [e["signal"] for e in engine if e["kind"] == "engine_terminated"] == ["SIGTERM"]
     assert not [e for e in engine if e["kind"] == "engine_error"]
