@@ -232,15 +232,17 @@ def parse_tree_spec(spec: str, base: DictConfig) -> DictConfig:
 
 def tree_shapes(cfg: DictConfig, stage: str = "bench_peer") -> List[DictConfig]:
     """The tree shapes a bench stage measures in the same alternating rounds: `tree` (unless ar), then <stage>.trees,
-    duplicates dropped; each one checked as tree.* would be, the error naming the item."""
+    duplicates dropped; each one checked as tree.* would be, the error naming the item. An item is `tree` with the
+    item's parts: what it does not name (tree.policy, ...) it inherits, in every stage alike."""
     specs = list(cfg[stage].get("trees") or [])
     if cfg.tree.kind == "ar" and specs:
         raise ConfigError(f"{stage}.trees={specs} with tree=ar: the drafter is loaded for a drafting tree only; "
                           f"set tree=ddtree (or tree=chain) as well")
-    shapes = [] if cfg.tree.kind == "ar" else [OmegaConf.create(OmegaConf.to_container(cfg.tree, resolve=True))]
+    base = OmegaConf.create(OmegaConf.to_container(cfg.tree, resolve=True))
+    shapes = [] if cfg.tree.kind == "ar" else [base]
     for spec in specs:
         try:
-            t = parse_tree_spec(spec, cfg.tree)
+            t = OmegaConf.merge(base, parse_tree_spec(spec, cfg.tree))
             validate_tree(OmegaConf.create({"tree": t, "model": {"drafter": {
                 "block_size": cfg.model.drafter.block_size}}}))
         except (ValueError, ConfigError) as e:

@@ -289,6 +289,15 @@ def _same_tokens(ar, run) -> bool:
     return all(p["tokens"] == q["tokens"] for p, q in zip(ar["per_prompt"], run["per_prompt"]))
 
 
+def calibrate_policies(engine, prompt_ids, shapes) -> None:
+    """tree.policy=cost measures the target's forward seconds by rows (ForwardCosts.calibrate, seconds at K2.6
+    widths) when a request first uses it, and the engine's scheduler keeps them: one short generation here, untimed,
+    with the largest budget of the shapes that use it, so that no timed round pays for it."""
+    cost = [t for t in shapes if str(t.get("policy", "fixed")) == "cost"]
+    if cost:
+        engine.generate(prompt_ids, 2, tree=max(cost, key=lambda t: int(t.budget)))
+
+
 def run(ctx, conf: BenchConfig) -> dict:
     prompts, max_new_tokens, repeats = conf.prompts, conf.max_new_tokens, conf.repeats
     cfg = ctx.cfg
@@ -302,10 +311,10 @@ def run(ctx, conf: BenchConfig) -> dict:
     grammar = load_grammar(engine, conf.grammar)
     policy = str(cfg.tree.get("policy", "fixed"))
     fixed_tree = OmegaConf.merge(cfg.tree, {"policy": "fixed"}) if policy == "cost" else None
-    if fixed_tree is not None:                     # tree.policy=cost measures its forward costs once, untimed
-        engine.generate(prompts_ids[0], 2, tree=cfg.tree)
     fixed = None
-    extra = [OmegaConf.merge(cfg.tree, t) for t in tree_shapes(cfg, "bench")[1:]]    # bench.trees, tree itself dropped
+    extra = tree_shapes(cfg, "bench")[1:]          # bench.trees (each inheriting tree.*), tree itself dropped
+    if cfg.tree.kind != "ar":
+        calibrate_policies(engine, prompts_ids[0], [cfg.tree, *extra])
     best_extra = [None] * len(extra)
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None

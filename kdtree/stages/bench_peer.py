@@ -45,7 +45,8 @@ from kdtree.config.validate import peer_tree_shapes
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
-from kdtree.stages.bench import _faster, _run_set, _same_tokens, held_bytes, load_prompts, provenance
+from kdtree.stages.bench import (_faster, _run_set, _same_tokens, calibrate_policies, held_bytes, load_prompts,
+                                 provenance)
 from kdtree.checkpoint.to_gguf import DTYPES, file_dtype
 from kdtree.stages.export_gguf import cached_export, export
 
@@ -280,6 +281,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
                                                n_batch=max(longest, 32), repack=repack))
     shapes = peer_tree_shapes(OmegaConf.merge(cfg, {"bench_peer": {"trees": list(trees)}}))
     names = [_shape_name(t) for t in shapes]
+    calibrate_policies(engine, prompts_ids[0], shapes)          # tree.policy=cost's forward costs: before any round
     best: Dict[str, dict] = {}
     load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
     for _ in range(max(1, rounds)):                             # alternate: machine drift hits every engine alike

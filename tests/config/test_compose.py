@@ -109,6 +109,17 @@ def test_bench_peer_tree_shapes_start_with_tree_and_drop_duplicates():
     assert peer_tree_shapes(_compose("tree=ar")) == []
 
 
+@pytest.mark.parametrize("stage", ["bench", "bench_peer"])
+def test_a_bench_stages_extra_shapes_inherit_what_they_do_not_name_from_tree(stage):
+    """bench.trees / bench_peer.trees items are `tree` with the item's parts: tree.policy=cost reaches the chain and
+    the other ddtree too (bench_peer had measured its extra shapes with the fixed policy)."""
+    from kdtree.config.validate import tree_shapes
+    cfg = _compose("tree=ddtree", "tree.policy=cost", "tree.budget=8", f"{stage}.trees=[chain-d5-prune,ddtree-w2-b4]")
+    got = [(t.kind, t.width, t.depth, t.budget, t.prune_experts, t.policy) for t in tree_shapes(cfg, stage)]
+    assert got == [("ddtree", 4, 7, 8, False, "cost"), ("chain", 1, 5, 5, True, "cost"),
+                   ("ddtree", 2, 7, 4, False, "cost")]
+
+
 def test_backend_cuda_without_a_device_names_the_fix():
     if not cuda_device_problem():
         pytest.skip("this machine has a CUDA device")

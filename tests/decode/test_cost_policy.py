@@ -140,3 +140,27 @@ def test_cost_policy_is_lossless_with_prefix_cache_hits(compose_cfg):
         assert got.tokens == want[tuple(prompt)]
         hits.append(got.cached_tokens)
     assert hits[1] >= (len(ids) - 1) // 16 * 16 - 16 and hits[1] > 0 and hits[2] >= 32, hits
+
+
+def test_the_bench_stages_measure_the_cost_curve_before_any_timed_round(compose_cfg):
+    """bench and bench_peer (calibrate_policies): the forward-cost curve of tree.policy=cost is measured by one
+    untimed generation, up to the largest budget among the shapes, so no timed round pays for it; a fixed-policy
+    list measures nothing."""
+    from kdtree.stages.bench import calibrate_policies
+    engine = Engine.from_config(compose_cfg("backend=numpy", "load.progress=false", "tree=ddtree"))
+    try:
+        ids = list(map(int, engine.tokenizer.encode("def f(x):")))
+        fixed = OmegaConf.merge(COST, {"policy": "fixed", "budget": 12})
+        calibrate_policies(engine, ids, [fixed])
+        assert engine.scheduler.costs is None
+        small = OmegaConf.merge(COST, {"budget": 6})
+        calibrate_policies(engine, ids, [small, OmegaConf.merge(COST, {"budget": 10}), fixed])
+        costs = engine.scheduler.costs
+        assert costs is not None and costs.calibrated and set(range(1, 12)) <= set(costs.rows)
+        # the timed run that follows finds the curve measured: its first request measures nothing more
+        before = dict(costs.rows)
+        r = engine.generate(ids, 8, tree=small)
+        assert r.tokens == engine.generate(ids, 8, tree=AR_TREE).tokens
+        assert set(costs.rows) == set(before)
+    finally:
+        engine.close()
