@@ -283,6 +283,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     names = [_shape_name(t) for t in shapes]
     calibrate_policies(engine, prompts_ids[0], shapes)          # tree.policy=cost's forward costs: before any round
     best: Dict[str, dict] = {}
+    per_round: List[Dict[str, float]] = []                      # every round's tokens/s, by engine / shape
     load_before = os.getloadavg()                               # a busy machine stalls multi-thread barriers
     for _ in range(max(1, rounds)):                             # alternate: machine drift hits every engine alike
         runs = {"peer": _peer_set(llm, prompts_ids, max_new_tokens, engine.eos_id),
@@ -293,6 +294,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
             runs[name] = _run_set(engine, prompts_ids, max_new_tokens, t)
         for k, r in runs.items():
             best[k] = _faster(best.get(k), r)
+        per_round.append({k: r["tokens_per_s"] for k, r in runs.items()})
     peer, ar = best["peer"], best["ar"]
     fastest = max(range(len(names)), key=lambda i: best[names[i]]["tokens_per_s"]) if names else None
     tree = ar if fastest is None else best[names[fastest]]
@@ -351,6 +353,10 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
                    "tokens_equal_ar": [p["tokens"] for p in best[f"peer {d}"]["per_prompt"]]
                    == [a["tokens"] for a in ar["per_prompt"]]}
                   for d, (summary, _) in extra.items()],
+        # each round's tokens/s by engine ("peer", "ar", "peer Q8_0", the shapes' names) and, paired within the
+        # round, the fastest shape's (else AR's) over llama.cpp's: the spread a shared host puts on the best-of figures
+        "rounds_tokens_per_s": per_round,
+        "rounds_tree_vs_peer": [max([r[n] for n in names] or [r["ar"]]) / max(r["peer"], 1e-9) for r in per_round],
         "peer_result": peer, "ar": ar, "result": tree,
         "provenance": provenance(ctx),
     }
@@ -373,6 +379,9 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
         mb, gbs = (f"{b / 1e6:8.0f}", f"{out['decode_gb_s'][key]:5.1f}") if b is not None else (f"{'-':>8}", f"{'-':>5}")
         print(f"| {label:<50} | {r['tokens_per_s']:>9.1f} | {ratio:>12.2f} | {r['decode_tokens_per_s']:>12.1f} | "
               f"{r['decode_tokens_per_s'] / pd:>12.2f} | {mb} | {gbs} |")
+    if len(per_round) > 1:
+        print("per round, the fastest kdtree row vs llama.cpp's in the same round: "
+              + " / ".join(f"{v:.2f}x" for v in out["rounds_tree_vs_peer"]))
     diff = "" if tokens_equal else ", first difference (prompt, token): " + ", ".join(
         f"({i}, {d})" for i, d in enumerate(first_diff) if d >= 0)
     print(f"tokens_equal={tokens_equal} (llama.cpp greedy == kdtree AR{diff}), logits max |diff| {logits_diff:.2e} "

@@ -38,7 +38,7 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": ["def __init__(self, ", "import os\nimport sys\n\n"]}))
     r = _run(tmp_path, "backend=cpu", "tree=chain", "tree.depth=7", f"bench.prompts={prompts}",
-             "bench.max_new_tokens=24", "bench_peer.rounds=1", "bench_peer.trees=[ddtree-w2-d7-b5]",
+             "bench.max_new_tokens=24", "bench_peer.rounds=2", "bench_peer.trees=[ddtree-w2-d7-b5]",
              "bench_peer.peer_dtypes=[q8_0]")
     assert r.returncode == 0, r.stderr[-2000:]
     (out,) = list((tmp_path / "runs").rglob("bench_peer.json"))
@@ -74,6 +74,15 @@ def test_llama_cpp_greedy_equals_kdtree_on_the_tiny_model(tmp_path):
     assert shapes == [("chain", 1, 7), ("ddtree", 2, 5)] and all(t["outputs_equal_ar"] for t in res["trees"])
     assert res["tree_tokens_per_s"] == max(t["tokens_per_s"] for t in res["trees"])
     assert "ddtree w2 d7 b5" in r.stdout and "(fastest)" in r.stdout
+    # every round's figures, the best-of figures among them; the paired per-round ratio printed under the table
+    rounds = res["rounds_tokens_per_s"]
+    assert len(rounds) == 2 and all(set(x) == {"peer", "ar", "peer Q8_0", "chain w1 d7 b7", "ddtree w2 d7 b5"}
+                                    for x in rounds)
+    assert res["peer_ar_tokens_per_s"] == max(x["peer"] for x in rounds)
+    assert res["tree_tokens_per_s"] == max(max(x["chain w1 d7 b7"], x["ddtree w2 d7 b5"]) for x in rounds)
+    assert res["rounds_tree_vs_peer"] == [pytest.approx(max(x["chain w1 d7 b7"], x["ddtree w2 d7 b5"]) / x["peer"])
+                                          for x in rounds]
+    assert "per round, the fastest kdtree row vs llama.cpp's in the same round: " in r.stdout
 
 
 def test_threads_are_limited_for_kdtree_openmp(tmp_path):
@@ -134,9 +143,10 @@ def test_every_measured_shape_has_its_own_row():
     shapes = tree_shapes(cfg, "bench_peer")
     names = [_shape_name(t) for t in shapes]
     assert names == ["chain w1 d7 b7 prune", "chain w1 d7 b7", "ddtree w4 d7 b8", "ddtree w4 d7 b8 prune"]
-    # and each runs as named: a shape without `prune` does not inherit tree.prune_experts=true (bench merges it over
-    # `tree`; it once did, so 'chain-d7' beside a pruned tree measured a pruned chain)
-    assert [bool(OmegaConf.merge(cfg.tree, t).prune_experts) for t in shapes] == [True, False, False, True]
+    # and each runs as named: a shape without `prune` does not inherit tree.prune_experts=true (the shapes are
+    # `tree` with the item's parts; an item once inherited it, so 'chain-d7' beside a pruned tree measured a pruned
+    # chain)
+    assert [bool(t.prune_experts) for t in shapes] == [True, False, False, True]
 
 
 def test_repack_auto_is_off_exactly_on_an_amx_host(tmp_path):
