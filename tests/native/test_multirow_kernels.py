@@ -223,18 +223,19 @@ def test_every_T_equals_T_single_row_calls_bitwise(n_in, n_out, group):
 def test_bf16_rows_equal_the_lane_order_dot_on_either_side_of_l2(n_in, n_out):
     """BF16 weights widened exactly: the AVX2 fused kernel (T = 2-7: passes of 2-6 rows of x over each weight row,
     x in L1 whole or k-blocked with every pass of a row over a block back to back), the panels (T = 2 over long rows,
-    T >= 8) and the AVX-512 kernels give every output the lane-order dot of the widened row -- so a row's bits do not
-    depend on how many rows came with it. n_in 2056: a 16-element chunk's tail of 8; n_out 13 / 37 / 50: a last
-    partial panel or row group; one and two threads (the outputs split)."""
+    T >= 8) and the AVX-512 kernels -- whole-row passes while x fits KD_ROWS_X_MAX (8 MB: past L2, 1-4 MB here at
+    T = 64-520), the k-blocked tiles beyond (n_in 4096 / 4112 at T = 520) -- give every output the lane-order dot of
+    the widened row -- so a row's bits do not depend on how many rows came with it. n_in 2056: a 16-element chunk's
+    tail of 8; n_out 13 / 37 / 50: a last partial panel or row group; one and two threads (the outputs split)."""
     ops = native.NativeOps("cpu")
     rng = np.random.default_rng(n_in + 3 * n_out)
-    x = rng.standard_normal((70, n_in), dtype=np.float32)
+    x = rng.standard_normal((520, n_in), dtype=np.float32)
     w16 = (rng.standard_normal((n_out, n_in), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
     want = _lane_dots(x, int4.bf16_to_f32(w16))
     try:
         for threads in (1, 2):
             ops.lib.set_threads(threads)
-            for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 64, 70):
+            for T in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 64, 70, 520):
                 np.testing.assert_array_equal(ops.lib.linear_bf16(x[:T], w16), want[:T],
                                               err_msg=f"T={T} threads={threads} (x {T * n_in * 4} bytes)")
     finally:
