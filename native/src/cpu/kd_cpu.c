@@ -1001,7 +1001,7 @@ __attribute__((target(KD_A512))) static void kd_panel512(const kd_wsrc *s, const
 /* BF16: x bytes (T x n_in floats) up to which kd_rows512 also runs more than one row tile, one panel at a time in
  * passes of KD_PR rows (the panel's rows then come from L2, x's whole rows from L2 or L3): 1.09-1.19x the block
  * tiles for T = 5-33 (2048 x 7168 and 7168 x 2048, 2 threads, alternating). With x past L2 too (was 1 MB, one Zen 4
- * core's L2; the host's L3 32 MB): 1.08-1.18x at 1.3-7.4 MB of x (7168 x 18432 T = 17-100, 18432 x 7168 T = 40-200,
+ * core's L2; the host's L3 32 MB): 1.08-1.18x at 1.1-7.4 MB of x (7168 x 18432 T = 17-100, 18432 x 7168 T = 40-200,
  * 7168 x 2048 T = 130-250; a k26_mini forward of 64 rows 1.11x, tiny_wide bf16 33 rows 1.06x, logits equal). Float32
  * rows lose that way (0.86-0.97x at T = 5-24) and keep the tiles beyond one row tile. */
 #define KD_ROWS_X_MAX (1 << 23)
