@@ -312,9 +312,9 @@ def run(ctx, conf: BenchConfig) -> dict:
     policy = str(cfg.tree.get("policy", "fixed"))
     fixed_tree = OmegaConf.merge(cfg.tree, {"policy": "fixed"}) if policy == "cost" else None
     fixed = None
-    extra = tree_shapes(cfg, "bench")[1:]          # bench.trees (each inheriting tree.*), tree itself dropped
-    if cfg.tree.kind != "ar":
-        calibrate_policies(engine, prompts_ids[0], [cfg.tree, *extra])
+    shapes = tree_shapes(cfg, "bench")             # `tree` (none for ar), then bench.trees, each inheriting tree.*
+    calibrate_policies(engine, prompts_ids[0], shapes)
+    extra = shapes[1:]                             # bench.trees: `tree` itself runs as `tree` below
     best_extra = [None] * len(extra)
     # Alternate AR and tree runs so drift of the machine's speed hits both alike; keep the best of repeats.
     ar = tree = None
