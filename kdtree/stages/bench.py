@@ -230,6 +230,11 @@ def _run_set(engine, prompts_ids, max_new_tokens, tree_cfg, sampling=None, gramm
         return _run_set_cold(engine, prompts_ids, max_new_tokens, tree_cfg, sampling, grammar)
 
 
+def _mean_acceptance(lengths) -> float:
+    """tokens committed per verify round (1.0 where there was none: plain steps)"""
+    return sum(lengths) / len(lengths) if lengths else 1.0
+
+
 def _run_set_cold(engine, prompts_ids, max_new_tokens, tree_cfg, sampling, grammar) -> dict:
     per_prompt, hist = [], collections.Counter()
     stage_s = {s: 0.0 for s in STAGES}
@@ -268,7 +273,7 @@ def _run_set_cold(engine, prompts_ids, max_new_tokens, tree_cfg, sampling, gramm
         "python_overhead_fraction": max(0.0, 1.0 - library_s / max(seconds, 1e-9)),
         "target_forwards": forwards, "draft_forwards": drafts,
         "target_forwards_per_token": forwards / max(tokens, 1),
-        "mean_acceptance_length": sum(acc) / len(acc) if acc else 1.0,
+        "mean_acceptance_length": _mean_acceptance(acc),
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         "stage_seconds": stage_s, "per_prompt": per_prompt,
         "moe": moe_columns(engine, counts(reset=True) if counts is not None else {}, forwards, tokens, drafts),
@@ -282,6 +287,12 @@ def _bound_text(bound: Optional[float]) -> str:
 def _faster(best, run):
     """The faster of the best run so far (None at first) and this one: the best of the alternating repeats."""
     return run if best is None or run["seconds"] < best["seconds"] else best
+
+
+def _per_prompt(ar, run) -> List[float]:
+    """Each prompt's AR seconds over `run`'s (the speedup prompt by prompt; both runs commit the same tokens, so the
+    whole set's speedup is the sum of AR's seconds over the sum of the run's, between the smallest and the largest)."""
+    return [p["seconds"] / max(q["seconds"], 1e-9) for p, q in zip(ar["per_prompt"], run["per_prompt"])]
 
 
 def _same_tokens(ar, run) -> bool:
@@ -352,6 +363,9 @@ def run(ctx, conf: BenchConfig) -> dict:
         "temperature": sampling.temperature if not sampling.greedy else 0.0,
         "sampling": sampling.to_dict(),
         "acceptance_histogram": tree["acceptance_histogram"],
+        # prompt by prompt (the bench's prompts in order): where the tree pays and where the drafter misses
+        "per_prompt_speedup_vs_ar": _per_prompt(ar, tree),
+        "per_prompt_acceptance": [_mean_acceptance(p["acceptance_lengths"]) for p in tree["per_prompt"]],
         "stage_seconds": tree["stage_seconds"],
         "outputs_equal_ar": lossless,
         "moe": tree["moe"], "ar_moe": ar["moe"],
@@ -365,6 +379,7 @@ def run(ctx, conf: BenchConfig) -> dict:
                    "speedup_vs_ar": r["tokens_per_s"] / max(ar["tokens_per_s"], 1e-9),
                    "decode_speedup_vs_ar": r["decode_tokens_per_s"] / max(ar["decode_tokens_per_s"], 1e-9),
                    "mean_acceptance_length": r["mean_acceptance_length"],
+                   "per_prompt_speedup_vs_ar": _per_prompt(ar, r),
                    "target_forwards_per_token": r["target_forwards_per_token"], "moe": r["moe"],
                    "bytes_bound_speedup": bytes_bound(ar["moe"], r["moe"]),
                    "outputs_equal_ar": _same_tokens(ar, r)}
@@ -388,6 +403,12 @@ def run(ctx, conf: BenchConfig) -> dict:
           f"{out['target_forwards_per_token']:.3f}, "
           f"python overhead {out['python_overhead_fraction']:.2f} (AR {out['ar_python_overhead_fraction']:.2f}), "
           f"lossless={lossless} -> {ctx.run_dir / 'bench.json'}")
+    if cfg.tree.kind != "ar":
+        pp, acc = out["per_prompt_speedup_vs_ar"], out["per_prompt_acceptance"]
+        worst = min(range(len(pp)), key=pp.__getitem__)
+        print("bench per prompt (AR seconds / tree seconds, acceptance): "
+              + ", ".join(f"{x:.2f}x ({a:.1f})" for x, a in zip(pp, acc))
+              + f"; slowest: prompt {worst} {texts[worst][:40]!r}")
     if fixed is not None:
         print(f"bench tree.policy=cost: {out['tokens_per_s']:.1f} tok/s vs the whole budget every round "
               f"{fixed['tokens_per_s']:.1f} tok/s -> {out['fixed_policy']['policy_speedup']:.2f}x (acceptance "

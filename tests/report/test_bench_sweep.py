@@ -137,6 +137,17 @@ def test_bench_trees_are_measured_as_named_in_one_run_and_reported(tmp_path, kdt
     assert build["host_kernels"] in ("avx512", "avx2", "generic")
     for t in b["trees"]:
         assert t["speedup_vs_ar"] == pytest.approx(t["tokens_per_s"] / b["ar_tokens_per_s"])
+    # prompt by prompt: AR's seconds over the tree's, in the prompts' order, for `tree` and every extra shape; the
+    # whole set's speedup (same tokens) lies between the prompts' own
+    ar_s = [p["seconds"] for p in b["ar"]["per_prompt"]]
+    for row, run_pp in ((b, b["result"]["per_prompt"]), *((t, None) for t in b["trees"])):
+        pp = row["per_prompt_speedup_vs_ar"]
+        assert len(pp) == 2 and all(x > 0 for x in pp)
+        if run_pp is not None:
+            assert pp == pytest.approx([a / p["seconds"] for a, p in zip(ar_s, run_pp)])
+        assert min(pp) * 0.999 <= row["speedup_vs_ar"] <= max(pp) * 1.001
+    assert b["per_prompt_acceptance"] == pytest.approx(
+        [sum(p["acceptance_lengths"]) / len(p["acceptance_lengths"]) for p in b["result"]["per_prompt"]])
     _kdtree("-m", "kdtree.report", str(tmp_path / "runs"))
     with open(tmp_path / "runs" / "report.csv") as f:
         kinds = [(row["kind"], row["budget"]) for row in csv.DictReader(f)]
