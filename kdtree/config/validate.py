@@ -5,6 +5,7 @@ Each failure is one ConfigError line naming the key, the value and what would be
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 from urllib.parse import urlsplit
@@ -20,6 +21,7 @@ from kdtree.errors import ConfigError
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PIPELINES_DIR = REPO_DIR / "pipelines"
+DEFAULT_PROMPTS = REPO_DIR / "kdtree" / "assets" / "bench_prompts.json"   # bench.prompts left empty
 # Stages that need the model's weights (and so a checkpoint and a working backend).
 MODEL_STAGES = {"load", "generate", "warmup", "serve", "bench", "bench_peer", "export_gguf", "launch"}
 TREE_KINDS = ("ar", "chain", "ddtree")
@@ -189,6 +191,27 @@ def validate_sampling(cfg: DictConfig, stages: Sequence[str]) -> None:
             if s.get(key) is not None:
                 raise ConfigError(f"sampling.{key}={s.get(key)} has no effect: pipeline={cfg.pipeline} decodes "
                                   f"greedily unless sampling.temperature is set; add e.g. sampling.temperature=1.0")
+
+
+def read_prompts(path: str, key: str = "bench.prompts") -> list:
+    """The prompt texts of `path` (a JSON file {"prompts": ["...", ...]}); the shipped set when empty."""
+    p = Path(path) if path else DEFAULT_PROMPTS
+    fix = f'write a JSON file {{"prompts": ["def main(", ...]}} (at least one non-empty string) or leave {key} empty'
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{key}={path}: cannot read it ({e.strerror or e}); {fix}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}={path}: not a JSON file ({e}); {fix}") from None
+    prompts = data.get("prompts") if isinstance(data, dict) else None
+    if not isinstance(prompts, list) or not prompts:
+        raise ConfigError(f"{key}={path}: has no \"prompts\" list with a prompt in it "
+                          f"(got {json.dumps(prompts)[:80]}); {fix}")
+    bad = next((i for i, t in enumerate(prompts) if not isinstance(t, str) or not t), None)
+    if bad is not None:
+        raise ConfigError(f"{key}={path}: prompt {bad} is {json.dumps(prompts[bad])[:80]}, not a non-empty string; "
+                          f"{fix}")
+    return list(prompts)
 
 
 def validate_bench_peer(cfg: DictConfig) -> None:
@@ -373,6 +396,8 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline, cfg)
     validate_sampling(cfg, stages)
+    if cfg.host.kind == "local" and {"bench", "bench_peer"}.intersection(stages) and cfg.get("bench") is not None:
+        read_prompts(str(cfg.bench.get("prompts") or ""))   # before the load (a remote host reads its own path)
     validate_health(cfg, stages)
     if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

@@ -2,9 +2,10 @@
 
 Writes bench.json: tokens/s (prefill included; decode_tokens_per_s: the tokens after the first over the time after
 the prefill; every prompt is prefilled cold in every round, the prefix cache off during the timed runs), speedup vs
-AR, target forwards per token, mean acceptance length and its histogram, per-stage seconds, per-prompt outputs (for
-exact reproduction), whether the tree output equals AR token for token, and the provenance needed to rerun the row
-(overrides, commit, seeds, versions, CPU/GPU, native library build). With sampling.temperature > 0 both AR and the
+AR, target forwards per token, mean acceptance length and its histogram, per-stage seconds, the speedup and acceptance
+prompt by prompt (per_prompt_speedup_vs_ar, per_prompt_acceptance), per-prompt outputs (for exact reproduction),
+whether the tree output equals AR token for token, and the provenance needed to rerun the row (overrides, commit,
+seeds, versions, CPU/GPU, native library build). With sampling.temperature > 0 both AR and the
 tree sample (prompt i with the seed sampling.for_sample(i), the same for both, so outputs_equal_ar still holds) and
 bench.json reports the acceptance length under sampling next to greedy's (one greedy tree pass).
 """
@@ -26,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 from omegaconf import OmegaConf
 
 from kdtree.backends import native
-from kdtree.config.validate import tree_shapes
+from kdtree.config.validate import read_prompts, tree_shapes
 from kdtree.backends.native_forward import LIBRARY_CLOCK
 from kdtree.decode.result import STAGES
 from kdtree.decode.state import tree_shape
@@ -35,7 +36,6 @@ from kdtree.errors import PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
 
 SIDE = "host"
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
 
 
 @dataclass
@@ -63,8 +63,8 @@ def _shape(tree_cfg, block_size: int) -> dict:
 
 
 def load_prompts(path: str) -> list:
-    p = Path(path) if path else DEFAULT_PROMPTS
-    return list(json.loads(p.read_text())["prompts"])
+    """The prompt texts of bench.prompts (the shipped set when empty): kdtree.config.validate.read_prompts."""
+    return read_prompts(path)
 
 
 def _git_commit() -> str:
@@ -312,11 +312,11 @@ def calibrate_policies(engine, prompt_ids, shapes) -> None:
 def run(ctx, conf: BenchConfig) -> dict:
     prompts, max_new_tokens, repeats = conf.prompts, conf.max_new_tokens, conf.repeats
     cfg = ctx.cfg
+    texts = load_prompts(prompts)                  # before the load: a bad prompt file fails in a second
     state = EngineState.of(ctx)
     if state.engine is None:
         state.engine = Engine.from_config(cfg, status=ctx.status)
     engine = state.engine
-    texts = load_prompts(prompts)
     prompts_ids = [engine.tokenizer.encode(t) for t in texts]
     sampling = engine.pipeline_sampling()
     grammar = load_grammar(engine, conf.grammar)

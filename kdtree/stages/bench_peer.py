@@ -254,6 +254,7 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:
         raise ConfigError(f"pipeline=bench_peer compares CPU engines at tp=1; got backend={cfg.backend.name} "
                           f"tp={cfg.tp.size}: use backend=cpu (or numpy) tp=1")
+    texts = load_prompts(prompts)                               # before the load, as bench does
     set_threads = limit_threads(threads)
     state = EngineState.of(ctx)
     if state.engine is None:
@@ -267,7 +268,6 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     else:
         path = Path(exported()["path"])
     dtype = file_dtype(path).upper()
-    texts = load_prompts(prompts)
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
     repack = peer_repack(conf)

@@ -151,6 +151,28 @@ def test_bad_overrides_exit_nonzero_with_one_line(args, match, tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("pipeline", ["bench", "bench_peer"])
+@pytest.mark.parametrize("content,match", [
+    (None, "cannot read it (No such file or directory)"),
+    ("def main(", "not a JSON file"),
+    ('{"prompts": []}', 'has no "prompts" list with a prompt in it (got [])'),
+    ('["def main("]', 'has no "prompts" list with a prompt in it (got null)'),
+    ('{"prompts": ["def main(", 7]}', "prompt 1 is 7, not a non-empty string"),
+    ('{"prompts": [""]}', 'prompt 0 is "", not a non-empty string'),
+])
+def test_a_bad_bench_prompt_file_fails_in_one_line_before_the_load(pipeline, content, match, tmp_path):
+    """bench.prompts names a file the bench stages read; a missing, malformed or empty one is refused at start-up
+    (before a load that takes minutes at K2.6's size) naming the key, the file and the form it needs."""
+    path = tmp_path / "prompts.json"
+    if content is not None:
+        path.write_text(content)
+    r = _run(f"pipeline={pipeline}", "backend=cpu", f"bench.prompts={path}", tmp_path=tmp_path)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert f"bench.prompts={path}: {match}" in lines[0] and '{"prompts": ["def main(", ...]}' in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
 def test_backend_cuda_without_a_device_fails_in_one_line(tmp_path):
     if not cuda_device_problem():
         pytest.skip("this machine has a CUDA device")
