@@ -214,6 +214,28 @@ def read_prompts(path: str, key: str = "bench.prompts") -> list:
     return list(prompts)
 
 
+def validate_bench_forward(cfg: DictConfig) -> None:
+    """pipeline=bench_forward's options, before the load: every value it would otherwise meet deep in a forward."""
+    if cfg.backend.name != "cpu":
+        raise ConfigError(f"bench_forward measures the native CPU forward; backend={cfg.backend.name} has no byte "
+                          f"accounting: run it with backend=cpu")
+    b = cfg.bench_forward
+    for key in ("rows", "threads"):
+        v = list(b[key]) if b.get(key) is not None else []
+        if not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+            raise ConfigError(f"bench_forward.{key}={v} must be a non-empty list of positive integers; use e.g. "
+                              f"'bench_forward.{key}={'[1,2,5,9,17,33,65]' if key == 'rows' else '[1,2]'}'")
+    for key, least in (("context", 0), ("repeats", 1), ("roof_mb", 1)):
+        if not isinstance(b[key], int) or b[key] < least:
+            raise ConfigError(f"bench_forward.{key}={b[key]} must be an integer >= {least}; use e.g. "
+                              f"bench_forward.{key}={max(least, {'context': 64, 'repeats': 3, 'roof_mb': 1024}[key])}")
+    longest, limit = int(b.context) + max(b.rows), int(cfg.model.max_position_embeddings)
+    if longest > limit:
+        raise ConfigError(f"bench_forward.context={b.context} + the largest of bench_forward.rows={list(b.rows)} is "
+                          f"{longest} positions, past max_position_embeddings={limit} of model={cfg.model.name}; "
+                          f"lower bench_forward.context or the rows")
+
+
 def validate_bench_peer(cfg: DictConfig) -> None:
     b = cfg.bench_peer
     for key, value in (("threads", b.threads), ("rounds", b.rounds)):
@@ -396,6 +418,8 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline, cfg)
     validate_sampling(cfg, stages)
+    if "bench_forward" in stages:
+        validate_bench_forward(cfg)
     if cfg.host.kind == "local" and {"bench", "bench_peer"}.intersection(stages) and cfg.get("bench") is not None:
         read_prompts(str(cfg.bench.get("prompts") or ""))   # before the load (a remote host reads its own path)
     validate_health(cfg, stages)

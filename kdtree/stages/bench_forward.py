@@ -261,12 +261,9 @@ def run(ctx, conf: BenchForwardConfig) -> dict:
         state.engine = Engine.from_config(cfg, status=ctx.status)
     engine = state.engine
     target = engine.model
-    if not hasattr(target, "weight_bytes") or cfg.backend.name != "cpu":
+    if not hasattr(target, "weight_bytes") or cfg.backend.name != "cpu":   # the options: validate_bench_forward
         raise PipelineError(f"bench_forward measures the native CPU forward; backend={cfg.backend.name} has no "
                             f"byte accounting: run it with backend=cpu")
-    if not conf.rows or min(conf.rows) < 1 or not conf.threads or min(conf.threads) < 1:
-        raise PipelineError(f"bench_forward.rows={list(conf.rows)} and bench_forward.threads={list(conf.threads)} "
-                            f"must be non-empty lists of positive integers")
     lib = target.lib
     rows, roof = [], {}
     before = lib.c.kd_threads()

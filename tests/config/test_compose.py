@@ -173,6 +173,26 @@ def test_a_bad_bench_prompt_file_fails_in_one_line_before_the_load(pipeline, con
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("arg,match", [
+    ("bench_forward.rows=[0]", "bench_forward.rows=[0] must be a non-empty list of positive integers"),
+    ("bench_forward.rows=[]", "bench_forward.rows=[] must be a non-empty list of positive integers"),
+    ("bench_forward.threads=[2,0]", "bench_forward.threads=[2, 0] must be a non-empty list of positive integers"),
+    ("bench_forward.context=-1", "bench_forward.context=-1 must be an integer >= 0; use e.g. bench_forward.context=64"),
+    ("bench_forward.repeats=0", "bench_forward.repeats=0 must be an integer >= 1"),
+    ("bench_forward.roof_mb=0", "bench_forward.roof_mb=0 must be an integer >= 1; use e.g. bench_forward.roof_mb=1024"),
+    ("bench_forward.rows=[4000]", "is 4064 positions, past max_position_embeddings=2048 of model=tiny; lower "
+                                  "bench_forward.context or the rows"),
+    ("backend=numpy", "bench_forward measures the native CPU forward; backend=numpy has no byte accounting"),
+])
+def test_bench_forward_options_are_checked_before_the_load(arg, match, tmp_path):
+    """pipeline=bench_forward's options fail at start-up in one line (context=-1 used to reach the forward as a shape
+    mismatch, rows past the model's positions as a prompt-length error naming other keys)."""
+    r = _run("pipeline=bench_forward", "backend=cpu", arg, tmp_path=tmp_path)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and match in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_backend_cuda_without_a_device_fails_in_one_line(tmp_path):
     if not cuda_device_problem():
         pytest.skip("this machine has a CUDA device")
