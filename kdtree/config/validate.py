@@ -236,6 +236,21 @@ def validate_bench_forward(cfg: DictConfig) -> None:
                           f"lower bench_forward.context or the rows")
 
 
+def validate_bench_serve(cfg: DictConfig) -> None:
+    """pipeline=bench_serve's options, before the server starts: one line per bad value."""
+    b = cfg.bench_serve
+    clients = list(b.clients) if b.get("clients") is not None else []
+    if not clients or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in clients):
+        raise ConfigError(f"bench_serve.clients={clients} must be a non-empty list of positive integers; use e.g. "
+                          f"'bench_serve.clients=[1,4,16]'")
+    for key, least, example in (("requests", 1, 2), ("max_tokens", 2, 64), ("short_tokens", 1, 4),
+                                 ("long_tokens", 1, 1000), ("shared_prefix_tokens", 0, 2000),
+                                 ("shared_prefix_clients", 1, 16), ("shared_prefix_requests", 1, 8)):
+        if not isinstance(b[key], int) or b[key] < least:
+            raise ConfigError(f"bench_serve.{key}={b[key]} must be an integer >= {least}; use e.g. "
+                              f"bench_serve.{key}={example}")
+
+
 def validate_bench_peer(cfg: DictConfig) -> None:
     b = cfg.bench_peer
     for key, value in (("threads", b.threads), ("rounds", b.rounds)):
@@ -420,8 +435,13 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     validate_sampling(cfg, stages)
     if "bench_forward" in stages:
         validate_bench_forward(cfg)
-    if cfg.host.kind == "local" and {"bench", "bench_peer"}.intersection(stages) and cfg.get("bench") is not None:
-        read_prompts(str(cfg.bench.get("prompts") or ""))   # before the load (a remote host reads its own path)
+    if "bench_serve" in stages:
+        validate_bench_serve(cfg)
+    # the prompt file, before the load: bench_serve and bench_http read it here (on the controller), bench and
+    # bench_peer where they run (a remote host reads its own path)
+    if cfg.get("bench") is not None and ({"bench_serve", "bench_http"}.intersection(stages) or (
+            cfg.host.kind == "local" and {"bench", "bench_peer"}.intersection(stages))):
+        read_prompts(str(cfg.bench.get("prompts") or ""))
     validate_health(cfg, stages)
     if loads_model(cfg, stages):
         validate_checkpoint_path(cfg)

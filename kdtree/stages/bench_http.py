@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Dict, List
 
 from kdtree import engine_http as client
+from kdtree.config.validate import read_prompts
 from kdtree.errors import PipelineError
 
 SIDE = "controller"
 NEEDS_ENGINE = True
-PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
 
 
 @dataclass
@@ -64,7 +64,7 @@ def run(ctx, conf: BenchHttpConfig) -> dict:
     if conf.max_tokens < 2 or conf.repeats < 1:
         raise PipelineError(f"bench_http: max_tokens={conf.max_tokens} repeats={conf.repeats}; use max_tokens >= 2, "
                             f"repeats >= 1")
-    prompts = json.loads(Path(str(ctx.cfg.bench.prompts) or PROMPTS).read_text())["prompts"]   # bench's set
+    prompts = read_prompts(str(ctx.cfg.bench.prompts or ""))   # bench's set
     engine = ctx.engine_process
     url = client.endpoint(ctx.cfg, engine.run_dir if engine is not None else ctx.run_dir)
     try:

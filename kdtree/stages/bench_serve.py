@@ -28,11 +28,11 @@ from typing import Dict, List, Optional
 
 from kdtree import engine_http as client
 from kdtree.engine_http import stream  # noqa: F401  (bench_serve.stream: one streamed completion, any engine)
+from kdtree.config.validate import read_prompts
 from kdtree.errors import PipelineError
 
 SIDE = "controller"
 NEEDS_ENGINE = True
-PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.json"
 
 
 @dataclass
@@ -221,11 +221,8 @@ def side_by_side(mine: str, rounds: List[dict], other: dict) -> str:
 def run(ctx, conf: BenchServeConfig) -> dict:
     requests, max_tokens, short_tokens, long_tokens = conf.requests, conf.max_tokens, conf.short_tokens, conf.long_tokens
     prompts = ctx.cfg.bench.prompts  # bench's prompt set
-    clients = [int(n) for n in conf.clients]
-    if not clients or min(clients) < 1 or requests < 1 or max_tokens < 2:
-        raise PipelineError(f"bench_serve: clients={clients} requests={requests} max_tokens={max_tokens}; "
-                            f"use clients >= 1, requests >= 1, max_tokens >= 2")
-    texts = json.loads(Path(prompts or PROMPTS).read_text())["prompts"]
+    clients = [int(n) for n in conf.clients]   # the options: kdtree.config.validate.validate_bench_serve
+    texts = read_prompts(prompts)
     url = _engine_url(ctx)
     try:
         solo = {p: stream(url, p, max_tokens)["text"] for p in texts}

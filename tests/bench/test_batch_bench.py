@@ -15,7 +15,6 @@ then differ from their solo run.
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 
@@ -39,8 +38,8 @@ def _engine(compose_cfg, backend):
 
 
 def _prompts(engine):
-    from kdtree.stages.bench_serve import PROMPTS
-    texts = json.loads(PROMPTS.read_text())["prompts"]
+    from kdtree.config.validate import read_prompts
+    texts = read_prompts("")
     return [engine.tokenizer.encode(texts[i % len(texts)] + " " * (i // len(texts))) for i in range(N_REQUESTS)]
 
 

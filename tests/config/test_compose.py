@@ -151,7 +151,34 @@ def test_bad_overrides_exit_nonzero_with_one_line(args, match, tmp_path):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("pipeline", ["bench", "bench_peer"])
+@pytest.mark.parametrize("pipeline,content,match", [
+    ("bench_peer", '{"prompts": []}', 'has no "prompts" list with a prompt in it (got [])'),
+    ("bench_serve", None, "cannot read it (No such file or directory)"),
+    ("bench_http", '{"prompts": [null]}', "prompt 0 is null, not a non-empty string"),
+])
+def test_every_bench_pipeline_refuses_a_bad_prompt_file_at_start_up(pipeline, content, match, tmp_path):
+    """bench_peer (like bench) before its load; bench_serve and bench_http, which read bench.prompts on the
+    controller, before the server starts."""
+    path = tmp_path / "prompts.json"
+    if content is not None:
+        path.write_text(content)
+    r = _run(f"pipeline={pipeline}", "backend=cpu", f"bench.prompts={path}", tmp_path=tmp_path)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and f"bench.prompts={path}: {match}" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("arg,match", [
+    ("bench_serve.clients=[4,0]", "bench_serve.clients=[4, 0] must be a non-empty list of positive integers"),
+    ("bench_serve.requests=0", "bench_serve.requests=0 must be an integer >= 1; use e.g. bench_serve.requests=2"),
+    ("bench_serve.max_tokens=1", "bench_serve.max_tokens=1 must be an integer >= 2"),
+    ("bench_serve.shared_prefix_tokens=-1", "bench_serve.shared_prefix_tokens=-1 must be an integer >= 0"),
+])
+def test_bench_serve_options_are_checked_before_the_server_starts(arg, match, tmp_path):
+    r = _run("pipeline=bench_serve", "backend=cpu", arg, tmp_path=tmp_path)
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and match in lines[0], r.stderr
+
+
 @pytest.mark.parametrize("content,match", [
     (None, "cannot read it (No such file or directory)"),
     ("def main(", "not a JSON file"),
@@ -160,13 +187,13 @@ def test_bad_overrides_exit_nonzero_with_one_line(args, match, tmp_path):
     ('{"prompts": ["def main(", 7]}', "prompt 1 is 7, not a non-empty string"),
     ('{"prompts": [""]}', 'prompt 0 is "", not a non-empty string'),
 ])
-def test_a_bad_bench_prompt_file_fails_in_one_line_before_the_load(pipeline, content, match, tmp_path):
+def test_a_bad_bench_prompt_file_fails_in_one_line_before_the_load(content, match, tmp_path):
     """bench.prompts names a file the bench stages read; a missing, malformed or empty one is refused at start-up
     (before a load that takes minutes at K2.6's size) naming the key, the file and the form it needs."""
     path = tmp_path / "prompts.json"
     if content is not None:
         path.write_text(content)
-    r = _run(f"pipeline={pipeline}", "backend=cpu", f"bench.prompts={path}", tmp_path=tmp_path)
+    r = _run("pipeline=bench", "backend=cpu", f"bench.prompts={path}", tmp_path=tmp_path)
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert f"bench.prompts={path}: {match}" in lines[0] and '{"prompts": ["def main(", ...]}' in lines[0], lines[0]
