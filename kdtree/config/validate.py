@@ -251,11 +251,25 @@ def validate_bench_serve(cfg: DictConfig) -> None:
                               f"bench_serve.{key}={example}")
 
 
+def validate_bench_http(cfg: DictConfig) -> None:
+    """pipeline=bench_http's options, before the server starts."""
+    b = cfg.bench_http
+    for key, least, example in (("max_tokens", 2, 48), ("repeats", 1, 3)):
+        if not isinstance(b[key], int) or b[key] < least:
+            raise ConfigError(f"bench_http.{key}={b[key]} must be an integer >= {least}; use e.g. "
+                              f"bench_http.{key}={example}")
+
+
 def validate_bench_peer(cfg: DictConfig) -> None:
     b = cfg.bench_peer
     for key, value in (("threads", b.threads), ("rounds", b.rounds)):
         if not value >= 1:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
+    gguf = str(b.get("gguf") or "")
+    if gguf and cfg.get("pipeline") == "bench_peer" and cfg.host.kind == "local" and \
+            not Path(gguf).expanduser().is_file():
+        raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
+                          f"or leave bench_peer.gguf empty to export the model")
     if cfg.get("pipeline") == "bench_peer" or b.get("trees"):
         peer_tree_shapes(cfg)
     if cfg.get("bench") is not None and cfg.bench.get("trees"):
@@ -437,6 +451,8 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
         validate_bench_forward(cfg)
     if "bench_serve" in stages:
         validate_bench_serve(cfg)
+    if "bench_http" in stages:
+        validate_bench_http(cfg)
     # the prompt file, before the load: bench_serve and bench_http read it here (on the controller), bench and
     # bench_peer where they run (a remote host reads its own path)
     if cfg.get("bench") is not None and ({"bench_serve", "bench_http"}.intersection(stages) or (

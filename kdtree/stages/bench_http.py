@@ -19,7 +19,6 @@ from typing import Dict, List
 
 from kdtree import engine_http as client
 from kdtree.config.validate import read_prompts
-from kdtree.errors import PipelineError
 
 SIDE = "controller"
 NEEDS_ENGINE = True
@@ -61,9 +60,7 @@ COLUMNS = [("engine", "engine", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("TT
 
 
 def run(ctx, conf: BenchHttpConfig) -> dict:
-    if conf.max_tokens < 2 or conf.repeats < 1:
-        raise PipelineError(f"bench_http: max_tokens={conf.max_tokens} repeats={conf.repeats}; use max_tokens >= 2, "
-                            f"repeats >= 1")
+    # the options and the prompt file: kdtree.config.validate (validate_bench_http, read_prompts), at start-up
     prompts = read_prompts(str(ctx.cfg.bench.prompts or ""))   # bench's set
     engine = ctx.engine_process
     url = client.endpoint(ctx.cfg, engine.run_dir if engine is not None else ctx.run_dir)
