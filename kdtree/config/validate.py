@@ -214,50 +214,51 @@ def read_prompts(path: str, key: str = "bench.prompts") -> list:
     return list(prompts)
 
 
+def _positive_list(section: str, b: DictConfig, key: str, example: str) -> List[int]:
+    """<section>.<key>: a non-empty list of positive integers, else one ConfigError line with `example`."""
+    v = list(b[key]) if b.get(key) is not None else []
+    if not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
+        raise ConfigError(f"{section}.{key}={v} must be a non-empty list of positive integers; use e.g. "
+                          f"'{section}.{key}={example}'")
+    return v
+
+
+def _at_least(section: str, b: DictConfig, specs: Sequence[tuple]) -> None:
+    """<section>.<key> >= least for each (key, least, example), else one ConfigError line."""
+    for key, least, example in specs:
+        if not isinstance(b[key], int) or isinstance(b[key], bool) or b[key] < least:
+            raise ConfigError(f"{section}.{key}={b[key]} must be an integer >= {least}; use e.g. "
+                              f"{section}.{key}={example}")
+
+
 def validate_bench_forward(cfg: DictConfig) -> None:
     """pipeline=bench_forward's options, before the load: every value it would otherwise meet deep in a forward."""
     if cfg.backend.name != "cpu":
         raise ConfigError(f"bench_forward measures the native CPU forward; backend={cfg.backend.name} has no byte "
                           f"accounting: run it with backend=cpu")
     b = cfg.bench_forward
-    for key in ("rows", "threads"):
-        v = list(b[key]) if b.get(key) is not None else []
-        if not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v):
-            raise ConfigError(f"bench_forward.{key}={v} must be a non-empty list of positive integers; use e.g. "
-                              f"'bench_forward.{key}={'[1,2,5,9,17,33,65]' if key == 'rows' else '[1,2]'}'")
-    for key, least in (("context", 0), ("repeats", 1), ("roof_mb", 1)):
-        if not isinstance(b[key], int) or b[key] < least:
-            raise ConfigError(f"bench_forward.{key}={b[key]} must be an integer >= {least}; use e.g. "
-                              f"bench_forward.{key}={max(least, {'context': 64, 'repeats': 3, 'roof_mb': 1024}[key])}")
-    longest, limit = int(b.context) + max(b.rows), int(cfg.model.max_position_embeddings)
+    rows = _positive_list("bench_forward", b, "rows", "[1,2,5,9,17,33,65]")
+    _positive_list("bench_forward", b, "threads", "[1,2]")
+    _at_least("bench_forward", b, (("context", 0, 64), ("repeats", 1, 3), ("roof_mb", 1, 1024)))
+    longest, limit = int(b.context) + max(rows), int(cfg.model.max_position_embeddings)
     if longest > limit:
-        raise ConfigError(f"bench_forward.context={b.context} + the largest of bench_forward.rows={list(b.rows)} is "
+        raise ConfigError(f"bench_forward.context={b.context} + the largest of bench_forward.rows={rows} is "
                           f"{longest} positions, past max_position_embeddings={limit} of model={cfg.model.name}; "
                           f"lower bench_forward.context or the rows")
 
 
 def validate_bench_serve(cfg: DictConfig) -> None:
-    """pipeline=bench_serve's options, before the server starts: one line per bad value."""
+    """pipeline=bench_serve's options, before the server starts."""
     b = cfg.bench_serve
-    clients = list(b.clients) if b.get("clients") is not None else []
-    if not clients or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in clients):
-        raise ConfigError(f"bench_serve.clients={clients} must be a non-empty list of positive integers; use e.g. "
-                          f"'bench_serve.clients=[1,4,16]'")
-    for key, least, example in (("requests", 1, 2), ("max_tokens", 2, 64), ("short_tokens", 1, 4),
+    _positive_list("bench_serve", b, "clients", "[1,4,16]")
+    _at_least("bench_serve", b, (("requests", 1, 2), ("max_tokens", 2, 64), ("short_tokens", 1, 4),
                                  ("long_tokens", 1, 1000), ("shared_prefix_tokens", 0, 2000),
-                                 ("shared_prefix_clients", 1, 16), ("shared_prefix_requests", 1, 8)):
-        if not isinstance(b[key], int) or b[key] < least:
-            raise ConfigError(f"bench_serve.{key}={b[key]} must be an integer >= {least}; use e.g. "
-                              f"bench_serve.{key}={example}")
+                                 ("shared_prefix_clients", 1, 16), ("shared_prefix_requests", 1, 8)))
 
 
 def validate_bench_http(cfg: DictConfig) -> None:
     """pipeline=bench_http's options, before the server starts."""
-    b = cfg.bench_http
-    for key, least, example in (("max_tokens", 2, 48), ("repeats", 1, 3)):
-        if not isinstance(b[key], int) or b[key] < least:
-            raise ConfigError(f"bench_http.{key}={b[key]} must be an integer >= {least}; use e.g. "
-                              f"bench_http.{key}={example}")
+    _at_least("bench_http", cfg.bench_http, (("max_tokens", 2, 48), ("repeats", 1, 3)))
 
 
 def validate_bench_peer(cfg: DictConfig) -> None:
