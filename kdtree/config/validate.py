@@ -448,6 +448,8 @@ def validate(cfg: DictConfig, stages: Sequence[str] = None) -> None:
     if stages is None:
         stages = pipeline_stage_names(cfg.pipeline, cfg)
     validate_sampling(cfg, stages)
+    if {"bench", "bench_peer"}.intersection(stages) and cfg.get("bench") is not None:   # a decode rate needs 2 tokens
+        _at_least("bench", cfg.bench, (("max_new_tokens", 2, 96), ("repeats", 1, 3)))
     if "bench_forward" in stages:
         validate_bench_forward(cfg)
     if "bench_serve" in stages:

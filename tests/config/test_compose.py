@@ -175,8 +175,10 @@ def test_every_bench_pipeline_refuses_a_bad_prompt_file_at_start_up(pipeline, co
     ("bench_http.repeats=0", "bench_http.repeats=0 must be an integer >= 1; use e.g. bench_http.repeats=3"),
     ("bench_http.max_tokens=1", "bench_http.max_tokens=1 must be an integer >= 2"),
     ("bench_peer.gguf=/nonexistent/k26.gguf", "bench_peer.gguf=/nonexistent/k26.gguf does not exist; export one"),
+    ("bench.max_new_tokens=1", "bench.max_new_tokens=1 must be an integer >= 2; use e.g. bench.max_new_tokens=96"),
+    ("bench.repeats=0", "bench.repeats=0 must be an integer >= 1; use e.g. bench.repeats=3"),
 ])
-def test_serving_bench_options_are_checked_before_the_server_or_the_load_starts(arg, match, tmp_path):
+def test_bench_options_are_checked_before_the_server_or_the_load_starts(arg, match, tmp_path):
     r = _run(f"pipeline={arg.split('.')[0]}", "backend=cpu", arg, tmp_path=tmp_path)
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and match in lines[0], r.stderr
