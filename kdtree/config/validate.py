@@ -193,24 +193,24 @@ def validate_sampling(cfg: DictConfig, stages: Sequence[str]) -> None:
                                   f"greedily unless sampling.temperature is set; add e.g. sampling.temperature=1.0")
 
 
-def read_prompts(path: str, key: str = "bench.prompts") -> list:
-    """The prompt texts of `path` (a JSON file {"prompts": ["...", ...]}); the shipped set when empty."""
-    p = Path(path) if path else DEFAULT_PROMPTS
-    fix = f'write a JSON file {{"prompts": ["def main(", ...]}} (at least one non-empty string) or leave {key} empty'
+def read_prompts(path: str) -> list:
+    """The prompt texts of bench.prompts=`path` (a JSON file {"prompts": ["...", ...]}); the shipped set when empty."""
+    p, where = (Path(path) if path else DEFAULT_PROMPTS), f"bench.prompts={path}"
+    fix = ('write a JSON file {"prompts": ["def main(", ...]} (at least one non-empty string) '
+           'or leave bench.prompts empty')
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
-        raise ConfigError(f"{key}={path}: cannot read it ({e.strerror or e}); {fix}") from None
+        raise ConfigError(f"{where}: cannot read it ({e.strerror or e}); {fix}") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}={path}: not a JSON file ({e}); {fix}") from None
+        raise ConfigError(f"{where}: not a JSON file ({e}); {fix}") from None
     prompts = data.get("prompts") if isinstance(data, dict) else None
     if not isinstance(prompts, list) or not prompts:
-        raise ConfigError(f"{key}={path}: has no \"prompts\" list with a prompt in it "
-                          f"(got {json.dumps(prompts)[:80]}); {fix}")
+        raise ConfigError(f"{where}: has no \"prompts\" list with a prompt in it (got {json.dumps(prompts)[:80]}); "
+                          f"{fix}")
     bad = next((i for i, t in enumerate(prompts) if not isinstance(t, str) or not t), None)
     if bad is not None:
-        raise ConfigError(f"{key}={path}: prompt {bad} is {json.dumps(prompts[bad])[:80]}, not a non-empty string; "
-                          f"{fix}")
+        raise ConfigError(f"{where}: prompt {bad} is {json.dumps(prompts[bad])[:80]}, not a non-empty string; {fix}")
     return list(prompts)
 
 
@@ -261,16 +261,23 @@ def validate_bench_http(cfg: DictConfig) -> None:
     _at_least("bench_http", cfg.bench_http, (("max_tokens", 2, 48), ("repeats", 1, 3)))
 
 
+def peer_gguf(gguf: str) -> Path:
+    """bench_peer.gguf, a GGUF file to reuse: its path, or one ConfigError line (at start-up for a local host, in the
+    stage for a remote one)."""
+    path = Path(gguf).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
+                          f"or leave bench_peer.gguf empty to export the model")
+    return path
+
+
 def validate_bench_peer(cfg: DictConfig) -> None:
     b = cfg.bench_peer
     for key, value in (("threads", b.threads), ("rounds", b.rounds)):
         if not value >= 1:
             raise ConfigError(f"bench_peer.{key}={value} must be >= 1; use e.g. bench_peer.{key}=1")
-    gguf = str(b.get("gguf") or "")
-    if gguf and cfg.get("pipeline") == "bench_peer" and cfg.host.kind == "local" and \
-            not Path(gguf).expanduser().is_file():
-        raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
-                          f"or leave bench_peer.gguf empty to export the model")
+    if b.get("gguf") and cfg.get("pipeline") == "bench_peer" and cfg.host.kind == "local":
+        peer_gguf(str(b.gguf))
     if cfg.get("pipeline") == "bench_peer" or b.get("trees"):
         peer_tree_shapes(cfg)
     if cfg.get("bench") is not None and cfg.bench.get("trees"):

@@ -62,9 +62,7 @@ def _shape(tree_cfg, block_size: int) -> dict:
     return t
 
 
-def load_prompts(path: str) -> list:
-    """The prompt texts of bench.prompts (the shipped set when empty): kdtree.config.validate.read_prompts."""
-    return read_prompts(path)
+load_prompts = read_prompts   # the prompt texts of bench.prompts (the bench stages' and tools' name for it)
 
 
 def _git_commit() -> str:
@@ -312,7 +310,7 @@ def calibrate_policies(engine, prompt_ids, shapes) -> None:
 def run(ctx, conf: BenchConfig) -> dict:
     prompts, max_new_tokens, repeats = conf.prompts, conf.max_new_tokens, conf.repeats
     cfg = ctx.cfg
-    texts = load_prompts(prompts)                  # before the load: a bad prompt file fails in a second
+    texts = load_prompts(prompts)                  # checked at start-up on a local host (kdtree.config.validate)
     state = EngineState.of(ctx)
     if state.engine is None:
         state.engine = Engine.from_config(cfg, status=ctx.status)

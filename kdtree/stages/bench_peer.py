@@ -41,7 +41,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 from omegaconf import OmegaConf
 
-from kdtree.config.validate import peer_tree_shapes
+from kdtree.config.validate import peer_gguf, peer_tree_shapes
 from kdtree.engine import AR_TREE, Engine, EngineState
 from kdtree.errors import ConfigError, PipelineError
 from kdtree.serve.status import make_status  # noqa: F401  (declared: the engine process's status.json)
@@ -254,19 +254,13 @@ def run(ctx, conf: BenchPeerConfig) -> dict:
     if cfg.backend.name == "cuda" or int(cfg.tp.size) != 1:
         raise ConfigError(f"pipeline=bench_peer compares CPU engines at tp=1; got backend={cfg.backend.name} "
                           f"tp={cfg.tp.size}: use backend=cpu (or numpy) tp=1")
-    texts = load_prompts(prompts)                               # before the load, as bench does
+    texts = load_prompts(prompts)           # checked at start-up on a local host; a remote one's before the load
     set_threads = limit_threads(threads)
     state = EngineState.of(ctx)
     if state.engine is None:
         state.engine = Engine.from_config(cfg, status=ctx.status)
     engine = state.engine
-    if gguf:
-        path = Path(gguf).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"bench_peer.gguf={gguf} does not exist; export one with pipeline=export_gguf "
-                              f"or leave bench_peer.gguf empty to export the model")
-    else:
-        path = Path(exported()["path"])
+    path = peer_gguf(gguf) if gguf else Path(exported()["path"])
     dtype = file_dtype(path).upper()
     prompts_ids = [list(map(int, engine.tokenizer.encode(t))) for t in texts]
     longest = max(len(p) for p in prompts_ids)
